@@ -1,0 +1,1 @@
+"""Lua transition scripts, one file each, shipped as package data."""

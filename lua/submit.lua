@@ -1,0 +1,17 @@
+-- submit.lua: record a new program once; submitting an existing id changes nothing.
+-- KEYS[1]  state hash   <prefix>:{<wf>}:state
+-- KEYS[2]  plan string  <prefix>:{<wf>}:plan   (JSON: program, input, owner)
+-- ARGV[1]  plan JSON
+-- ARGV[2]  owner shard
+-- ARGV[3]  program name
+-- returns  {"created"|"exists", status, owner}
+local found = redis.call("HMGET", KEYS[1], "status", "owner")
+if found[1] then
+  return {"exists", found[1], found[2]}
+end
+local t = redis.call("TIME")
+local now = string.format("%d", t[1] * 1000 + math.floor(t[2] / 1000))
+redis.call("SET", KEYS[2], ARGV[1])
+redis.call("HSET", KEYS[1], "status", "pending", "owner", ARGV[2], "cursor", "", "from", "",
+  "name", ARGV[3], "created_ms", now)
+return {"created", "pending", ARGV[2]}

@@ -1,0 +1,136 @@
+"""The transport: RabbitMQ topology, confirmed publishing and consumers, through aio-pika."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aio_pika
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractExchange,
+    AbstractQueueIterator,
+    AbstractRobustConnection,
+)
+
+from orchestrator.keys import Names
+from orchestrator.settings import Settings
+
+log = logging.getLogger(__name__)
+
+POOLS = ("serial", "parallel")
+
+
+class Bus:
+    """One robust connection: a confirming publisher channel and one channel per consumer."""
+
+    def __init__(self, settings: Settings, *, name: str = "shardflow") -> None:
+        self.settings = settings
+        self.names = Names(settings.prefix)
+        self._name = name
+        self._connection: AbstractRobustConnection | None = None
+        self._publisher: AbstractChannel | None = None
+        self._shard_exchange: AbstractExchange | None = None
+
+    async def connect(self) -> None:
+        """Connect and declare the whole topology (idempotent; replayed after a reconnect)."""
+        self._connection = await aio_pika.connect_robust(
+            self.settings.amqp_url, client_properties={"connection_name": self._name}
+        )
+        self._publisher = await self._connection.channel(
+            publisher_confirms=True, on_return_raises=True
+        )
+        self._shard_exchange = await self.declare(self._publisher)
+
+    async def close(self) -> None:
+        if self._connection is not None:
+            await self._connection.close()
+            self._connection = None
+
+    async def declare(self, channel: AbstractChannel) -> AbstractExchange:
+        """Every exchange and queue, with the same arguments wherever it is declared."""
+        names = self.names
+        dead = await channel.declare_exchange(
+            names.dead_exchange, aio_pika.ExchangeType.FANOUT, durable=True
+        )
+        dead_queue = await channel.declare_queue(
+            names.dead_queue, durable=True, arguments=self._queue_arguments(dead_letter=False)
+        )
+        await dead_queue.bind(dead)
+        shards = await channel.declare_exchange(
+            names.orchestrator_exchange, aio_pika.ExchangeType.DIRECT, durable=True
+        )
+        for shard in range(self.settings.shards):
+            queue = await channel.declare_queue(
+                names.shard_queue(shard),
+                durable=True,
+                arguments=self._queue_arguments(single_active=True),
+            )
+            await queue.bind(shards, routing_key=str(shard))
+        for pool in POOLS:
+            await channel.declare_queue(
+                names.task_queue(pool),
+                durable=True,
+                arguments=self._queue_arguments(single_active=pool == "serial"),
+            )
+        return shards
+
+    def _queue_arguments(
+        self, *, single_active: bool = False, dead_letter: bool = True
+    ) -> dict[str, Any]:
+        arguments: dict[str, Any] = {}
+        if single_active:
+            arguments["x-single-active-consumer"] = True
+        if dead_letter:
+            arguments["x-dead-letter-exchange"] = self.names.dead_exchange
+        if self.settings.queue_type == "quorum":
+            arguments["x-queue-type"] = "quorum"
+            if dead_letter:
+                arguments["x-delivery-limit"] = self.settings.delivery_limit
+        return arguments
+
+    @property
+    def _channel(self) -> AbstractChannel:
+        if self._publisher is None:
+            raise RuntimeError("Bus.connect() was not called")
+        return self._publisher
+
+    async def publish_to_shard(self, owner: int, body: bytes) -> None:
+        """Publish to the owner shard's queue and wait for the broker's confirm."""
+        assert self._shard_exchange is not None
+        await self._shard_exchange.publish(_message(body), routing_key=str(owner))
+
+    async def publish_task(self, pool: str, body: bytes) -> None:
+        """Publish to a pool's task queue and wait for the broker's confirm."""
+        await self._channel.default_exchange.publish(
+            _message(body), routing_key=self.names.task_queue(pool)
+        )
+
+    async def publish_all(self, pool: str, bodies: list[bytes]) -> None:
+        """Publish many task messages; confirms are awaited together."""
+        await asyncio.gather(*(self.publish_task(pool, body) for body in bodies))
+
+    async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:
+        """Park an unusable message with the reason in its headers."""
+        log.warning("dead-lettering a message from %s: %s", source, reason)
+        dead = _message(body, headers={"x-shardflow-reason": reason, "x-shardflow-from": source})
+        await self._channel.default_exchange.publish(dead, routing_key=self.names.dead_queue)
+
+    async def consume(self, queue_name: str, prefetch: int) -> AbstractQueueIterator:
+        """A consumer on its own channel, so the prefetch applies to this queue alone."""
+        if self._connection is None:
+            raise RuntimeError("Bus.connect() was not called")
+        channel = await self._connection.channel(publisher_confirms=False)
+        await channel.set_qos(prefetch_count=prefetch)
+        queue = await channel.get_queue(queue_name, ensure=True)
+        return queue.iterator()
+
+
+def _message(body: bytes, headers: dict[str, Any] | None = None) -> aio_pika.Message:
+    return aio_pika.Message(
+        body,
+        content_type="application/json",
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        headers=headers,
+    )

@@ -1,0 +1,273 @@
+"""The `shardflow` command. Signals are handled here and nowhere else."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+import uvloop
+from aiormq.exceptions import AMQPConnectionError
+from pydantic import ValidationError
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from orchestrator.program import ProgramError, parse_input, program_schema
+from orchestrator.settings import Settings
+
+EXIT_FAILED = 1  # the program ended failed or cancelled
+EXIT_USAGE = 2  # bad arguments, program or input
+EXIT_TIMEOUT = 3  # --wait gave up; the program goes on
+EXIT_UNAVAILABLE = 4  # RabbitMQ or Redis could not be reached
+
+
+class CliError(Exception):
+    """A one-line error for the user, and the exit code to leave with."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardflow",
+        description="A sharded workflow orchestrator on RabbitMQ and Redis. Connections, shard "
+        "count and names come from SHARDFLOW_* environment variables (SHARDFLOW_AMQP_URL, "
+        "SHARDFLOW_REDIS_URL, SHARDFLOW_SHARDS, SHARDFLOW_PREFIX, ...).",
+    )
+    parser.add_argument("--log-level", default=os.environ.get("SHARDFLOW_LOG_LEVEL", "INFO"))
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    dev = commands.add_parser(
+        "dev", help="run every shard and both worker pools in one process (until Ctrl-C)"
+    )
+    dev.add_argument("--shards", type=int, help="shard count N (default: SHARDFLOW_SHARDS)")
+    _app_argument(dev)
+    dev.add_argument("--concurrency", type=int, help="parallel pool concurrency")
+
+    orch = commands.add_parser("orchestrator", help="consume some shards' queues")
+    orch.add_argument(
+        "--shards", required=True, type=_shard_list, help="which shards to own, e.g. 0,1"
+    )
+
+    work = commands.add_parser("worker", help="run tasks from one pool")
+    work.add_argument("--pool", choices=("serial", "parallel"), required=True)
+    _app_argument(work, required=True)
+    work.add_argument("--concurrency", type=int, help="tasks at once (parallel pool only)")
+
+    submit = commands.add_parser("submit", help="submit a program; prints its workflow id")
+    submit.add_argument("program", type=Path, help="program JSON file ('-' for stdin)")
+    submit.add_argument("--input", default="null", help="the program's input, as JSON")
+    submit.add_argument("--id", help="workflow id (default: a new random id)")
+    submit.add_argument(
+        "--wait", action="store_true", help="wait for the end; print the result JSON"
+    )
+    submit.add_argument("--timeout", type=float, help="with --wait: give up after S seconds")
+    submit.add_argument(
+        "--app",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="check task names against the @task()s of MODULE (repeatable)",
+    )
+
+    status = commands.add_parser("status", help="print a program's status as JSON")
+    status.add_argument("id")
+
+    commands.add_parser("schema", help="print the program format's JSON Schema")
+    return parser
+
+
+def _app_argument(parser: argparse.ArgumentParser, required: bool = False) -> None:
+    parser.add_argument(
+        "--app",
+        action="append",
+        default=[],
+        required=required,
+        metavar="MODULE",
+        help="import MODULE and use its @task() handlers (repeatable)",
+    )
+
+
+def _shard_list(text: str) -> list[int]:
+    try:
+        shards = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of numbers") from None
+    if not shards:
+        raise argparse.ArgumentTypeError("name at least one shard")
+    return shards
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    """Entry point of the `shardflow` console script."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        settings = Settings()
+        if getattr(args, "shards", None) is not None and args.command == "dev":
+            settings = settings.model_copy(update={"shards": args.shards})
+        code = uvloop.run(_COMMANDS[args.command](settings, args))
+    except ValidationError as exc:
+        code = _fail(f"settings: {_settings_fault(exc)}", EXIT_USAGE)
+    except CliError as exc:
+        code = _fail(str(exc), exc.code)
+    except ProgramError as exc:
+        code = _fail(str(exc), EXIT_USAGE)
+    except (OSError, RedisConnectionError, AMQPConnectionError) as exc:
+        code = _fail(f"cannot connect: {exc}", EXIT_UNAVAILABLE)
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"shardflow: {message}", file=sys.stderr)
+    return code
+
+
+def _settings_fault(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    name = "SHARDFLOW_" + "_".join(str(part) for part in first["loc"]).upper()
+    return f"{name}: {first['msg']}"
+
+
+async def _serve(make: Callable[..., Any], settings: Settings, name: str) -> int:
+    """Build a service on fresh connections and run it until SIGINT/SIGTERM."""
+    from orchestrator.runtime import connected
+
+    async with connected(settings, name) as (store, bus):
+        service = make(store, bus)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, service.shutdown)
+        await service.run()
+    return 0
+
+
+def _registry(modules: list[str]) -> Any:
+    from worker.registry import Registry
+
+    sys.path.insert(0, os.getcwd())
+    try:
+        return Registry.from_modules(modules)
+    except ImportError as exc:
+        raise CliError(f"--app: {exc}") from None
+
+
+async def _dev(settings: Settings, args: argparse.Namespace) -> int:
+    from orchestrator.dev import Dev
+
+    registry = _registry(args.app)
+    return await _serve(
+        lambda store, bus: Dev(
+            settings, registry, store=store, bus=bus, concurrency=args.concurrency
+        ),
+        settings,
+        "shardflow-dev",
+    )
+
+
+async def _orchestrator(settings: Settings, args: argparse.Namespace) -> int:
+    from orchestrator.service import Orchestrator
+
+    try:
+        Orchestrator.check_shards(settings, args.shards)
+    except ValueError as exc:
+        raise CliError(f"--shards: {exc}") from None
+    return await _serve(
+        lambda store, bus: Orchestrator(settings, args.shards, store=store, bus=bus),
+        settings,
+        f"shardflow-orchestrator-{','.join(map(str, args.shards))}",
+    )
+
+
+async def _worker(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.pool import Worker
+
+    registry = _registry(args.app)
+    return await _serve(
+        lambda store, bus: Worker(
+            settings,
+            registry,
+            pool=args.pool,
+            store=store,
+            bus=bus,
+            concurrency=args.concurrency,
+        ),
+        settings,
+        f"shardflow-worker-{args.pool}",
+    )
+
+
+async def _submit(settings: Settings, args: argparse.Namespace) -> int:
+    from orchestrator.runtime import connected
+    from router.client import Router
+
+    text = _read_program(args.program)
+    payload = parse_input(args.input, max_bytes=settings.max_program_bytes)
+    known = _registry(args.app).names() if args.app else None
+    async with connected(settings, "shardflow-submit") as (store, bus):
+        router = Router(settings, store=store, bus=bus, known_tasks=known)
+        submitted = await router.submit(text, payload, args.id)
+        if not args.wait:
+            print(submitted.workflow_id)
+            return 0
+        print(submitted.workflow_id, file=sys.stderr)
+        try:
+            status = await router.wait(submitted.workflow_id, args.timeout)
+        except TimeoutError as exc:
+            raise CliError(str(exc), EXIT_TIMEOUT) from None
+    if status["status"] == "completed":
+        print(json.dumps(status["result"]))
+        return 0
+    raise CliError(f"program {status['status']}: {status['error']}", EXIT_FAILED)
+
+
+def _read_program(path: Path) -> str:
+    try:
+        return sys.stdin.read() if str(path) == "-" else path.read_text()
+    except OSError as exc:
+        raise CliError(f"{path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise CliError(f"{path}: not UTF-8 text") from None
+
+
+async def _status(settings: Settings, args: argparse.Namespace) -> int:
+    from orchestrator.store import Store
+    from router.client import Router
+
+    store = Store.connect(settings)
+    try:
+        router = Router(settings, store=store)
+        status = await router.status(args.id)
+    finally:
+        await store.close()
+    if status is None:
+        raise CliError(f"no program {args.id!r}", EXIT_FAILED)
+    print(json.dumps(status, indent=2))
+    return 0
+
+
+async def _schema(settings: Settings, args: argparse.Namespace) -> int:
+    print(json.dumps(program_schema(), indent=2))
+    return 0
+
+
+_COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Awaitable[int]]] = {
+    "dev": _dev,
+    "orchestrator": _orchestrator,
+    "worker": _worker,
+    "submit": _submit,
+    "status": _status,
+    "schema": _schema,
+}

@@ -1,0 +1,71 @@
+"""Names in Redis and RabbitMQ, all derived from one prefix.
+
+Every Redis key of a program carries the hash tag `{<workflow_id>}`, so a program's keys share
+one Redis Cluster slot and every Lua script stays cluster-safe.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+WORKFLOW_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+
+
+def check_workflow_id(workflow_id: str) -> str:
+    """Return the id, or raise ValueError saying what an id may hold."""
+    if not WORKFLOW_ID.match(workflow_id):
+        raise ValueError(
+            f"workflow id {workflow_id!r}: use 1-128 of A-Z a-z 0-9 . _ : @ -, "
+            "starting with a letter or digit"
+        )
+    return workflow_id
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Redis key names for one prefix."""
+
+    prefix: str
+
+    def state(self, wf: str) -> str:
+        return f"{self.prefix}:{{{wf}}}:state"
+
+    def plan(self, wf: str) -> str:
+        return f"{self.prefix}:{{{wf}}}:plan"
+
+    def output(self, wf: str, path: str, index: int | None = None) -> str:
+        member = "" if index is None else f"/bag:{index}"
+        return f"{self.prefix}:{{{wf}}}:out:{path}{member}"
+
+    def barrier(self, wf: str, path: str) -> str:
+        return f"{self.prefix}:{{{wf}}}:bar:{path}"
+
+    def pattern(self, wf: str) -> str:
+        """Every key of one program, for SCAN."""
+        return f"{self.prefix}:{{{wf}}}:*"
+
+
+@dataclass(frozen=True, slots=True)
+class Names:
+    """RabbitMQ exchange and queue names for one prefix."""
+
+    prefix: str
+
+    @property
+    def orchestrator_exchange(self) -> str:
+        return f"{self.prefix}.orchestrator"
+
+    def shard_queue(self, shard: int) -> str:
+        return f"{self.prefix}.orchestrator.{shard}"
+
+    def task_queue(self, pool: str) -> str:
+        return f"{self.prefix}.tasks.{pool}"
+
+    @property
+    def dead_exchange(self) -> str:
+        return f"{self.prefix}.dead"
+
+    @property
+    def dead_queue(self) -> str:
+        return f"{self.prefix}.dead"

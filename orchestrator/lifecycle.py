@@ -1,0 +1,76 @@
+"""The shared lifecycle of long-running parts: `run()` until `shutdown()`, then a two-phase stop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from aio_pika.abc import AbstractQueueIterator
+
+log = logging.getLogger(__name__)
+
+
+class Service:
+    """Consumer loops that stop taking work on shutdown, get a grace period, then are cancelled.
+
+    Subclasses implement `_start()`, returning the loops to run; each loop registers its queue
+    iterator with `_track()` so shutdown can cancel the consumer first.
+    """
+
+    name = "service"
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self._stop = asyncio.Event()
+        self._iterators: list[AbstractQueueIterator] = []
+        self._in_flight: set[asyncio.Task[Any]] = set()
+
+    async def _start(self) -> list[Coroutine[Any, Any, None]]:
+        raise NotImplementedError
+
+    def _track(self, iterator: AbstractQueueIterator) -> AbstractQueueIterator:
+        self._iterators.append(iterator)
+        return iterator
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        """Run one message's work beside the loop; held until done, awaited on stop."""
+        task = asyncio.create_task(coroutine)
+        self._in_flight.add(task)
+        task.add_done_callback(self._in_flight.discard)
+
+    def shutdown(self) -> None:
+        """Ask `run()` to stop; safe to call twice or before `run()`."""
+        self._stop.set()
+
+    async def run(self) -> None:
+        """Consume until `shutdown()` or a loop dies; return only after a complete stop."""
+        loops = [asyncio.create_task(loop) for loop in await self._start()]
+        stop = asyncio.create_task(self._stop.wait())
+        try:
+            await asyncio.wait([*loops, stop], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            log.info("%s: stopping: no new work", self.name)
+            for iterator in self._iterators:
+                with contextlib.suppress(Exception):
+                    await iterator.close()
+            pending = [*loops, *self._in_flight]
+            if pending:
+                _, late = await asyncio.wait(pending, timeout=self.grace_s)
+                if late:
+                    log.warning(
+                        "%s: %d still busy after %.1fs; cancelling",
+                        self.name,
+                        len(late),
+                        self.grace_s,
+                    )
+                    for task in late:
+                        task.cancel()
+                    await asyncio.gather(*late, return_exceptions=True)
+            stop.cancel()
+            log.info("%s: stopped", self.name)
+        for loop in loops:
+            if loop.done() and not loop.cancelled() and loop.exception() is not None:
+                raise loop.exception()  # type: ignore[misc]

@@ -1,0 +1,136 @@
+"""The pure state machine: given a program and the step that just finished, what comes next.
+
+A program always has exactly one active *leaf* (a task or a bag); its step path is the
+program's cursor, e.g. `2` or `3/iter:4/1` inside an untiloop body. Nothing here does I/O,
+so the same functions drive the orchestrator and the property tests' model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.conditions import ConditionError, evaluate
+from orchestrator.program import Bag, Program, Task, Untiloop
+
+Step = Task | Bag | Untiloop
+
+
+class PathError(ValueError):
+    """A step path that does not name a leaf of the program."""
+
+
+@dataclass(frozen=True, slots=True)
+class Leaf:
+    """Run this step next, with `prev` as its input from the step before."""
+
+    path: str
+    step: Task | Bag
+    prev: Any
+    iteration: int
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """The program completed; its result is the last step's output."""
+
+    result: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The program cannot go on (an untiloop ran out of iterations, a condition broke)."""
+
+    error: str
+
+
+Outcome = Leaf | Done | Failed
+
+
+def first(program: Program) -> Outcome:
+    """The first leaf of a program."""
+    return _descend(program.steps, 0, prefix="", prev=None, iteration=0)
+
+
+def after(program: Program, path: str, output: Any, input: Any) -> Outcome:
+    """What follows once the leaf at `path` finished with `output`."""
+    return _after(program.steps, _split(path), output, input, prefix="", iteration=0)
+
+
+def leaf_at(program: Program, path: str) -> Task | Bag:
+    """The task or bag a cursor points at; PathError when the path is not a leaf of the program."""
+    steps: list[Step] = program.steps
+    parts = _split(path)
+    while True:
+        index, parts = _index(parts, len(steps), path)
+        step = steps[index]
+        if not parts:
+            if isinstance(step, Untiloop):
+                raise PathError(f"{path}: an untiloop, not a leaf")
+            return step
+        if not isinstance(step, Untiloop) or not parts[0].startswith("iter:"):
+            raise PathError(f"{path}: no such step")
+        steps, parts = step.steps, parts[1:]
+
+
+def _after(
+    steps: list[Step], parts: list[str], output: Any, input: Any, *, prefix: str, iteration: int
+) -> Outcome:
+    index, rest = _index(parts, len(steps), "/".join(parts))
+    step = steps[index]
+    here = f"{prefix}{index}"
+    if isinstance(step, Untiloop):
+        if not rest or not rest[0].startswith("iter:"):
+            raise PathError(f"{here}: an untiloop path needs iter:N")
+        loop_iteration = int(rest[0].removeprefix("iter:"))
+        inner = _after(
+            step.steps,
+            rest[1:],
+            output,
+            input,
+            prefix=f"{here}/iter:{loop_iteration}/",
+            iteration=loop_iteration,
+        )
+        if not isinstance(inner, Done):
+            return inner
+        output = inner.result
+        try:
+            met = evaluate(step.until, input=input, prev=output, iteration=loop_iteration)
+        except ConditionError as exc:
+            return Failed(f"step {here}: until {step.until!r}: {exc}")
+        if not met:
+            if loop_iteration + 1 >= step.max_iterations:
+                return Failed(
+                    f"step {here}: until {step.until!r} not met after "
+                    f"max_iterations={step.max_iterations}"
+                )
+            return _descend(
+                step.steps,
+                0,
+                prefix=f"{here}/iter:{loop_iteration + 1}/",
+                prev=output,
+                iteration=loop_iteration + 1,
+            )
+    elif rest:
+        raise PathError(f"{here}: a {type(step).__name__.lower()} has no inner steps")
+    if index + 1 < len(steps):
+        return _descend(steps, index + 1, prefix=prefix, prev=output, iteration=iteration)
+    return Done(output)
+
+
+def _descend(steps: list[Step], index: int, *, prefix: str, prev: Any, iteration: int) -> Outcome:
+    step = steps[index]
+    path = f"{prefix}{index}"
+    if isinstance(step, Untiloop):
+        return _descend(step.steps, 0, prefix=f"{path}/iter:0/", prev=prev, iteration=0)
+    return Leaf(path=path, step=step, prev=prev, iteration=iteration)
+
+
+def _split(path: str) -> list[str]:
+    return path.split("/") if path else []
+
+
+def _index(parts: list[str], count: int, path: str) -> tuple[int, list[str]]:
+    if not parts or not parts[0].isdigit() or int(parts[0]) >= count:
+        raise PathError(f"{path!r}: no such step")
+    return int(parts[0]), parts[1:]

@@ -1,0 +1,99 @@
+"""The wire format: JSON bodies of the messages between router, orchestrators and workers."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from orchestrator.keys import WORKFLOW_ID
+
+WorkflowId = Annotated[str, Field(pattern=WORKFLOW_ID.pattern)]
+Path = Annotated[str, Field(pattern=r"^\d+(/(iter:\d+/)?\d+)*$", max_length=1000)]
+
+
+class MessageError(ValueError):
+    """A message that cannot be decoded; it goes to the dead-letter queue with this reason."""
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Start(_Message):
+    """Router to owner shard: run this (already recorded) program from its first step."""
+
+    kind: Literal["start"] = "start"
+    wf: WorkflowId
+
+
+class Next(_Message):
+    """Worker to owner shard: the leaf at `path` is done; `output` is a value, or a bag's list."""
+
+    kind: Literal["next"] = "next"
+    wf: WorkflowId
+    path: Path
+    output: Any = None
+
+
+class Failed(_Message):
+    """Worker to owner shard: one attempt of a task (bag member `index`) failed."""
+
+    kind: Literal["failed"] = "failed"
+    wf: WorkflowId
+    path: Path
+    index: int | None = None
+    attempt: int = Field(default=0, ge=0)
+    task: str = ""
+    error: str
+
+
+ShardMessage = Annotated[Start | Next | Failed, Field(discriminator="kind")]
+
+
+class TaskMessage(_Message):
+    """Owner shard to a pool: run one task; report back to `owner`."""
+
+    wf: WorkflowId
+    path: Path
+    index: int | None = None
+    size: int = Field(default=1, ge=1)
+    task: str
+    args: dict[str, Any] = Field(default_factory=dict)
+    input: Any = None
+    prev: Any = None
+    iteration: int = 0
+    attempt: int = Field(default=0, ge=0)
+    owner: int = Field(ge=0)
+    timeout_s: float | None = None
+
+
+_SHARD = TypeAdapter(ShardMessage)
+_TASK = TypeAdapter(TaskMessage)
+
+
+def decode_shard_message(body: bytes) -> Start | Next | Failed:
+    """Parse a shard queue message, or raise MessageError naming the fault."""
+    try:
+        return _SHARD.validate_json(body)
+    except ValidationError as exc:
+        raise MessageError(_reason(exc)) from None
+
+
+def decode_task(body: bytes) -> TaskMessage:
+    """Parse a task message, or raise MessageError naming the fault."""
+    try:
+        return _TASK.validate_json(body)
+    except ValidationError as exc:
+        raise MessageError(_reason(exc)) from None
+
+
+def encode(message: _Message) -> bytes:
+    return message.model_dump_json().encode()
+
+
+def _reason(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or "message"
+    more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+    return f"{where}: {first['msg']}{more}"

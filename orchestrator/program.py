@@ -1,0 +1,188 @@
+"""The program format (user-facing contract): tasks, bags and untiloops, validated with pydantic."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+)
+
+from orchestrator.conditions import ConditionError, compile_condition
+
+TASK_NAME = r"^[A-Za-z_][A-Za-z0-9_.:-]{0,127}$"
+MAX_BAG = 1000
+
+
+class ProgramError(ValueError):
+    """An invalid program or input; `str()` is one line per fault, each naming its path."""
+
+    def __init__(self, faults: list[str]) -> None:
+        self.faults = faults
+        super().__init__("; ".join(faults))
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Retry(_Model):
+    """How often a failing task is tried, and how long to wait between tries."""
+
+    max_attempts: int = Field(default=3, ge=1, le=100)
+    backoff_s: float = Field(default=1.0, ge=0, le=86400)
+    factor: float = Field(default=2.0, ge=1, le=10)
+    max_backoff_s: float = Field(default=300.0, ge=0, le=86400)
+
+    def delay_s(self, attempt: int) -> float:
+        """The wait before attempt `attempt + 1`, after attempt `attempt` (from 0) failed."""
+        return min(self.backoff_s * self.factor**attempt, self.max_backoff_s)
+
+
+class Member(_Model):
+    """One task of a bag; bag members always run on the parallel pool."""
+
+    task: str = Field(pattern=TASK_NAME)
+    args: dict[str, Any] = Field(default_factory=dict)
+    retry: Retry | None = None
+    timeout_s: float | None = Field(default=None, gt=0, le=86400)
+
+
+class Task(Member):
+    """A single task: the next step starts only after it finished."""
+
+    pool: Literal["serial", "parallel"] = "serial"
+
+
+class Bag(_Model):
+    """Tasks run in parallel; a join barrier holds the program until all finished."""
+
+    bag: list[Member] = Field(min_length=1, max_length=MAX_BAG)
+
+
+class Untiloop(_Model):
+    """A body of steps repeated until `until` holds over its last output."""
+
+    until: str = Field(min_length=1)
+    max_iterations: int = Field(ge=1, le=100_000)
+    steps: list[Step] = Field(min_length=1)
+
+    @field_validator("until")
+    @classmethod
+    def _until_compiles(cls, value: str) -> str:
+        try:
+            compile_condition(value)
+        except ConditionError as exc:
+            raise ValueError(f"invalid CEL: {exc}") from None
+        return value
+
+
+def _step_kind(value: Any) -> str | None:
+    if isinstance(value, BaseModel):
+        return type(value).__name__
+    if not isinstance(value, dict):
+        return None
+    kinds = [kind for key, kind in _KINDS.items() if key in value]
+    return kinds[0] if len(kinds) == 1 else None
+
+
+_KINDS = {"task": "Task", "bag": "Bag", "until": "Untiloop"}
+
+Step = Annotated[
+    Annotated[Task, Tag("Task")]
+    | Annotated[Bag, Tag("Bag")]
+    | Annotated[Untiloop, Tag("Untiloop")],
+    Discriminator(
+        _step_kind,
+        custom_error_type="step_kind",
+        custom_error_message="a step needs exactly one of 'task', 'bag' or 'until'",
+    ),
+]
+Untiloop.model_rebuild()
+
+
+class Program(_Model):
+    """A program: a name and a non-empty list of steps."""
+
+    name: str = Field(default="", max_length=200)
+    steps: list[Step] = Field(min_length=1)
+
+    def task_names(self) -> set[str]:
+        """Every task name the program may run."""
+        return _names(self.steps)
+
+
+def _names(steps: list[Task | Bag | Untiloop]) -> set[str]:
+    names: set[str] = set()
+    for step in steps:
+        if isinstance(step, Task):
+            names.add(step.task)
+        elif isinstance(step, Bag):
+            names.update(member.task for member in step.bag)
+        else:
+            names |= _names(step.steps)
+    return names
+
+
+_PROGRAM = TypeAdapter(Program)
+
+
+def parse_program(
+    source: str | bytes | dict[str, Any],
+    *,
+    max_bytes: int = 256 * 1024,
+    known_tasks: set[str] | None = None,
+) -> Program:
+    """Validate a program from JSON text or a dict; raise ProgramError naming each fault's path."""
+    if isinstance(source, str | bytes):
+        size = len(source.encode() if isinstance(source, str) else source)
+        if size > max_bytes:
+            raise ProgramError([f"program: {size} bytes, more than the limit of {max_bytes}"])
+        try:
+            source = json.loads(source)
+        except json.JSONDecodeError as exc:
+            raise ProgramError([f"program: not JSON: {exc}"]) from None
+    elif len(json.dumps(source)) > max_bytes:
+        raise ProgramError([f"program: more than the limit of {max_bytes} bytes"])
+    try:
+        program = _PROGRAM.validate_python(source)
+    except ValidationError as exc:
+        raise ProgramError([_fault(err) for err in exc.errors()]) from None
+    if known_tasks is not None:
+        unknown = sorted(program.task_names() - known_tasks)
+        if unknown:
+            raise ProgramError([f"steps: unknown task {', '.join(map(repr, unknown))}"])
+    return program
+
+
+def parse_input(text: str, *, max_bytes: int = 256 * 1024) -> Any:
+    """Parse a program's input (any JSON value)."""
+    if len(text.encode()) > max_bytes:
+        raise ProgramError([f"input: more than the limit of {max_bytes} bytes"])
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ProgramError([f"input: not JSON: {exc}"]) from None
+
+
+def _fault(error: Any) -> str:
+    path = ""
+    for part in error["loc"]:
+        if part in ("Task", "Bag", "Untiloop"):
+            continue  # union tags, not part of the user's document
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{path or 'program'}: {message}"
+
+
+def program_schema() -> dict[str, Any]:
+    """The JSON Schema of the program format."""
+    return _PROGRAM.json_schema()

@@ -1,0 +1,71 @@
+"""The orchestrator process: consumes its shard queues, one message at a time per shard."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from aio_pika.abc import AbstractIncomingMessage
+
+from orchestrator.bus import Bus
+from orchestrator.lifecycle import Service
+from orchestrator.machine import PathError
+from orchestrator.messages import MessageError, decode_shard_message
+from orchestrator.program import ProgramError
+from orchestrator.settings import Settings
+from orchestrator.store import Store
+from orchestrator.transitions import Plans, Transitions
+
+log = logging.getLogger(__name__)
+
+RETRY_PAUSE_S = 0.5
+
+
+class Orchestrator(Service):
+    """Owns the ordering of the programs on `shards`; any replica may take a shard over."""
+
+    name = "orchestrator"
+
+    def __init__(self, settings: Settings, shards: Sequence[int], *, store: Store, bus: Bus):
+        super().__init__(settings.grace_s)
+        self.check_shards(settings, shards)
+        self.settings = settings
+        self.shards = list(shards)
+        self.bus = bus
+        self.transitions = Transitions(store, bus, Plans(store, settings.plan_cache_size))
+
+    @staticmethod
+    def check_shards(settings: Settings, shards: Sequence[int]) -> None:
+        """Raise ValueError unless every shard is in the ring of `settings.shards`."""
+        bad = [shard for shard in shards if not 0 <= shard < settings.shards]
+        if bad or not shards:
+            raise ValueError(
+                f"{list(shards)}: each shard must be in 0..{settings.shards - 1} "
+                f"(SHARDFLOW_SHARDS={settings.shards})"
+            )
+
+    async def _start(self) -> list[Coroutine[Any, Any, None]]:
+        return [self._consume(shard) for shard in self.shards]
+
+    async def _consume(self, shard: int) -> None:
+        queue = self.bus.names.shard_queue(shard)
+        iterator = self._track(await self.bus.consume(queue, self.settings.prefetch))
+        log.info("orchestrator: consuming %s", queue)
+        async for message in iterator:
+            await self._handle(message, queue)
+
+    async def _handle(self, message: AbstractIncomingMessage, queue: str) -> None:
+        try:
+            decoded = decode_shard_message(message.body)
+            await self.transitions.apply(decoded, redelivered=bool(message.redelivered))
+        except (MessageError, ProgramError, PathError) as exc:
+            # Poison: retrying cannot help. Park it with the reason and go on.
+            await self.bus.dead_letter(message.body, reason=str(exc), source=queue)
+        except Exception:
+            log.exception("%s: transition failed; message requeued", queue)
+            await message.nack(requeue=True)
+            await asyncio.sleep(RETRY_PAUSE_S)
+            return
+        await message.ack()

@@ -1,0 +1,41 @@
+"""The one settings object, read from `SHARDFLOW_*` environment variables at the entrypoint."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_PREFIX = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+
+
+class Settings(BaseSettings):
+    """Everything a shardflow process needs to know; built once and passed down."""
+
+    model_config = SettingsConfigDict(env_prefix="SHARDFLOW_", extra="ignore")
+
+    amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_cluster: bool = False
+    shards: int = Field(default=4, ge=1, le=1024)
+    prefix: str = "sf"
+    queue_type: Literal["classic", "quorum"] = "classic"
+    # Quorum queues requeue to the back without one; dead-letter after this many deliveries.
+    delivery_limit: int = Field(default=20, ge=1)
+    prefetch: int = Field(default=1, ge=1, le=1000)
+    serial_concurrency: Literal[1] = 1
+    parallel_concurrency: int = Field(default=16, ge=1, le=1000)
+    max_program_bytes: int = Field(default=256 * 1024, ge=1024)
+    max_output_bytes: int = Field(default=1024 * 1024, ge=64)
+    plan_cache_size: int = Field(default=1024, ge=1)
+    grace_s: float = Field(default=10.0, ge=0)
+    wait_poll_s: float = Field(default=0.05, gt=0)
+
+    @field_validator("prefix")
+    @classmethod
+    def _prefix_is_a_name(cls, value: str) -> str:
+        if not _PREFIX.match(value):
+            raise ValueError("must be 1-32 of a-z, 0-9, '_' or '-', starting with a letter")
+        return value

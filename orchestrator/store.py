@@ -1,0 +1,116 @@
+"""Program state in Redis: one typed wrapper per Lua transition, plus plain reads."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Literal
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.commands.core import AsyncScript
+
+from orchestrator.keys import Keys
+from orchestrator.settings import Settings
+
+TERMINAL = frozenset({"completed", "failed", "cancelled"})
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What a transition script decided, and the program's status and cursor after it."""
+
+    verdict: str
+    status: str
+    cursor: str
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """What submit found: whether it created the program, its status and owner shard."""
+
+    created: bool
+    status: str
+    owner: int
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A task's completion as recorded: `fire` carries every output (JSON texts) of the step."""
+
+    verdict: Literal["fire", "wait", "stale"]
+    outputs: list[str]
+
+
+def _script(client: Redis | RedisCluster, name: str) -> AsyncScript:
+    source = resources.files("lua").joinpath(f"{name}.lua").read_text()
+    return client.register_script(source)  # type: ignore[return-value]
+
+
+class Store:
+    """Redis state of programs. The client is owned by the caller of `connect`."""
+
+    def __init__(self, client: Redis | RedisCluster, keys: Keys) -> None:
+        self.client = client
+        self.keys = keys
+        self._submit = _script(client, "submit")
+        self._advance = _script(client, "advance")
+        self._complete = _script(client, "complete")
+
+    @classmethod
+    def connect(cls, settings: Settings) -> Store:
+        """A store on a new client; no I/O happens until the first call."""
+        client: Redis | RedisCluster
+        if settings.redis_cluster:
+            client = RedisCluster.from_url(settings.redis_url, decode_responses=True)
+        else:
+            client = Redis.from_url(settings.redis_url, decode_responses=True)
+        return cls(client, Keys(settings.prefix))
+
+    async def load_scripts(self) -> None:
+        """SCRIPT LOAD every transition up front; calls still reload on NOSCRIPT."""
+        for script in (self._submit, self._advance, self._complete):
+            await self.client.script_load(script.script)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def submit(self, wf: str, plan: str, owner: int, name: str) -> Recorded:
+        """Record a new program once, or report the one that exists."""
+        keys = self.keys
+        verdict, status, found_owner = await self._submit(
+            keys=[keys.state(wf), keys.plan(wf)], args=[plan, owner, name]
+        )
+        return Recorded(verdict == "created", status, int(found_owner))
+
+    async def advance(
+        self, wf: str, expected: str, cursor: str, status: str, field: str = "", payload: str = ""
+    ) -> Verdict:
+        """Compare-and-advance the cursor (see lua/advance.lua)."""
+        verdict, now_status, now_cursor = await self._advance(
+            keys=[self.keys.state(wf)], args=[expected, cursor, status, field, payload]
+        )
+        return Verdict(verdict, now_status, now_cursor)
+
+    async def complete(
+        self, wf: str, path: str, index: int | None, size: int, output: str
+    ) -> Completion:
+        """Record one output; for a bag of `size`, also its place in the barrier."""
+        keys = self.keys
+        if index is None:
+            script_keys = [keys.state(wf), keys.output(wf, path)]
+        else:
+            members = [keys.output(wf, path, i) for i in range(size)]
+            script_keys = [keys.state(wf), members[index], keys.barrier(wf, path), *members]
+        reply = await self._complete(keys=script_keys, args=[path, index or 0, output])
+        return Completion(reply[0], list(reply[1:]) if reply[0] == "fire" else [])
+
+    async def plan(self, wf: str) -> dict[str, Any] | None:
+        """The recorded program, input and owner."""
+        text = await self.client.get(self.keys.plan(wf))
+        return None if text is None else json.loads(text)
+
+    async def state(self, wf: str) -> dict[str, str]:
+        """The program's state hash (empty when there is no such program)."""
+        return await self.client.hgetall(self.keys.state(wf))  # type: ignore[no-any-return]

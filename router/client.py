@@ -1,0 +1,129 @@
+"""The router: validates and records programs, picks their owner shard, and answers status."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.bus import Bus
+from orchestrator.keys import check_workflow_id
+from orchestrator.messages import Start, encode
+from orchestrator.program import Program, ProgramError, parse_program
+from orchestrator.settings import Settings
+from orchestrator.store import TERMINAL, Store
+from router.hashing import shard_for
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """The program's id, its owner shard, and whether this call created it."""
+
+    workflow_id: str
+    shard: int
+    created: bool
+    status: str
+
+
+class Router:
+    """Submit programs and read their status; uses a store and a bus owned by the caller.
+
+    Without a bus the router can only read (status, wait).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        store: Store,
+        bus: Bus | None = None,
+        known_tasks: set[str] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.bus = bus
+        self.known_tasks = known_tasks
+
+    def validate(self, program: Program | str | bytes | dict[str, Any]) -> Program:
+        """The program, validated; raises ProgramError naming each fault's path."""
+        if isinstance(program, Program):
+            return program
+        return parse_program(
+            program, max_bytes=self.settings.max_program_bytes, known_tasks=self.known_tasks
+        )
+
+    async def submit(
+        self,
+        program: Program | str | bytes | dict[str, Any],
+        input: Any = None,
+        workflow_id: str | None = None,
+    ) -> Submitted:
+        """Record and start a program; an id that exists is returned as it is, never rerun."""
+        if self.bus is None:
+            raise RuntimeError("Router needs a bus to submit")
+        checked = self.validate(program)
+        try:
+            wf = check_workflow_id(workflow_id) if workflow_id is not None else uuid.uuid4().hex
+        except ValueError as exc:
+            raise ProgramError([f"id: {exc}"]) from None
+        owner = shard_for(wf, self.settings.shards)
+        try:
+            plan = json.dumps(
+                {
+                    "program": checked.model_dump(mode="json", exclude_defaults=True),
+                    "input": input,
+                    "owner": owner,
+                }
+            )
+        except (TypeError, ValueError) as exc:
+            raise ProgramError([f"input: not JSON: {exc}"]) from None
+        if len(plan) > 2 * self.settings.max_program_bytes:
+            raise ProgramError([f"input: {len(plan)} bytes with the program, over the limit"])
+        found = await self.store.submit(wf, plan, owner, checked.name)
+        # A still-pending program may have missed its start (a crash right after recording):
+        # starting it again is harmless, the first transition is compare-and-advance.
+        if found.status == "pending":
+            await self.bus.publish_to_shard(found.owner, encode(Start(wf=wf)))
+        return Submitted(wf, found.owner, found.created, found.status)
+
+    async def status(self, workflow_id: str) -> dict[str, Any] | None:
+        """The program's status as JSON-ready data, or None when there is no such program."""
+        state = await self.store.state(workflow_id)
+        if not state:
+            return None
+        return {
+            "workflow_id": workflow_id,
+            "name": state.get("name", ""),
+            "status": state["status"],
+            "owner": int(state["owner"]),
+            "cursor": state.get("cursor") or None,
+            "created_ms": _int(state.get("created_ms")),
+            "started_ms": _int(state.get("started_ms")),
+            "ended_ms": _int(state.get("ended_ms")),
+            "result": json.loads(state["result"]) if "result" in state else None,
+            "error": state.get("error"),
+        }
+
+    async def wait(self, workflow_id: str, timeout_s: float | None = None) -> dict[str, Any]:
+        """Poll until the program ends; TimeoutError after `timeout_s` seconds."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pause = self.settings.wait_poll_s
+        while True:
+            status = await self.status(workflow_id)
+            if status is None:
+                raise LookupError(f"no program {workflow_id!r}")
+            if status["status"] in TERMINAL:
+                return status
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"program {workflow_id} still {status['status']} after {timeout_s}s"
+                )
+            await asyncio.sleep(pause)
+            pause = min(pause * 1.5, 1.0)
+
+
+def _int(value: str | None) -> int | None:
+    return None if value is None else int(value)

@@ -1,0 +1,139 @@
+"""A worker: consumes one pool's task queue, runs handlers, records outputs, reports back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import Counter
+from collections.abc import Coroutine
+from typing import Any, Literal
+
+from aio_pika.abc import AbstractIncomingMessage
+
+from orchestrator.bus import Bus
+from orchestrator.lifecycle import Service
+from orchestrator.messages import Failed, MessageError, Next, TaskMessage, decode_task, encode
+from orchestrator.settings import Settings
+from orchestrator.store import Store
+from worker.context import TaskContext
+from worker.registry import Registry, UnknownTask
+
+log = logging.getLogger(__name__)
+
+RETRY_PAUSE_S = 0.5
+Pool = Literal["serial", "parallel"]
+
+
+class Worker(Service):
+    """Runs up to `concurrency` tasks at once from one pool (the serial pool: exactly one)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        *,
+        pool: Pool,
+        store: Store,
+        bus: Bus,
+        concurrency: int | None = None,
+    ) -> None:
+        super().__init__(settings.grace_s)
+        if pool == "serial":
+            concurrency = 1  # one lane for the whole cluster
+        self.name = f"worker[{pool}]"
+        self.settings = settings
+        self.registry = registry
+        self.pool = pool
+        self.concurrency = concurrency or settings.parallel_concurrency
+        self.store = store
+        self.bus = bus
+        self.counts: Counter[str] = Counter()
+
+    async def _start(self) -> list[Coroutine[Any, Any, None]]:
+        return [self._consume()]
+
+    async def _consume(self) -> None:
+        queue = self.bus.names.task_queue(self.pool)
+        iterator = self._track(await self.bus.consume(queue, self.concurrency))
+        log.info("%s: consuming %s with concurrency %d", self.name, queue, self.concurrency)
+        async for message in iterator:
+            # The prefetch bounds how many of these run at once.
+            self._spawn(self._handle(message, queue))
+
+    async def _handle(self, message: AbstractIncomingMessage, queue: str) -> None:
+        try:
+            task = decode_task(message.body)
+        except MessageError as exc:
+            await self.bus.dead_letter(message.body, reason=str(exc), source=queue)
+            await message.ack()
+            return
+        try:
+            report = await self._run(task)
+            if report is not None:
+                await self.bus.publish_to_shard(task.owner, encode(report))
+        except asyncio.CancelledError:
+            raise  # a hard stop: the message goes back to the queue with the channel
+        except Exception:
+            log.exception("%s: %s %s: could not record; requeued", self.name, task.wf, task.path)
+            await message.nack(requeue=True)
+            await asyncio.sleep(RETRY_PAUSE_S)
+            return
+        await message.ack()
+
+    async def _run(self, task: TaskMessage) -> Next | Failed | None:
+        """Run the handler and record its output; the report for the owner, if any."""
+        ctx = TaskContext(
+            input=task.input,
+            args=task.args,
+            prev=task.prev,
+            workflow_id=task.wf,
+            step=task.path,
+            iteration=task.iteration,
+            index=task.index,
+            attempt=task.attempt,
+        )
+        try:
+            text = await self._output(task, ctx)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.counts["failed"] += 1
+            plain = isinstance(exc, _TaskError | UnknownTask)
+            error = str(exc) if plain else f"{type(exc).__name__}: {exc}"
+            return Failed(
+                wf=task.wf,
+                path=task.path,
+                index=task.index,
+                attempt=task.attempt,
+                task=task.task,
+                error=error,
+            )
+        completion = await self.store.complete(task.wf, task.path, task.index, task.size, text)
+        self.counts[completion.verdict] += 1
+        if completion.verdict != "fire":
+            return None
+        outputs = [json.loads(out) for out in completion.outputs]
+        return Next(
+            wf=task.wf, path=task.path, output=outputs if task.index is not None else outputs[0]
+        )
+
+    async def _output(self, task: TaskMessage, ctx: TaskContext) -> str:
+        try:
+            output = await asyncio.wait_for(self.registry.run(task.task, ctx), task.timeout_s)
+        except TimeoutError:
+            raise _TaskError(f"timed out after {task.timeout_s}s") from None
+        try:
+            text = json.dumps(output)
+        except (TypeError, ValueError) as exc:
+            raise _TaskError(f"output is not JSON: {exc}") from None
+        if len(text) > self.settings.max_output_bytes:
+            raise _TaskError(
+                f"output of {len(text)} bytes is over the limit of "
+                f"{self.settings.max_output_bytes} (SHARDFLOW_MAX_OUTPUT_BYTES)"
+            )
+        return text
+
+
+class _TaskError(Exception):
+    """A task failure whose message is already the whole story."""

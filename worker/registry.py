@@ -1,0 +1,76 @@
+"""Task handlers: the `@task()` decorator marks functions; a Registry collects them from modules."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+from worker.context import TaskContext
+
+Handler = Callable[[TaskContext], Any]
+F = TypeVar("F", bound=Handler)
+_MARK = "__shardflow_task__"
+
+
+def task(name: str | None = None) -> Callable[[F], F]:
+    """Mark a handler `async def h(ctx)` (or a plain function, run in a thread) as a task.
+
+    The name defaults to the function's name. Marking registers nothing globally: a worker
+    collects marked functions from the modules it is told to import (`--app`).
+    """
+
+    def mark(function: F) -> F:
+        if not callable(function):
+            raise TypeError(f"@task() needs a function, got {function!r}")
+        setattr(function, _MARK, name or function.__name__)
+        return function
+
+    return mark
+
+
+class UnknownTask(LookupError):
+    """No handler of that name in this worker."""
+
+
+class Registry:
+    """Task names to handlers."""
+
+    def __init__(self, handlers: dict[str, Handler] | None = None) -> None:
+        self.handlers: dict[str, Handler] = dict(handlers or {})
+
+    @classmethod
+    def from_modules(cls, modules: Iterable[str]) -> Registry:
+        """Import each module and collect its `@task()` functions."""
+        registry = cls()
+        for module_name in modules:
+            module = importlib.import_module(module_name)
+            for value in vars(module).values():
+                name = getattr(value, _MARK, None)
+                if isinstance(name, str):
+                    registry.add(name, value)
+        return registry
+
+    def add(self, name: str, handler: Handler) -> None:
+        existing = self.handlers.get(name)
+        if existing is not None and existing is not handler:
+            raise ValueError(f"task {name!r} is defined twice")
+        self.handlers[name] = handler
+
+    def names(self) -> set[str]:
+        return set(self.handlers)
+
+    async def run(self, name: str, ctx: TaskContext) -> Any:
+        """Run a handler: coroutine functions on the loop, plain functions in a thread."""
+        handler = self.handlers.get(name)
+        if handler is None:
+            known = ", ".join(sorted(self.handlers)) or "none"
+            raise UnknownTask(f"unknown task {name!r} (this worker knows: {known})")
+        if inspect.iscoroutinefunction(handler):
+            return await handler(ctx)
+        result = await asyncio.to_thread(handler, ctx)
+        if inspect.isawaitable(result):
+            return await result
+        return result
