@@ -7,22 +7,30 @@
 -- ARGV[1]      the leaf's path (must be the program's cursor)
 -- ARGV[2]      member index in the bag ("0" for a single task)
 -- ARGV[3]      output JSON
--- returns  {"fire", output...}  the step is complete: every output, in bag order
---          {"wait"}             other members are still running
+-- returns  {"fire", output...}   this call completed the step (the barrier fires once):
+--                                every output, in bag order
+--          {"again", output...}  the step was already complete: the same outputs, so a
+--                                redelivered task can report what a crash may have lost
+--          {"wait"}              other members are still running
 --          {"stale", status, cursor}  the program is elsewhere or ended: nothing recorded
 local s = redis.call("HMGET", KEYS[1], "status", "cursor")
 if s[1] ~= "running" or s[2] ~= ARGV[1] then
   return {"stale", s[1] or "", s[2] or ""}
 end
 if #KEYS == 2 then
-  redis.call("SET", KEYS[2], ARGV[3], "NX")
-  return {"fire", redis.call("GET", KEYS[2])}
+  local verdict = "again"
+  if redis.call("SET", KEYS[2], ARGV[3], "NX") then
+    verdict = "fire"
+  end
+  return {verdict, redis.call("GET", KEYS[2])}
 end
+local verdict = "again"
 if redis.call("SADD", KEYS[3], ARGV[2]) == 1 then
   redis.call("SET", KEYS[2], ARGV[3])
+  verdict = "fire"
 end
 if redis.call("SCARD", KEYS[3]) < #KEYS - 3 then
   return {"wait"}
 end
 local outputs = redis.call("MGET", unpack(KEYS, 4, #KEYS))
-return {"fire", unpack(outputs)}
+return {verdict, unpack(outputs)}

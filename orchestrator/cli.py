@@ -9,7 +9,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -263,7 +263,7 @@ async def _schema(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Awaitable[int]]] = {
+_COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]]] = {
     "dev": _dev,
     "orchestrator": _orchestrator,
     "worker": _worker,
@@ -271,3 +271,7 @@ _COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Awaitable[int]]] =
     "status": _status,
     "schema": _schema,
 }
+
+
+if __name__ == "__main__":
+    main()

@@ -8,6 +8,17 @@ from typing import Any
 import cel
 
 VARIABLES = frozenset({"input", "prev", "iteration"})
+# Type names read as identifiers (`type(prev) == list`).
+_TYPES = frozenset({"bool", "bytes", "double", "int", "list", "map", "null_type", "string", "type"})
+# CEL's standard functions; operators show up as `_+_`, `!_`, `@in` and are always allowed.
+_FUNCTIONS = frozenset(
+    {
+        "size", "contains", "startsWith", "endsWith", "matches", "int", "uint", "double",
+        "string", "bytes", "bool", "type", "dyn", "duration", "timestamp",
+        "getFullYear", "getMonth", "getDate", "getDayOfMonth", "getDayOfWeek", "getDayOfYear",
+        "getHours", "getMinutes", "getSeconds", "getMilliseconds",
+    }
+)  # fmt: skip
 
 
 class ConditionError(ValueError):
@@ -21,12 +32,21 @@ def compile_condition(source: str) -> cel.Program:
         program = cel.compile(source)
     except ValueError as exc:
         raise ConditionError(_first_line(str(exc))) from None
-    unknown = sorted(set(program.variables()) - VARIABLES - _bound_names(program))
+    unknown = sorted(set(program.variables()) - VARIABLES - _TYPES - _bound_names(program))
     if unknown:
         raise ConditionError(
             f"unknown variable {', '.join(map(repr, unknown))}; use {', '.join(sorted(VARIABLES))}"
         )
+    functions = [name for name in program.functions() if name[0].isalpha() or name[0] == "_"]
+    unknown = sorted(name for name in set(functions) - _FUNCTIONS if not _is_operator(name))
+    if unknown:
+        raise ConditionError(f"unknown function {', '.join(map(repr, unknown))}")
     return program
+
+
+def _is_operator(name: str) -> bool:
+    # CEL reports operators as `_+_`, `_[_]`, `_?_:_`, `!_`, `-_`, `@in`.
+    return not name.replace("_", "").isidentifier()
 
 
 def evaluate(source: str, *, input: Any, prev: Any, iteration: int) -> bool:

@@ -37,9 +37,9 @@ class Recorded:
 
 @dataclass(frozen=True, slots=True)
 class Completion:
-    """A task's completion as recorded: `fire` carries every output (JSON texts) of the step."""
+    """A task's completion as recorded; `fire` and `again` carry every output (JSON) of the step."""
 
-    verdict: Literal["fire", "wait", "stale"]
+    verdict: Literal["fire", "again", "wait", "stale"]
     outputs: list[str]
 
 
@@ -104,7 +104,7 @@ class Store:
             members = [keys.output(wf, path, i) for i in range(size)]
             script_keys = [keys.state(wf), members[index], keys.barrier(wf, path), *members]
         reply = await self._complete(keys=script_keys, args=[path, index or 0, output])
-        return Completion(reply[0], list(reply[1:]) if reply[0] == "fire" else [])
+        return Completion(reply[0], list(reply[1:]) if reply[0] in ("fire", "again") else [])
 
     async def plan(self, wf: str) -> dict[str, Any] | None:
         """The recorded program, input and owner."""
@@ -113,4 +113,5 @@ class Store:
 
     async def state(self, wf: str) -> dict[str, str]:
         """The program's state hash (empty when there is no such program)."""
-        return await self.client.hgetall(self.keys.state(wf))  # type: ignore[no-any-return]
+        state: dict[str, str] = await self.client.hgetall(self.keys.state(wf))  # type: ignore[assignment]
+        return state

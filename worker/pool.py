@@ -69,7 +69,7 @@ class Worker(Service):
             await message.ack()
             return
         try:
-            report = await self._run(task)
+            report = await self._run(task, redelivered=bool(message.redelivered))
             if report is not None:
                 await self.bus.publish_to_shard(task.owner, encode(report))
         except asyncio.CancelledError:
@@ -81,7 +81,7 @@ class Worker(Service):
             return
         await message.ack()
 
-    async def _run(self, task: TaskMessage) -> Next | Failed | None:
+    async def _run(self, task: TaskMessage, *, redelivered: bool) -> Next | Failed | None:
         """Run the handler and record its output; the report for the owner, if any."""
         ctx = TaskContext(
             input=task.input,
@@ -111,7 +111,8 @@ class Worker(Service):
             )
         completion = await self.store.complete(task.wf, task.path, task.index, task.size, text)
         self.counts[completion.verdict] += 1
-        if completion.verdict != "fire":
+        # Only a redelivered task may be the one whose report a crash cut short.
+        if not (completion.verdict == "fire" or (completion.verdict == "again" and redelivered)):
             return None
         outputs = [json.loads(out) for out in completion.outputs]
         return Next(

@@ -1,0 +1,111 @@
+"""Task handlers for the tests. Each records when it starts and ends, in one Redis sequence.
+
+A trace orders events with one INCR counter, so "did step k+1 start after step k ended" never
+depends on clocks. The input names the trace: `{"trace": {"url": ..., "key": ...}}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import redis
+
+from worker import TaskContext, task
+
+
+@cache
+def _client(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, decode_responses=True)
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Where tasks record their start and end events."""
+
+    url: str
+    key: str
+
+    def as_input(self, **extra: Any) -> dict[str, Any]:
+        return {"trace": {"url": self.url, "key": self.key}, **extra}
+
+    def events(self) -> list[dict[str, Any]]:
+        return [json.loads(item) for item in _client(self.url).lrange(self.key, 0, -1)]
+
+
+def _record(ctx: TaskContext, event: str) -> None:
+    where = ctx.input.get("trace") if isinstance(ctx.input, dict) else None
+    if not where:
+        return
+    client = _client(where["url"])
+    seq = client.incr(where["key"] + ":seq")
+    client.rpush(
+        where["key"],
+        json.dumps(
+            {
+                "wf": ctx.workflow_id,
+                "path": ctx.step,
+                "index": ctx.index,
+                "event": event,
+                "seq": seq,
+            }
+        ),
+    )
+
+
+async def _traced(ctx: TaskContext, result: Any, sleep_s: float = 0.0) -> Any:
+    _record(ctx, "start")
+    await asyncio.sleep(ctx.args.get("sleep_s", sleep_s))
+    _record(ctx, "end")
+    return result
+
+
+@task()
+async def echo(ctx: TaskContext) -> Any:
+    """Returns what it was given: its args and prev."""
+    return await _traced(ctx, {"args": ctx.args, "prev": ctx.prev})
+
+
+@task()
+async def add(ctx: TaskContext) -> int:
+    """prev (a number, or the sum of a list of numbers) plus args.n."""
+    prev = ctx.prev if ctx.prev is not None else 0
+    base = sum(prev) if isinstance(prev, list) else prev
+    return await _traced(ctx, base + ctx.args.get("n", 1))
+
+
+@task()
+async def counter(ctx: TaskContext) -> dict[str, int]:
+    """For untiloops: reports which iteration it ran in."""
+    return await _traced(ctx, {"iteration": ctx.iteration})
+
+
+@task()
+def blocking(ctx: TaskContext) -> str:
+    """A plain function: runs in a thread."""
+    _record(ctx, "start")
+    _record(ctx, "end")
+    return f"thread:{ctx.args.get('name', '')}"
+
+
+@task()
+async def boom(ctx: TaskContext) -> None:
+    """Always fails."""
+    _record(ctx, "start")
+    raise RuntimeError(ctx.args.get("message", "boom"))
+
+
+@task(name="ctx.identity")
+async def identity(ctx: TaskContext) -> dict[str, Any]:
+    """Returns the task's identity as the worker gave it."""
+    return {
+        "workflow_id": ctx.workflow_id,
+        "step": ctx.step,
+        "iteration": ctx.iteration,
+        "index": ctx.index,
+        "attempt": ctx.attempt,
+        "idempotency_key": ctx.idempotency_key,
+    }

@@ -1,0 +1,129 @@
+"""Fixtures: real RabbitMQ and Redis, isolated per run (a fresh vhost) and per test (a prefix).
+
+A missing service skips the tests that need it on a laptop, and fails them when CI is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import aio_pika
+import pytest
+import redis
+from redis.asyncio import Redis
+
+from orchestrator.dev import Dev
+from orchestrator.runtime import connected
+from orchestrator.settings import Settings
+from orchestrator.store import Store
+from router.client import Router
+from tests import app
+from worker.registry import Registry
+
+AMQP_BASE = os.environ.get("SHARDFLOW_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
+REDIS_URL = os.environ.get("SHARDFLOW_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+RUN_ID = uuid.uuid4().hex[:8]
+
+
+def _unavailable(what: str, exc: BaseException) -> None:
+    message = f"{what} is not reachable: {exc}"
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def _rabbitmqctl(*args: str) -> None:
+    subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def amqp_url() -> Iterator[str]:
+    """A fresh vhost for this test run (deleted at the end), or the base URL without rabbitmqctl."""
+    if shutil.which("rabbitmqctl") is None or "SHARDFLOW_TEST_AMQP_URL" in os.environ:
+        yield AMQP_BASE
+        return
+    vhost = f"shardflow-test-{RUN_ID}"
+    try:
+        _rabbitmqctl("add_vhost", vhost)
+        _rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+    except (subprocess.SubprocessError, OSError) as exc:
+        _unavailable("RabbitMQ (rabbitmqctl)", exc)
+    yield AMQP_BASE.rstrip("/") + "/" + vhost
+    with contextlib.suppress(subprocess.SubprocessError, OSError):
+        _rabbitmqctl("delete_vhost", vhost)
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
+    except redis.RedisError as exc:
+        _unavailable("Redis", exc)
+    return REDIS_URL
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+async def settings(amqp_url: str, redis_url: str, prefix: str) -> AsyncIterator[Settings]:
+    """Settings for one test: its own prefix for queues and keys, cleaned up after it."""
+    try:
+        connection = await aio_pika.connect(amqp_url, timeout=5)
+    except Exception as exc:
+        _unavailable("RabbitMQ", exc)
+    await connection.close()
+    settings = Settings(
+        amqp_url=amqp_url, redis_url=redis_url, prefix=prefix, shards=4, grace_s=2.0
+    )
+    yield settings
+    await _drop_keys(redis_url, prefix)
+
+
+async def _drop_keys(redis_url: str, prefix: str) -> None:
+    client = Redis.from_url(redis_url)
+    try:
+        batch = [key async for key in client.scan_iter(match=f"{prefix}:*", count=1000)]
+        for start in range(0, len(batch), 500):
+            await client.delete(*batch[start : start + 500])
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture
+async def store(settings: Settings) -> AsyncIterator[Store]:
+    store = Store.connect(settings)
+    await store.load_scripts()
+    yield store
+    await store.close()
+
+
+@pytest.fixture
+def registry() -> Registry:
+    return Registry.from_modules(["tests.app"])
+
+
+@pytest.fixture
+def trace(redis_url: str, prefix: str) -> app.Trace:
+    return app.Trace(redis_url, f"{prefix}:trace")
+
+
+@pytest.fixture
+async def cluster(settings: Settings, registry: Registry) -> AsyncIterator[Router]:
+    """A whole cluster in this process (every shard, both pools); yields a router."""
+    async with connected(settings, "shardflow-test") as (store, bus):
+        dev = Dev(settings, registry, store=store, bus=bus, concurrency=16)
+        running = asyncio.create_task(dev.run())
+        try:
+            yield Router(settings, store=store, bus=bus, known_tasks=None)
+        finally:
+            dev.shutdown()
+            await running

@@ -1,0 +1,150 @@
+"""The `shardflow` command as a user runs it: real processes, one-line errors, exit codes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from orchestrator.settings import Settings
+
+ROOT = Path(__file__).parent.parent
+EXAMPLE = ROOT / "examples" / "thumbnails.json"
+
+
+def shardflow(*args: str, env: dict[str, str] | None = None, timeout: float = 60, stdin: str = ""):  # type: ignore[no-untyped-def]
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        input=stdin,
+    )
+
+
+def environment(settings: Settings) -> dict[str, str]:
+    return {
+        "SHARDFLOW_AMQP_URL": settings.amqp_url,
+        "SHARDFLOW_REDIS_URL": settings.redis_url,
+        "SHARDFLOW_PREFIX": settings.prefix,
+        "SHARDFLOW_SHARDS": "3",
+    }
+
+
+@pytest.fixture
+def dev(settings: Settings) -> Iterator[dict[str, str]]:
+    """`shardflow dev --app examples.tasks` running in its own process; stopped with SIGTERM."""
+    env = environment(settings)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "dev", "--app", "examples.tasks"],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    yield env
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 0, stderr
+    assert "orchestrator: stopped" in stderr
+
+
+def test_the_demo_program_runs_end_to_end(dev: dict[str, str]) -> None:
+    done = shardflow(
+        "submit",
+        str(EXAMPLE),
+        "--input",
+        '{"album": "holiday"}',
+        "--wait",
+        "--timeout",
+        "60",
+        env=dev,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"published": "holiday", "after_polls": 3}
+    workflow_id = done.stderr.strip().splitlines()[-1]
+    status = shardflow("status", workflow_id, env=dev)
+    assert status.returncode == 0
+    assert json.loads(status.stdout)["status"] == "completed"
+
+
+def test_submit_without_wait_prints_the_id_and_a_failed_program_exits_1(
+    dev: dict[str, str], tmp_path: Path
+) -> None:
+    program = tmp_path / "p.json"
+    program.write_text(json.dumps({"steps": [{"task": "resize"}]}))  # no args: KeyError
+    started = shardflow("submit", str(program), "--id", "cli-fail", env=dev)
+    assert (started.returncode, started.stdout) == (0, "cli-fail\n")
+    waited = shardflow("submit", str(program), "--id", "cli-fail", "--wait", env=dev)
+    assert waited.returncode == 1
+    assert waited.stderr.strip().splitlines()[-1] == (
+        "shardflow: program failed: step 0: task 'resize': KeyError: 'width'"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["submit", "missing.json"], "shardflow: missing.json: No such file or directory"),
+        (["submit", "-", "--input", "{nope"], "shardflow: input: not JSON: Expecting property"),
+        (["submit", "-", "--id", "bad id!"], "shardflow: id: workflow id 'bad id!': use 1-128"),
+        (["submit", "-", "--app", "examples.tasks"], "shardflow: steps: unknown task 'nope'"),
+    ],
+)
+def test_bad_input_gets_one_line_and_exit_2(
+    settings: Settings, args: list[str], error: str
+) -> None:
+    stdin = (
+        json.dumps({"steps": [{"task": "nope"}]})
+        if "--app" in args
+        else '{"steps": [{"task": "a"}]}'
+    )
+    result = shardflow(*args, env=environment(settings), stdin=stdin)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(error), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_an_invalid_program_names_the_path_of_the_fault(settings: Settings) -> None:
+    loop = {"until": "prev ==", "max_iterations": 2, "steps": [{"task": "a"}]}
+    bad = json.dumps({"steps": [{"task": "a"}, loop]})
+    result = shardflow("submit", "-", env=environment(settings), stdin=bad)
+    assert result.returncode == 2
+    assert result.stderr.startswith("shardflow: steps[1].until: invalid CEL: Failed to parse")
+    assert "Traceback" not in result.stderr
+
+
+def test_status_of_an_unknown_program_exits_1(settings: Settings) -> None:
+    result = shardflow("status", "never-submitted", env=environment(settings))
+    assert (result.returncode, result.stderr) == (1, "shardflow: no program 'never-submitted'\n")
+
+
+def test_bad_settings_and_unreachable_services_are_one_line(settings: Settings) -> None:
+    bad = shardflow("status", "x", env={"SHARDFLOW_SHARDS": "zero"})
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("shardflow: settings: SHARDFLOW_SHARDS: Input should be a valid")
+    down = shardflow("status", "x", env={"SHARDFLOW_REDIS_URL": "redis://127.0.0.1:1/0"})
+    assert down.returncode == 4
+    assert down.stderr.startswith("shardflow: cannot connect: ")
+    assert len(down.stderr.strip().splitlines()) == 1
+
+
+def test_orchestrator_refuses_shards_outside_the_ring(settings: Settings) -> None:
+    result = shardflow("orchestrator", "--shards", "0,5", env=environment(settings))
+    assert result.returncode == 2
+    assert (
+        result.stderr
+        == "shardflow: --shards: [0, 5]: each shard must be in 0..2 (SHARDFLOW_SHARDS=3)\n"
+    )
+
+
+def test_schema_prints_the_program_json_schema() -> None:
+    result = shardflow("schema")
+    assert result.returncode == 0
+    assert set(json.loads(result.stdout)["$defs"]) >= {"Task", "Bag", "Untiloop"}

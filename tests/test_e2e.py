@@ -1,0 +1,152 @@
+"""Whole programs on a real cluster (RabbitMQ + Redis), checked by their results and traces."""
+
+import asyncio
+
+import pytest
+
+from router.client import Router
+from tests.app import Trace
+from tests.ordering import assert_steps_in_order, leaf_order
+
+pytestmark = pytest.mark.e2e
+
+MIXED = {
+    "name": "mixed",
+    "steps": [
+        {"task": "add", "args": {"n": 1}},
+        {"bag": [{"task": "add", "args": {"n": i}} for i in range(10)]},
+        {
+            "until": "prev.iteration >= 2",
+            "max_iterations": 10,
+            "steps": [{"task": "echo", "pool": "parallel"}, {"task": "counter"}],
+        },
+        {"task": "echo", "args": {"last": True}},
+    ],
+}
+MIXED_PATHS = [
+    "0",
+    "1",
+    *(f"2/iter:{i}/{j}" for i in range(3) for j in range(2)),
+    "3",
+]
+
+
+async def test_task_bag_and_untiloop_give_the_right_result_in_order(
+    cluster: Router, trace: Trace
+) -> None:
+    submitted = await cluster.submit(MIXED, trace.as_input())
+    status = await cluster.wait(submitted.workflow_id, timeout_s=60)
+    assert status["status"] == "completed", status
+    # Bag members each get step 0's output (1) and add their n: the bag's output is their list.
+    assert status["result"] == {"args": {"last": True}, "prev": {"iteration": 2}}
+    events = trace.events()
+    assert_steps_in_order(events, MIXED_PATHS)
+    bag = [e for e in events if e["path"] == "1" and e["event"] == "end"]
+    assert sorted(e["index"] for e in bag) == list(range(10))
+
+
+async def test_a_bag_output_is_its_members_outputs_in_bag_order(cluster: Router) -> None:
+    program = {
+        "steps": [
+            {"task": "add", "args": {"n": 1}},
+            {
+                "bag": [
+                    {"task": "add", "args": {"n": i, "sleep_s": 0.05 * (5 - i)}} for i in range(5)
+                ]
+            },
+        ]
+    }
+    submitted = await cluster.submit(program)
+    status = await cluster.wait(submitted.workflow_id, timeout_s=30)
+    assert status["result"] == [1, 2, 3, 4, 5]
+
+
+async def test_fifty_programs_at_once_over_four_shards_all_complete(
+    cluster: Router, trace: Trace
+) -> None:
+    submitted = await asyncio.gather(
+        *(cluster.submit(MIXED, trace.as_input(), workflow_id=f"many-{i}") for i in range(50))
+    )
+    assert {s.shard for s in submitted} == {0, 1, 2, 3}
+    statuses = await asyncio.gather(
+        *(cluster.wait(s.workflow_id, timeout_s=120) for s in submitted)
+    )
+    assert [s["status"] for s in statuses] == ["completed"] * 50
+    assert {s["owner"] for s in statuses} == {0, 1, 2, 3}
+    events = trace.events()
+    assert len(leaf_order(events)) == 50
+    assert_steps_in_order(events, MIXED_PATHS)
+
+
+async def test_a_failing_task_fails_its_program_with_the_error(
+    cluster: Router, trace: Trace
+) -> None:
+    program = {
+        "steps": [
+            {"task": "add"},
+            {"bag": [{"task": "add"}, {"task": "boom", "args": {"message": "disk on fire"}}]},
+            {"task": "echo"},
+        ]
+    }
+    submitted = await cluster.submit(program, trace.as_input())
+    status = await cluster.wait(submitted.workflow_id, timeout_s=30)
+    assert status["status"] == "failed"
+    assert status["error"] == "step 1/bag:1: task 'boom': RuntimeError: disk on fire"
+    assert status["result"] is None
+    assert "2" not in {e["path"] for e in trace.events()}  # nothing after the failure ran
+
+
+async def test_an_untiloop_that_never_holds_fails_at_max_iterations(cluster: Router) -> None:
+    program = {
+        "steps": [
+            {"until": "prev.iteration > 99", "max_iterations": 4, "steps": [{"task": "counter"}]}
+        ]
+    }
+    status = await cluster.wait((await cluster.submit(program)).workflow_id, timeout_s=30)
+    assert status["status"] == "failed"
+    assert status["error"] == "step 0: until 'prev.iteration > 99' not met after max_iterations=4"
+
+
+async def test_an_unknown_task_fails_its_program_and_the_worker_goes_on(cluster: Router) -> None:
+    missing = await cluster.submit({"steps": [{"task": "no_such_task"}]})
+    status = await cluster.wait(missing.workflow_id, timeout_s=30)
+    assert status["status"] == "failed"
+    assert "unknown task 'no_such_task' (this worker knows: " in status["error"]
+    after = await cluster.submit({"steps": [{"task": "blocking", "args": {"name": "x"}}]})
+    assert (await cluster.wait(after.workflow_id, timeout_s=30))["result"] == "thread:x"
+
+
+async def test_submitting_an_existing_id_returns_it_and_never_runs_it_twice(
+    cluster: Router, trace: Trace
+) -> None:
+    program = {"steps": [{"task": "add", "args": {"n": 5}}]}
+    first = await cluster.submit(program, trace.as_input(), workflow_id="once")
+    assert first.created
+    await cluster.wait("once", timeout_s=30)
+    again = await cluster.submit({"steps": [{"task": "boom"}]}, None, workflow_id="once")
+    assert (again.created, again.status, again.shard) == (False, "completed", first.shard)
+    await asyncio.sleep(0.2)
+    assert len([e for e in trace.events() if e["event"] == "start"]) == 1
+    assert (await cluster.status("once"))["result"] == 5  # type: ignore[index]
+
+
+async def test_handlers_see_their_identity(cluster: Router) -> None:
+    program = {
+        "steps": [
+            {"task": "add"},
+            {
+                "until": "true",
+                "max_iterations": 1,
+                "steps": [{"bag": [{"task": "ctx.identity"}] * 2}],
+            },
+        ]
+    }
+    status = await cluster.wait((await cluster.submit(program, workflow_id="who")).workflow_id, 30)
+    assert status["result"][1] == {
+        "workflow_id": "who",
+        "step": "1/iter:0/0",
+        "iteration": 0,
+        "index": 1,
+        "attempt": 0,
+        "idempotency_key": "who/1/iter:0/0/bag:1",
+    }

@@ -1,0 +1,110 @@
+"""Each Lua transition against a real Redis: duplicates and stale messages change nothing."""
+
+import json
+
+from redis.crc import key_slot
+
+from orchestrator.store import Store
+
+PLAN = json.dumps({"program": {"steps": [{"task": "a"}]}, "input": None, "owner": 1})
+
+
+async def started(store: Store, wf: str = "wf-1", cursor: str = "0") -> str:
+    await store.submit(wf, PLAN, 1, "demo")
+    await store.advance(wf, "", cursor, "running")
+    return wf
+
+
+async def test_submit_records_once_and_reports_what_exists(store: Store) -> None:
+    first = await store.submit("wf-1", PLAN, 3, "demo")
+    assert (first.created, first.status, first.owner) == (True, "pending", 3)
+    again = await store.submit("wf-1", '{"other": true}', 0, "other")
+    assert (again.created, again.status, again.owner) == (False, "pending", 3)
+    assert await store.plan("wf-1") == json.loads(PLAN)
+    state = await store.state("wf-1")
+    assert state["name"] == "demo" and state["cursor"] == "" and int(state["created_ms"]) > 0
+
+
+async def test_advance_applies_once_then_replays_then_is_stale(store: Store) -> None:
+    await store.submit("wf-1", PLAN, 1, "demo")
+    applied = await store.advance("wf-1", "", "0", "running")
+    assert (applied.verdict, applied.status, applied.cursor) == ("applied", "running", "0")
+    # The same start again: already done, from the same cursor.
+    replay = await store.advance("wf-1", "", "0", "running")
+    assert (replay.verdict, replay.cursor) == ("replay", "0")
+    moved = await store.advance("wf-1", "0", "1", "running")
+    assert moved.verdict == "applied"
+    # The start is now two transitions old: stale, and nothing changes.
+    stale = await store.advance("wf-1", "", "0", "running")
+    assert (stale.verdict, stale.cursor) == ("stale", "1")
+    state = await store.state("wf-1")
+    assert (state["cursor"], state["from"], state["status"]) == ("1", "0", "running")
+
+
+async def test_advance_ends_a_program_once(store: Store) -> None:
+    wf = await started(store)
+    done = await store.advance(wf, "0", "", "completed", "result", '{"x": 1}')
+    assert (done.verdict, done.status) == ("applied", "completed")
+    # A late failure report for the same step cannot turn it into a failure.
+    late = await store.advance(wf, "0", "", "failed", "error", "boom")
+    assert (late.verdict, late.status) == ("replay", "completed")
+    state = await store.state(wf)
+    assert state["status"] == "completed" and state["result"] == '{"x": 1}'
+    assert "error" not in state and int(state["ended_ms"]) >= int(state["started_ms"])
+
+
+async def test_advance_of_an_unknown_program_is_missing(store: Store) -> None:
+    assert (await store.advance("nope", "", "0", "running")).verdict == "missing"
+
+
+async def test_a_single_task_keeps_its_first_output(store: Store) -> None:
+    wf = await started(store)
+    first = await store.complete(wf, "0", None, 1, '"first"')
+    assert (first.verdict, first.outputs) == ("fire", ['"first"'])
+    rerun = await store.complete(wf, "0", None, 1, '"second"')
+    assert (rerun.verdict, rerun.outputs) == ("again", ['"first"'])
+
+
+async def test_a_bag_barrier_fires_exactly_once_after_every_member(store: Store) -> None:
+    wf = await started(store, cursor="3")
+    size = 5
+    verdicts = []
+    for index in [4, 0, 4, 2, 0, 1]:  # with duplicates, before the last member
+        verdicts.append(
+            (await store.complete(wf, "3", index, size, json.dumps(index * 10))).verdict
+        )
+    assert verdicts == ["wait"] * 6
+    last = await store.complete(wf, "3", 3, size, "30")
+    assert last.verdict == "fire"
+    assert last.outputs == ["0", "10", "20", "30", "40"]  # in bag order, not arrival order
+    # Every later duplicate reports the step as already complete, with the first outputs.
+    dup = await store.complete(wf, "3", 2, size, '"rerun"')
+    assert (dup.verdict, dup.outputs[2]) == ("again", "20")
+    members = await store.client.smembers(store.keys.barrier(wf, "3"))
+    assert members == {"0", "1", "2", "3", "4"}
+
+
+async def test_completions_for_another_step_or_an_ended_program_are_stale(store: Store) -> None:
+    wf = await started(store, cursor="1")
+    old = await store.complete(wf, "0", None, 1, '"late"')
+    assert old.verdict == "stale"
+    assert await store.client.get(store.keys.output(wf, "0")) is None
+    await store.advance(wf, "1", "", "failed", "error", "boom")
+    after_end = await store.complete(wf, "1", 0, 2, '"late"')
+    assert after_end.verdict == "stale"
+    assert not await store.client.exists(store.keys.barrier(wf, "1"))
+
+
+async def test_scripts_reload_after_the_script_cache_is_flushed(store: Store) -> None:
+    wf = await started(store)
+    await store.client.script_flush()
+    assert (await store.complete(wf, "0", None, 1, "1")).verdict == "fire"
+
+
+async def test_every_key_of_a_program_shares_one_cluster_slot(store: Store) -> None:
+    wf = await started(store, cursor="2")
+    await store.complete(wf, "2", 0, 2, "1")
+    keys = [key async for key in store.client.scan_iter(match=store.keys.pattern(wf))]
+    assert len(keys) == 4  # state, plan, one output, the barrier
+    slots = {key_slot(key.encode()) for key in keys}
+    assert len(slots) == 1

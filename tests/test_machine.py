@@ -1,0 +1,97 @@
+"""The pure state machine: which leaf follows which, and what `prev` each leaf gets."""
+
+import re
+
+import pytest
+
+from orchestrator.machine import Done, Failed, Leaf, PathError, after, first, leaf_at
+from orchestrator.program import parse_program
+
+PROGRAM = parse_program(
+    {
+        "steps": [
+            {"task": "a"},
+            {"bag": [{"task": "b"}, {"task": "b"}]},
+            {
+                "until": "prev.n >= 2",
+                "max_iterations": 5,
+                "steps": [
+                    {"task": "c"},
+                    {"until": "iteration >= 1", "max_iterations": 3, "steps": [{"task": "d"}]},
+                ],
+            },
+            {"task": "e"},
+        ]
+    }
+)
+
+
+def walk(program, outputs):  # type: ignore[no-untyped-def]
+    """Run a program to its end, feeding each leaf the output `outputs(path)` gives."""
+    seen = []
+    outcome = first(program)
+    while isinstance(outcome, Leaf):
+        seen.append((outcome.path, outcome.prev, outcome.iteration))
+        outcome = after(program, outcome.path, outputs(outcome.path), input=None)
+    return seen, outcome
+
+
+def test_leaves_follow_program_order_through_bags_and_nested_loops() -> None:
+    rounds = {"count": 0}
+
+    def outputs(path: str):  # type: ignore[no-untyped-def]
+        if re.fullmatch(r"2/iter:\d+/0", path):
+            rounds["count"] += 1
+        return {"n": rounds["count"], "at": path}
+
+    seen, end = walk(PROGRAM, outputs)
+    assert [path for path, _, _ in seen] == [
+        "0",
+        "1",
+        "2/iter:0/0",
+        "2/iter:0/1/iter:0/0",
+        "2/iter:0/1/iter:1/0",
+        "2/iter:1/0",
+        "2/iter:1/1/iter:0/0",
+        "2/iter:1/1/iter:1/0",
+        "3",
+    ]
+    assert seen[0][1] is None  # the first step gets no prev
+    assert seen[1][1] == {"n": 0, "at": "0"}
+    # The first step of iteration 1 gets the last output of iteration 0.
+    assert seen[5][1] == {"n": 1, "at": "2/iter:0/1/iter:1/0"}
+    assert [iteration for _, _, iteration in seen] == [0, 0, 0, 0, 1, 1, 0, 1, 0]
+    assert seen[-1][1] == {"n": 2, "at": "2/iter:1/1/iter:1/0"}  # a loop's output: its last
+    assert end == Done({"n": 2, "at": "3"})
+
+
+def test_a_loop_that_never_meets_its_condition_fails_at_max_iterations() -> None:
+    program = parse_program(
+        {"steps": [{"until": "prev == 'done'", "max_iterations": 3, "steps": [{"task": "x"}]}]}
+    )
+    seen, end = walk(program, lambda path: "not yet")
+    assert [path for path, _, _ in seen] == ["0/iter:0/0", "0/iter:1/0", "0/iter:2/0"]
+    assert isinstance(end, Failed)
+    assert end.error == "step 0: until \"prev == 'done'\" not met after max_iterations=3"
+
+
+def test_a_condition_that_breaks_fails_the_program() -> None:
+    program = parse_program(
+        {"steps": [{"until": "prev.ready", "max_iterations": 3, "steps": [{"task": "x"}]}]}
+    )
+    outcome = after(program, "0/iter:0/0", output=7, input=None)
+    assert isinstance(outcome, Failed) and outcome.error.startswith("step 0: until 'prev.ready':")
+
+
+def test_leaf_at_finds_tasks_and_bags_and_refuses_other_paths() -> None:
+    assert leaf_at(PROGRAM, "1").bag[0].task == "b"  # type: ignore[union-attr]
+    assert leaf_at(PROGRAM, "2/iter:7/1/iter:0/0").task == "d"  # type: ignore[union-attr]
+    for bad in ["9", "2", "0/iter:0/0", "2/iter:0/5", "x", ""]:
+        with pytest.raises(PathError):
+            leaf_at(PROGRAM, bad)
+
+
+def test_after_refuses_paths_that_are_not_in_the_program() -> None:
+    for bad in ["7", "2/0", "0/iter:1/0", "2/iter:0/9"]:
+        with pytest.raises(PathError):
+            after(PROGRAM, bad, None, None)
