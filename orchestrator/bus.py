@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 import aio_pika
 from aio_pika.abc import (
@@ -20,6 +20,30 @@ from orchestrator.settings import Settings
 log = logging.getLogger(__name__)
 
 POOLS = ("serial", "parallel")
+
+
+class Publisher(Protocol):
+    """What the transition logic needs from the transport; `Bus` is the real one."""
+
+    async def publish_to_shard(self, owner: int, body: bytes) -> None: ...
+
+    async def publish_all(self, pool: str, bodies: list[bytes]) -> None: ...
+
+    async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None: ...
+
+
+class Delivery(Protocol):
+    """One received message; aio-pika's IncomingMessage is one."""
+
+    @property
+    def body(self) -> bytes: ...
+
+    @property
+    def redelivered(self) -> bool | None: ...
+
+    async def ack(self) -> None: ...
+
+    async def nack(self, *, requeue: bool = True) -> None: ...
 
 
 class Bus:

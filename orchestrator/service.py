@@ -7,9 +7,7 @@ import logging
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from aio_pika.abc import AbstractIncomingMessage
-
-from orchestrator.bus import Bus
+from orchestrator.bus import Bus, Delivery, Publisher
 from orchestrator.lifecycle import Service
 from orchestrator.machine import PathError
 from orchestrator.messages import MessageError, decode_shard_message
@@ -21,6 +19,24 @@ from orchestrator.transitions import Plans, Transitions
 log = logging.getLogger(__name__)
 
 RETRY_PAUSE_S = 0.5
+
+
+async def handle_shard_message(
+    delivery: Delivery, transitions: Transitions, bus: Publisher, source: str
+) -> None:
+    """Apply one shard message; ack only after what it publishes is confirmed."""
+    try:
+        decoded = decode_shard_message(delivery.body)
+        await transitions.apply(decoded, redelivered=bool(delivery.redelivered))
+    except (MessageError, ProgramError, PathError) as exc:
+        # Poison: retrying cannot help. Park it with the reason and go on.
+        await bus.dead_letter(delivery.body, reason=str(exc), source=source)
+    except Exception:
+        log.exception("%s: transition failed; message requeued", source)
+        await delivery.nack(requeue=True)
+        await asyncio.sleep(RETRY_PAUSE_S)
+        return
+    await delivery.ack()
 
 
 class Orchestrator(Service):
@@ -54,18 +70,4 @@ class Orchestrator(Service):
         iterator = self._track(await self.bus.consume(queue, self.settings.prefetch))
         log.info("orchestrator: consuming %s", queue)
         async for message in iterator:
-            await self._handle(message, queue)
-
-    async def _handle(self, message: AbstractIncomingMessage, queue: str) -> None:
-        try:
-            decoded = decode_shard_message(message.body)
-            await self.transitions.apply(decoded, redelivered=bool(message.redelivered))
-        except (MessageError, ProgramError, PathError) as exc:
-            # Poison: retrying cannot help. Park it with the reason and go on.
-            await self.bus.dead_letter(message.body, reason=str(exc), source=queue)
-        except Exception:
-            log.exception("%s: transition failed; message requeued", queue)
-            await message.nack(requeue=True)
-            await asyncio.sleep(RETRY_PAUSE_S)
-            return
-        await message.ack()
+            await handle_shard_message(message, self.transitions, self.bus, queue)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator import machine
-from orchestrator.bus import Bus
+from orchestrator.bus import Publisher
 from orchestrator.messages import Failed, Next, Start, TaskMessage, encode
 from orchestrator.program import Bag, Program, parse_program
 from orchestrator.store import Store
@@ -89,7 +89,7 @@ def task_messages(wf: str, plan: Plan, leaf: machine.Leaf) -> tuple[str, list[by
 class Transitions:
     """Applies start / next / failed messages of the shards this process owns."""
 
-    def __init__(self, store: Store, bus: Bus, plans: Plans) -> None:
+    def __init__(self, store: Store, bus: Publisher, plans: Plans) -> None:
         self.store = store
         self.bus = bus
         self.plans = plans

@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.bus import Bus
+from orchestrator.bus import Publisher
 from orchestrator.keys import check_workflow_id
 from orchestrator.messages import Start, encode
 from orchestrator.program import Program, ProgramError, parse_program
@@ -39,7 +39,7 @@ class Router:
         settings: Settings,
         *,
         store: Store,
-        bus: Bus | None = None,
+        bus: Publisher | None = None,
         known_tasks: set[str] | None = None,
     ) -> None:
         self.settings = settings

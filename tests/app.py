@@ -109,3 +109,11 @@ async def identity(ctx: TaskContext) -> dict[str, Any]:
         "attempt": ctx.attempt,
         "idempotency_key": ctx.idempotency_key,
     }
+
+
+@task()
+async def work(ctx: TaskContext) -> dict[str, int]:
+    """For drawn programs: an output that depends only on where the task runs."""
+    from tests.model import output_of
+
+    return await _traced(ctx, output_of(ctx.step, ctx.index))

@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator, Iterator
 import aio_pika
 import pytest
 import redis
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
 from redis.asyncio import Redis
 
 from orchestrator.dev import Dev
@@ -29,6 +31,14 @@ from worker.registry import Registry
 AMQP_BASE = os.environ.get("SHARDFLOW_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 REDIS_URL = os.environ.get("SHARDFLOW_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 RUN_ID = uuid.uuid4().hex[:8]
+
+# The normal run: bounded. `pytest --hypothesis-profile=long` digs deeper.
+_PROFILE = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+hypothesis_settings.register_profile(
+    "default", max_examples=60, stateful_step_count=40, **_PROFILE
+)
+hypothesis_settings.register_profile("long", max_examples=1000, stateful_step_count=100, **_PROFILE)
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 def _unavailable(what: str, exc: BaseException) -> None:
@@ -74,6 +84,13 @@ def prefix() -> str:
 
 
 @pytest.fixture
+async def keyspace(redis_url: str, prefix: str) -> AsyncIterator[tuple[str, str]]:
+    """A Redis URL and a key prefix of this test's own; its keys are dropped after it."""
+    yield redis_url, prefix
+    await _drop_keys(redis_url, prefix)
+
+
+@pytest.fixture
 async def settings(amqp_url: str, redis_url: str, prefix: str) -> AsyncIterator[Settings]:
     """Settings for one test: its own prefix for queues and keys, cleaned up after it."""
     try:
@@ -91,7 +108,7 @@ async def settings(amqp_url: str, redis_url: str, prefix: str) -> AsyncIterator[
 async def _drop_keys(redis_url: str, prefix: str) -> None:
     client = Redis.from_url(redis_url)
     try:
-        batch = [key async for key in client.scan_iter(match=f"{prefix}:*", count=1000)]
+        batch = [key async for key in client.scan_iter(match=f"{prefix}*", count=1000)]
         for start in range(0, len(batch), 500):
             await client.delete(*batch[start : start + 500])
     finally:

@@ -9,9 +9,7 @@ from collections import Counter
 from collections.abc import Coroutine
 from typing import Any, Literal
 
-from aio_pika.abc import AbstractIncomingMessage
-
-from orchestrator.bus import Bus
+from orchestrator.bus import Bus, Delivery, Publisher
 from orchestrator.lifecycle import Service
 from orchestrator.messages import Failed, MessageError, Next, TaskMessage, decode_task, encode
 from orchestrator.settings import Settings
@@ -35,7 +33,7 @@ class Worker(Service):
         *,
         pool: Pool,
         store: Store,
-        bus: Bus,
+        bus: Bus | Publisher,
         concurrency: int | None = None,
     ) -> None:
         super().__init__(settings.grace_s)
@@ -54,34 +52,36 @@ class Worker(Service):
         return [self._consume()]
 
     async def _consume(self) -> None:
+        assert isinstance(self.bus, Bus)
         queue = self.bus.names.task_queue(self.pool)
         iterator = self._track(await self.bus.consume(queue, self.concurrency))
         log.info("%s: consuming %s with concurrency %d", self.name, queue, self.concurrency)
         async for message in iterator:
             # The prefetch bounds how many of these run at once.
-            self._spawn(self._handle(message, queue))
+            self._spawn(self.handle(message, queue))
 
-    async def _handle(self, message: AbstractIncomingMessage, queue: str) -> None:
+    async def handle(self, delivery: Delivery, source: str) -> None:
+        """Run one task message; ack only after the report to the owner is confirmed."""
         try:
-            task = decode_task(message.body)
+            task = decode_task(delivery.body)
         except MessageError as exc:
-            await self.bus.dead_letter(message.body, reason=str(exc), source=queue)
-            await message.ack()
+            await self.bus.dead_letter(delivery.body, reason=str(exc), source=source)
+            await delivery.ack()
             return
         try:
-            report = await self._run(task, redelivered=bool(message.redelivered))
+            report = await self.run_task(task, redelivered=bool(delivery.redelivered))
             if report is not None:
                 await self.bus.publish_to_shard(task.owner, encode(report))
         except asyncio.CancelledError:
             raise  # a hard stop: the message goes back to the queue with the channel
         except Exception:
             log.exception("%s: %s %s: could not record; requeued", self.name, task.wf, task.path)
-            await message.nack(requeue=True)
+            await delivery.nack(requeue=True)
             await asyncio.sleep(RETRY_PAUSE_S)
             return
-        await message.ack()
+        await delivery.ack()
 
-    async def _run(self, task: TaskMessage, *, redelivered: bool) -> Next | Failed | None:
+    async def run_task(self, task: TaskMessage, *, redelivered: bool) -> Next | Failed | None:
         """Run the handler and record its output; the report for the owner, if any."""
         ctx = TaskContext(
             input=task.input,
