@@ -34,9 +34,7 @@ RUN_ID = uuid.uuid4().hex[:8]
 
 # The normal run: bounded. `pytest --hypothesis-profile=long` digs deeper.
 _PROFILE = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
-hypothesis_settings.register_profile(
-    "default", max_examples=60, stateful_step_count=40, **_PROFILE
-)
+hypothesis_settings.register_profile("default", max_examples=60, stateful_step_count=40, **_PROFILE)
 hypothesis_settings.register_profile("long", max_examples=1000, stateful_step_count=100, **_PROFILE)
 hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 

@@ -27,29 +27,32 @@ def _task(pool: str | None, failing: bool) -> dict[str, Any]:
     return step
 
 
+def steps(depth: int = 0, max_bag: int = 50, fail_rate: int = 25) -> st.SearchStrategy[list[Any]]:
+    """A list of 1-4 steps; untiloops nest up to two deep. Shrinks toward plain passing tasks.
+
+    Bags inside loops hold at most 5 members, so that a drawn program stays small to run.
+    """
+    # 0 is where integers shrink to: make it mean "does not fail".
+    fails = st.integers(0, fail_rate).map(lambda drawn: drawn == fail_rate)
+    task = st.builds(_task, st.sampled_from([None, "serial", "parallel"]), fails)
+    bag_size = max_bag if depth == 0 else min(max_bag, 5)
+    bag = st.lists(st.builds(_task, st.none(), fails), min_size=1, max_size=bag_size).map(
+        lambda members: {"bag": members}
+    )
+    kinds = [task, bag]
+    if depth < 2:
+        kinds.append(untiloops(depth + 1, max_bag, fail_rate))
+    return st.lists(st.one_of(kinds), min_size=1, max_size=4 if depth == 0 else 2)
+
+
 @st.composite
-def steps(draw: st.DrawFn, depth: int = 0, max_bag: int = 50, fail_rate: int = 25) -> list[Any]:
-    """A list of 1-4 steps; untiloops nest up to two deep."""
-    kinds = ["task", "bag"] + (["loop"] if depth < 2 else [])
-    drawn: list[Any] = []
-    for _ in range(draw(st.integers(1, 4 if depth == 0 else 2))):
-        kind = draw(st.sampled_from(kinds))
-        fails = lambda: draw(st.integers(0, fail_rate)) == 0  # noqa: E731
-        if kind == "task":
-            drawn.append(_task(draw(st.sampled_from([None, "serial", "parallel"])), fails()))
-        elif kind == "bag":
-            size = draw(st.integers(1, max_bag))
-            drawn.append({"bag": [_task(None, fails()) for _ in range(size)]})
-        else:
-            body = draw(steps(depth + 1, max_bag, fail_rate))
-            last_is_task = "task" in body[-1]
-            templates = ["iteration >= {k}"] + (["prev.v % {m} == 0"] if last_is_task else [])
-            until = draw(st.sampled_from(templates)).format(
-                k=draw(st.integers(0, 3)), m=draw(st.integers(1, 3))
-            )
-            max_iterations = draw(st.integers(1, 4))
-            drawn.append({"until": until, "max_iterations": max_iterations, "steps": body})
-    return drawn
+def untiloops(draw: st.DrawFn, depth: int, max_bag: int, fail_rate: int) -> dict[str, Any]:
+    body = draw(steps(depth, max_bag, fail_rate))
+    templates = ["iteration >= {k}"] + (["prev.v % {m} == 0"] if "task" in body[-1] else [])
+    until = draw(st.sampled_from(templates)).format(
+        k=draw(st.integers(0, 3)), m=draw(st.integers(1, 3))
+    )
+    return {"until": until, "max_iterations": draw(st.integers(1, 4)), "steps": body}
 
 
 def programs(max_bag: int = 50, fail_rate: int = 25) -> st.SearchStrategy[dict[str, Any]]:

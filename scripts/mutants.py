@@ -1,0 +1,117 @@
+"""Prove the property tests bite: plant each known bug in a scratch copy, expect a failure.
+
+Usage: .venv/bin/python scripts/mutants.py [NAME ...]
+Prints, per mutant, whether the property test caught it and the shrunk counterexample.
+Nothing in the working tree is changed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TEST = (
+    "tests/test_properties.py::test_transitions_keep_order_under_duplicates_reordering_and_crashes"
+)
+
+MUTANTS = {
+    "bare-counter-barrier": (
+        "lua/complete.lua",
+        """local verdict = "again"
+if redis.call("SADD", KEYS[3], ARGV[2]) == 1 then
+  redis.call("SET", KEYS[2], ARGV[3])
+  verdict = "fire"
+end
+if redis.call("SCARD", KEYS[3]) < #KEYS - 3 then
+  return {"wait"}
+end""",
+        """redis.call("SET", KEYS[2], ARGV[3])
+local count = redis.call("INCR", KEYS[3])
+if count < #KEYS - 3 then
+  return {"wait"}
+end
+local verdict = "again"
+if count == #KEYS - 3 then
+  verdict = "fire"
+end""",
+    ),
+    "advance-without-cursor-check": (
+        "lua/advance.lua",
+        "if live and cursor == ARGV[1] then",
+        "if live then",
+    ),
+    "ack-before-publish": (
+        "orchestrator/service.py",
+        "    try:\n        decoded = decode_shard_message(delivery.body)",
+        "    await delivery.ack()\n    try:\n        decoded = decode_shard_message(delivery.body)",
+    ),
+    "no-republish-on-redelivery": (
+        "worker/pool.py",
+        'completion.verdict == "fire" or (completion.verdict == "again" and redelivered)',
+        'completion.verdict == "fire"',
+    ),
+}
+
+
+def run(name: str, scratch: Path) -> str:
+    path, old, new = MUTANTS[name]
+    target = scratch / path
+    text = target.read_text()
+    assert old in text, f"{name}: the code it mutates has changed"
+    target.write_text(text.replace(old, new))
+    started = time.monotonic()
+    result = subprocess.run(
+        [str(ROOT / ".venv/bin/pytest"), "-q", "-x", "-p", "no:cacheprovider", TEST],
+        cwd=scratch,
+        env={**os.environ, "PYTHONPATH": str(scratch)},
+        capture_output=True,
+        text=True,
+    )
+    target.write_text(text)
+    took = time.monotonic() - started
+    if result.returncode == 0:
+        return f"## {name}: NOT CAUGHT ({took:.0f}s)\n"
+    lines = result.stdout.splitlines()
+    errors = sorted(
+        {
+            re.sub(r"\bw[0-9a-f]{8}\b", "wf", line.strip(" |E"))
+            for line in lines
+            if "AssertionError:" in line
+        }
+    )
+    example = [
+        line.strip(" |E")
+        for line in lines
+        if re.match(r"^[ |E]*state\.(?!barriers|nothing|programs)", line)
+    ]
+    return (
+        f"## {name}: caught in {took:.0f}s\n"
+        + "\n".join(errors)
+        + "\nshrunk example:\n    "
+        + "\n    ".join(
+            example[: example.index("state.teardown()") + 1]
+            if "state.teardown()" in example
+            else example
+        )
+        + "\n"
+    )
+
+
+def main() -> None:
+    names = sys.argv[1:] or list(MUTANTS)
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in names:
+            copy = Path(scratch) / name
+            shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".venv", ".git", "*cache*"))
+            print(run(name, copy), flush=True)
+
+
+if __name__ == "__main__":
+    main()
