@@ -29,6 +29,8 @@ class Publisher(Protocol):
 
     async def publish_all(self, pool: str, bodies: list[bytes]) -> None: ...
 
+    async def publish_later(self, pool: str, body: bytes, delay_s: float) -> None: ...
+
     async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None: ...
 
 
@@ -56,6 +58,7 @@ class Bus:
         self._connection: AbstractRobustConnection | None = None
         self._publisher: AbstractChannel | None = None
         self._shard_exchange: AbstractExchange | None = None
+        self._delay_queues: set[str] = set()
 
     async def connect(self) -> None:
         """Connect and declare the whole topology (idempotent; replayed after a reconnect)."""
@@ -134,6 +137,25 @@ class Bus:
     async def publish_all(self, pool: str, bodies: list[bytes]) -> None:
         """Publish many task messages; confirms are awaited together."""
         await asyncio.gather(*(self.publish_task(pool, body) for body in bodies))
+
+    async def publish_later(self, pool: str, body: bytes, delay_s: float) -> None:
+        """Publish a task after `delay_s`: a TTL queue per delay dead-letters it to the pool."""
+        delay_ms = round(delay_s * 1000)
+        if delay_ms <= 0:
+            await self.publish_task(pool, body)
+            return
+        name = self.names.delay_queue(pool, delay_ms)
+        if name not in self._delay_queues:
+            arguments: dict[str, Any] = {
+                "x-message-ttl": delay_ms,
+                "x-dead-letter-exchange": "",
+                "x-dead-letter-routing-key": self.names.task_queue(pool),
+            }
+            if self.settings.queue_type == "quorum":
+                arguments["x-queue-type"] = "quorum"
+            await self._channel.declare_queue(name, durable=True, arguments=arguments)
+            self._delay_queues.add(name)
+        await self._channel.default_exchange.publish(_message(body), routing_key=name)
 
     async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:
         """Park an unusable message with the reason in its headers."""

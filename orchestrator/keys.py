@@ -38,6 +38,9 @@ class Keys:
         member = "" if index is None else f"/bag:{index}"
         return f"{self.prefix}:{{{wf}}}:out:{path}{member}"
 
+    def failures(self, wf: str, path: str) -> str:
+        return f"{self.prefix}:{{{wf}}}:err:{path}"
+
     def barrier(self, wf: str, path: str) -> str:
         return f"{self.prefix}:{{{wf}}}:bar:{path}"
 
@@ -61,6 +64,9 @@ class Names:
 
     def task_queue(self, pool: str) -> str:
         return f"{self.prefix}.tasks.{pool}"
+
+    def delay_queue(self, pool: str, delay_ms: int) -> str:
+        return f"{self.prefix}.delay.{pool}.{delay_ms}"
 
     @property
     def dead_exchange(self) -> str:

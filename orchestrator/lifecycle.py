@@ -41,6 +41,10 @@ class Service:
         self._in_flight.add(task)
         task.add_done_callback(self._in_flight.discard)
 
+    def summary(self) -> str:
+        """One line of what this part handled, logged when it stops."""
+        return ""
+
     def shutdown(self) -> None:
         """Ask `run()` to stop; safe to call twice or before `run()`."""
         self._stop.set()
@@ -70,7 +74,7 @@ class Service:
                         task.cancel()
                     await asyncio.gather(*late, return_exceptions=True)
             stop.cancel()
-            log.info("%s: stopped", self.name)
+            log.info("%s: stopped; %s", self.name, self.summary() or "nothing handled")
         for loop in loops:
             if loop.done() and not loop.cancelled() and loop.exception() is not None:
                 raise loop.exception()  # type: ignore[misc]

@@ -46,6 +46,9 @@ class Failed(_Message):
     attempt: int = Field(default=0, ge=0)
     task: str = ""
     error: str
+    # What a retry needs to send the task again.
+    prev: Any = None
+    iteration: int = 0
 
 
 ShardMessage = Annotated[Start | Next | Failed, Field(discriminator="kind")]

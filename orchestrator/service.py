@@ -52,6 +52,10 @@ class Orchestrator(Service):
         self.bus = bus
         self.transitions = Transitions(store, bus, Plans(store, settings.plan_cache_size))
 
+    def summary(self) -> str:
+        counts = self.transitions.counts
+        return ", ".join(f"{verdict} {counts[verdict]}" for verdict in sorted(counts))
+
     @staticmethod
     def check_shards(settings: Settings, shards: Sequence[int]) -> None:
         """Raise ValueError unless every shard is in the ring of `settings.shards`."""

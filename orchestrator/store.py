@@ -39,7 +39,7 @@ class Recorded:
 class Completion:
     """A task's completion as recorded; `fire` and `again` carry every output (JSON) of the step."""
 
-    verdict: Literal["fire", "again", "wait", "stale"]
+    verdict: Literal["fire", "again", "wait", "stale", "retry", "exhausted"]
     outputs: list[str]
 
 
@@ -57,6 +57,7 @@ class Store:
         self._submit = _script(client, "submit")
         self._advance = _script(client, "advance")
         self._complete = _script(client, "complete")
+        self._fail = _script(client, "fail")
 
     @classmethod
     def connect(cls, settings: Settings) -> Store:
@@ -70,7 +71,7 @@ class Store:
 
     async def load_scripts(self) -> None:
         """SCRIPT LOAD every transition up front; calls still reload on NOSCRIPT."""
-        for script in (self._submit, self._advance, self._complete):
+        for script in (self._submit, self._advance, self._complete, self._fail):
             await self.client.script_load(script.script)
 
     async def close(self) -> None:
@@ -105,6 +106,16 @@ class Store:
             script_keys = [keys.state(wf), members[index], keys.barrier(wf, path), *members]
         reply = await self._complete(keys=script_keys, args=[path, index or 0, output])
         return Completion(reply[0], list(reply[1:]) if reply[0] in ("fire", "again") else [])
+
+    async def fail(
+        self, wf: str, path: str, index: int | None, attempt: int, error: str, max_attempts: int
+    ) -> Completion:
+        """Record a failed attempt once: retry, exhausted (with every error), again or stale."""
+        reply = await self._fail(
+            keys=[self.keys.state(wf), self.keys.failures(wf, path)],
+            args=[path, index or 0, attempt, error, max_attempts],
+        )
+        return Completion(reply[0], list(reply[1:]) if reply[0] != "stale" else [])
 
     async def plan(self, wf: str) -> dict[str, Any] | None:
         """The recorded program, input and owner."""

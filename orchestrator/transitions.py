@@ -14,7 +14,7 @@ from typing import Any
 from orchestrator import machine
 from orchestrator.bus import Publisher
 from orchestrator.messages import Failed, Next, Start, TaskMessage, encode
-from orchestrator.program import Bag, Program, parse_program
+from orchestrator.program import Bag, Member, Program, parse_program
 from orchestrator.store import Store
 
 log = logging.getLogger(__name__)
@@ -55,35 +55,33 @@ class Plans:
         self._cache.pop(wf, None)
 
 
-def task_messages(wf: str, plan: Plan, leaf: machine.Leaf) -> tuple[str, list[bytes]]:
-    """The pool and the task messages that run one leaf."""
+def task_messages(
+    wf: str, plan: Plan, leaf: machine.Leaf, attempt: int = 0, only: int | None = None
+) -> tuple[str, list[bytes]]:
+    """The pool and the task messages that run one leaf (or only its member `only`)."""
     step = leaf.step
-    common = {
-        "wf": wf,
-        "path": leaf.path,
-        "input": plan.input,
-        "prev": leaf.prev,
-        "iteration": leaf.iteration,
-        "owner": plan.owner,
-    }
-    if isinstance(step, Bag):
-        size = len(step.bag)
-        bodies = [
-            encode(
-                TaskMessage(
-                    **common,
-                    index=i,
-                    size=size,
-                    task=member.task,
-                    args=member.args,
-                    timeout_s=member.timeout_s,
-                )
+    members: list[Member] = step.bag if isinstance(step, Bag) else [step]
+    indices = range(len(members)) if only is None else [only]
+    bodies = [
+        encode(
+            TaskMessage(
+                wf=wf,
+                path=leaf.path,
+                index=i if isinstance(step, Bag) else None,
+                size=len(members),
+                task=members[i].task,
+                args=members[i].args,
+                input=plan.input,
+                prev=leaf.prev,
+                iteration=leaf.iteration,
+                attempt=attempt,
+                owner=plan.owner,
+                timeout_s=members[i].timeout_s,
             )
-            for i, member in enumerate(step.bag)
-        ]
-        return "parallel", bodies
-    body = TaskMessage(**common, task=step.task, args=step.args, timeout_s=step.timeout_s)
-    return step.pool, [encode(body)]
+        )
+        for i in indices
+    ]
+    return ("parallel" if isinstance(step, Bag) else step.pool), bodies
 
 
 class Transitions:
@@ -108,10 +106,20 @@ class Transitions:
             expected = message.path
             outcome = machine.after(plan.program, message.path, message.output, plan.input)
         else:
+            errors = await self._record_failure(message, plan, redelivered=redelivered)
+            if isinstance(errors, str):
+                self.counts[errors] += 1
+                return errors
             expected = message.path
             where = message.path if message.index is None else f"{message.path}/bag:{message.index}"
-            outcome = machine.Failed(f"step {where}: task {message.task!r}: {message.error}")
+            if len(errors) == 1:
+                text = f"step {where}: task {message.task!r}: {errors[0]}"
+            else:
+                tries = "; ".join(f"#{n}: {error}" for n, error in enumerate(errors, 1))
+                text = f"step {where}: task {message.task!r} failed {len(errors)} attempts: {tries}"
+            outcome = machine.Failed(text)
         verdict = await self._advance(message.wf, expected, outcome)
+        # stale: a duplicate or late message, acked and ignored
         self.counts[verdict.verdict] += 1
         # A redelivered message may be the one whose publishing a crash cut short.
         if verdict.verdict == "applied" or (verdict.verdict == "replay" and redelivered):
@@ -119,6 +127,37 @@ class Transitions:
         if verdict.status in ("completed", "failed", "cancelled"):
             self.plans.forget(message.wf)
         return verdict.verdict
+
+    async def _record_failure(
+        self, message: Failed, plan: Plan, *, redelivered: bool
+    ) -> str | list[str]:
+        """Apply the retry policy: a verdict when the task is tried again (or the report is
+        stale), else every attempt's error, to fail the program with."""
+        step = machine.leaf_at(plan.program, message.path)
+        if isinstance(step, Bag):
+            if message.index is None or not 0 <= message.index < len(step.bag):
+                raise machine.PathError(f"{message.path}: no bag member {message.index}")
+            member: Member = step.bag[message.index]
+        else:
+            member = step
+        policy = member.retry
+        attempts = policy.max_attempts if policy else 1
+        reply = await self.store.fail(
+            message.wf, message.path, message.index, message.attempt, message.error, attempts
+        )
+        if reply.verdict == "stale":
+            return "stale"
+        if policy is None or message.attempt + 1 >= attempts:
+            return reply.outputs or [message.error]
+        # A redelivered report may be the one whose retry a crash cut short.
+        if reply.verdict == "retry" or redelivered:
+            leaf = machine.Leaf(message.path, step, message.prev, message.iteration)
+            pool, bodies = task_messages(
+                message.wf, plan, leaf, attempt=message.attempt + 1, only=message.index
+            )
+            await self.bus.publish_later(pool, bodies[0], policy.delay_s(message.attempt))
+            return "retried"
+        return "stale"
 
     async def _advance(self, wf: str, expected: str, outcome: machine.Outcome) -> Any:
         if isinstance(outcome, machine.Leaf):

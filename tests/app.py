@@ -117,3 +117,11 @@ async def work(ctx: TaskContext) -> dict[str, int]:
     from tests.model import output_of
 
     return await _traced(ctx, output_of(ctx.step, ctx.index))
+
+
+@task()
+async def flaky(ctx: TaskContext) -> dict[str, int]:
+    """Fails until attempt `fail_until`."""
+    if ctx.attempt < ctx.args["fail_until"]:
+        raise RuntimeError(f"attempt {ctx.attempt} fails")
+    return {"attempt": ctx.attempt}

@@ -150,3 +150,23 @@ async def test_handlers_see_their_identity(cluster: Router) -> None:
         "attempt": 0,
         "idempotency_key": "who/1/iter:0/0/bag:1",
     }
+
+
+async def test_a_task_is_retried_with_backoff_until_it_succeeds(cluster: Router) -> None:
+    # `flaky` fails on attempts 0 and 1, and succeeds on attempt 2.
+    retry = {"max_attempts": 3, "backoff_s": 0.05, "factor": 2.0}
+    program = {"steps": [{"bag": [{"task": "flaky", "args": {"fail_until": 2}, "retry": retry}]}]}
+    status = await cluster.wait((await cluster.submit(program)).workflow_id, timeout_s=30)
+    assert status["status"] == "completed", status
+    assert status["result"] == [{"attempt": 2}]
+
+
+async def test_after_the_last_attempt_the_program_fails_with_every_error(cluster: Router) -> None:
+    retry = {"max_attempts": 3, "backoff_s": 0.01}
+    program = {"steps": [{"task": "flaky", "args": {"fail_until": 9}, "retry": retry}]}
+    status = await cluster.wait((await cluster.submit(program)).workflow_id, timeout_s=30)
+    assert status["status"] == "failed"
+    assert status["error"] == (
+        "step 0: task 'flaky' failed 3 attempts: #1: RuntimeError: attempt 0 fails; "
+        "#2: RuntimeError: attempt 1 fails; #3: RuntimeError: attempt 2 fails"
+    )

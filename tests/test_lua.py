@@ -108,3 +108,16 @@ async def test_every_key_of_a_program_shares_one_cluster_slot(store: Store) -> N
     assert len(keys) == 4  # state, plan, one output, the barrier
     slots = {key_slot(key.encode()) for key in keys}
     assert len(slots) == 1
+
+
+async def test_a_failed_attempt_is_recorded_once_and_the_last_returns_every_error(
+    store: Store,
+) -> None:
+    wf = await started(store, cursor="1")
+    assert (await store.fail(wf, "1", 2, 0, "first", 3)).verdict == "retry"
+    assert (await store.fail(wf, "1", 2, 0, "first again", 3)).verdict == "again"
+    assert (await store.fail(wf, "1", 2, 1, "second", 3)).verdict == "retry"
+    last = await store.fail(wf, "1", 2, 2, "third", 3)
+    assert (last.verdict, last.outputs) == ("exhausted", ["first", "second", "third"])
+    assert (await store.fail(wf, "1", 2, 2, "dup", 3)).outputs == ["first", "second", "third"]
+    assert (await store.fail(wf, "0", 0, 0, "late", 3)).verdict == "stale"

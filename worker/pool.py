@@ -48,6 +48,9 @@ class Worker(Service):
         self.bus = bus
         self.counts: Counter[str] = Counter()
 
+    def summary(self) -> str:
+        return ", ".join(f"{verdict} {self.counts[verdict]}" for verdict in sorted(self.counts))
+
     async def _start(self) -> list[Coroutine[Any, Any, None]]:
         return [self._consume()]
 
@@ -108,6 +111,8 @@ class Worker(Service):
                 attempt=task.attempt,
                 task=task.task,
                 error=error,
+                prev=task.prev,
+                iteration=task.iteration,
             )
         completion = await self.store.complete(task.wf, task.path, task.index, task.size, text)
         self.counts[completion.verdict] += 1

@@ -1,0 +1,38 @@
+"""Drawn programs on the real cluster: results as the model says, steps never out of order."""
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from router.client import Router
+from tests.app import Trace
+from tests.model import expect, programs
+from tests.ordering import leaf_order
+
+pytestmark = pytest.mark.e2e
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(program=programs(max_bag=10, fail_rate=15))
+async def test_drawn_programs_run_in_program_order(
+    cluster: Router, trace: Trace, program: dict
+) -> None:
+    expected = expect(program)
+    submitted = await cluster.submit(program, trace.as_input())
+    status = await cluster.wait(submitted.workflow_id, timeout_s=120)
+    assert status["status"] == expected.status, (status, expected)
+    if expected.status == "completed":
+        assert status["result"] == expected.result
+    else:
+        assert status["error"].startswith(expected.error_prefix), (status, expected)
+
+    ran = leaf_order([e for e in trace.events() if e["wf"] == submitted.workflow_id])
+    leaves = ran[submitted.workflow_id]
+    assert [path for path, _, _ in leaves] == [path for path, _ in expected.leaves]
+    for (before, _, end), (after, start, _) in itertools.pairwise(leaves):
+        assert 0 <= end < start, f"{after} started (seq {start}) before {before} ended ({end})"
