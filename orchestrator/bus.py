@@ -173,6 +173,22 @@ class Bus:
         return queue.iterator()
 
 
+async def settle(delivery: Delivery, *, ok: bool) -> None:
+    """Ack, or hand back for redelivery. When the channel is already gone the broker hands the
+    message back by itself, so a failure here is logged, not raised."""
+    try:
+        if ok:
+            await delivery.ack()
+        else:
+            await delivery.nack(requeue=True)
+    except Exception as exc:
+        log.warning(
+            "could not %s a message (%s); it will be delivered again",
+            "ack" if ok else "requeue",
+            exc,
+        )
+
+
 def _message(body: bytes, headers: dict[str, Any] | None = None) -> aio_pika.Message:
     return aio_pika.Message(
         body,

@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import uvloop
-from aiormq.exceptions import AMQPConnectionError
 from pydantic import ValidationError
-from redis.exceptions import ConnectionError as RedisConnectionError
 
 from orchestrator.program import ProgramError, parse_input, program_schema
+from orchestrator.runtime import UNREACHABLE
 from orchestrator.settings import Settings
 
 EXIT_FAILED = 1  # the program ended failed or cancelled
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         code = _fail(str(exc), exc.code)
     except ProgramError as exc:
         code = _fail(str(exc), EXIT_USAGE)
-    except (OSError, RedisConnectionError, AMQPConnectionError) as exc:
+    except UNREACHABLE as exc:
         code = _fail(f"cannot connect: {exc}", EXIT_UNAVAILABLE)
     except KeyboardInterrupt:
         code = 130
@@ -145,12 +144,20 @@ async def _serve(make: Callable[..., Any], settings: Settings, name: str) -> int
     """Build a service on fresh connections and run it until SIGINT/SIGTERM."""
     from orchestrator.runtime import connected
 
-    async with connected(settings, name) as (store, bus):
-        service = make(store, bus)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, service.shutdown)
-        await service.run()
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    assert main is not None
+    # Until the service runs, a signal just cancels the start (e.g. waiting for RabbitMQ).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, main.cancel)
+    try:
+        async with connected(settings, name, wait_s=settings.startup_wait_s) as (store, bus):
+            service = make(store, bus)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, service.shutdown)
+            await service.run()
+    except asyncio.CancelledError:
+        logging.getLogger(name).info("stopped before it started")
     return 0
 
 

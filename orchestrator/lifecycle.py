@@ -35,11 +35,16 @@ class Service:
         self._iterators.append(iterator)
         return iterator
 
-    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
-        """Run one message's work beside the loop; held until done, awaited on stop."""
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run one message's work beside the loop; held until done, awaited on stop.
+
+        A loop that must stay sequential awaits the task behind `asyncio.shield`, so that
+        stopping the loop never cuts a message's work short.
+        """
         task = asyncio.create_task(coroutine)
         self._in_flight.add(task)
         task.add_done_callback(self._in_flight.discard)
+        return task
 
     def summary(self) -> str:
         """One line of what this part handled, logged when it stops."""
@@ -57,10 +62,16 @@ class Service:
             await asyncio.wait([*loops, stop], return_when=asyncio.FIRST_COMPLETED)
         finally:
             log.info("%s: stopping: no new work", self.name)
+            # Stop the loops first: an iterator closed while a loop waits on it may consume
+            # again (aio-pika's robust iterator). Then cancel the consumers; messages they
+            # hold but never started go back to the queue.
+            for loop in loops:
+                loop.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
             for iterator in self._iterators:
                 with contextlib.suppress(Exception):
                     await iterator.close()
-            pending = [*loops, *self._in_flight]
+            pending = list(self._in_flight)
             if pending:
                 _, late = await asyncio.wait(pending, timeout=self.grace_s)
                 if late:
@@ -76,5 +87,5 @@ class Service:
             stop.cancel()
             log.info("%s: stopped; %s", self.name, self.summary() or "nothing handled")
         for loop in loops:
-            if loop.done() and not loop.cancelled() and loop.exception() is not None:
+            if not loop.cancelled() and loop.exception() is not None:
                 raise loop.exception()  # type: ignore[misc]

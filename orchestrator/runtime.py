@@ -2,24 +2,50 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
+import time
 from collections.abc import AsyncIterator
+
+from aiormq.exceptions import AMQPConnectionError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from orchestrator.bus import Bus
 from orchestrator.settings import Settings
 from orchestrator.store import Store
 
+log = logging.getLogger(__name__)
+
+UNREACHABLE = (OSError, RedisConnectionError, AMQPConnectionError)
+
 
 @contextlib.asynccontextmanager
 async def connected(
-    settings: Settings, name: str = "shardflow"
+    settings: Settings, name: str = "shardflow", *, wait_s: float = 0.0
 ) -> AsyncIterator[tuple[Store, Bus]]:
-    """Connect to Redis and RabbitMQ, declare the topology, and close both on exit."""
+    """Connect to Redis and RabbitMQ, declare the topology, and close both on exit.
+
+    A long-running process passes `wait_s` to wait that long for services still starting
+    (or restarting); after connecting, reconnects are aio-pika's and redis-py's.
+    """
     store = Store.connect(settings)
     bus = Bus(settings, name=name)
     try:
-        await store.load_scripts()
-        await bus.connect()
+        deadline = time.monotonic() + wait_s
+        pause = 0.5
+        while True:
+            try:
+                await store.load_scripts()
+                await bus.connect()
+                break
+            except UNREACHABLE as exc:
+                if time.monotonic() + pause > deadline:
+                    raise
+                log.warning("%s: waiting for RabbitMQ and Redis: %s", name, exc)
+                await bus.close()
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 5.0)
         yield store, bus
     finally:
         await bus.close()

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from orchestrator.bus import Bus, Delivery, Publisher
+from orchestrator.bus import Bus, Delivery, Publisher, settle
 from orchestrator.lifecycle import Service
 from orchestrator.machine import PathError
 from orchestrator.messages import MessageError, decode_shard_message
@@ -31,12 +31,12 @@ async def handle_shard_message(
     except (MessageError, ProgramError, PathError) as exc:
         # Poison: retrying cannot help. Park it with the reason and go on.
         await bus.dead_letter(delivery.body, reason=str(exc), source=source)
-    except Exception:
-        log.exception("%s: transition failed; message requeued", source)
-        await delivery.nack(requeue=True)
+    except Exception as exc:
+        log.warning("%s: transition failed, message requeued: %r", source, exc)
+        await settle(delivery, ok=False)
         await asyncio.sleep(RETRY_PAUSE_S)
         return
-    await delivery.ack()
+    await settle(delivery, ok=True)
 
 
 class Orchestrator(Service):
@@ -74,4 +74,7 @@ class Orchestrator(Service):
         iterator = self._track(await self.bus.consume(queue, self.settings.prefetch))
         log.info("orchestrator: consuming %s", queue)
         async for message in iterator:
-            await handle_shard_message(message, self.transitions, self.bus, queue)
+            # One message at a time, in delivery order; shielded so a stop lets it finish.
+            await asyncio.shield(
+                self._spawn(handle_shard_message(message, self.transitions, self.bus, queue))
+            )

@@ -31,6 +31,8 @@ class Settings(BaseSettings):
     max_output_bytes: int = Field(default=1024 * 1024, ge=64)
     plan_cache_size: int = Field(default=1024, ge=1)
     grace_s: float = Field(default=10.0, ge=0)
+    # How long a starting orchestrator or worker waits for RabbitMQ and Redis.
+    startup_wait_s: float = Field(default=120.0, ge=0)
     wait_poll_s: float = Field(default=0.05, gt=0)
 
     @field_validator("prefix")

@@ -15,7 +15,7 @@ from orchestrator import machine
 from orchestrator.bus import Publisher
 from orchestrator.messages import Failed, Next, Start, TaskMessage, encode
 from orchestrator.program import Bag, Member, Program, parse_program
-from orchestrator.store import Store
+from orchestrator.store import TERMINAL, Store
 
 log = logging.getLogger(__name__)
 
@@ -121,10 +121,24 @@ class Transitions:
         verdict = await self._advance(message.wf, expected, outcome)
         # stale: a duplicate or late message, acked and ignored
         self.counts[verdict.verdict] += 1
+        ended = verdict.status in TERMINAL
         # A redelivered message may be the one whose publishing a crash cut short.
         if verdict.verdict == "applied" or (verdict.verdict == "replay" and redelivered):
             await self._publish(message.wf, plan, outcome)
-        if verdict.status in ("completed", "failed", "cancelled"):
+            if verdict.verdict == "replay":
+                self.counts["republished"] += 1
+                log.info("%s: %s redelivered after a crash: published again", message.wf, expected)
+            elif ended:
+                log.info("%s: ended %s", message.wf, verdict.status)
+        elif verdict.verdict != "applied":
+            log.info(
+                "%s: %s message for %r ignored (%s)",
+                message.wf,
+                message.kind,
+                expected,
+                verdict.verdict,
+            )
+        if ended:
             self.plans.forget(message.wf)
         return verdict.verdict
 

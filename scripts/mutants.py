@@ -68,7 +68,15 @@ def run(name: str, scratch: Path) -> str:
     target.write_text(text.replace(old, new))
     started = time.monotonic()
     result = subprocess.run(
-        [str(ROOT / ".venv/bin/pytest"), "-q", "-x", "-p", "no:cacheprovider", TEST],
+        [
+            str(ROOT / ".venv/bin/pytest"),
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            "--timeout=1800",
+            TEST,
+        ],
         cwd=scratch,
         env={**os.environ, "PYTHONPATH": str(scratch)},
         capture_output=True,
@@ -78,28 +86,31 @@ def run(name: str, scratch: Path) -> str:
     took = time.monotonic() - started
     if result.returncode == 0:
         return f"## {name}: NOT CAUGHT ({took:.0f}s)\n"
-    lines = result.stdout.splitlines()
+    (scratch / "pytest.out").write_text(result.stdout)
+    lines = [line.strip(" |E") for line in result.stdout.splitlines()]
     errors = sorted(
         {
-            re.sub(r"\bw[0-9a-f]{8}\b", "wf", line.strip(" |E"))
+            re.sub(r"\bw[0-9a-f]{8}\b", "wf", line)
             for line in lines
-            if "AssertionError:" in line
+            if re.match(r"^(AssertionError|Failed|\w+Error): ", line)
         }
     )
-    example = [
-        line.strip(" |E")
-        for line in lines
-        if re.match(r"^[ |E]*state\.(?!barriers|nothing|programs)", line)
-    ]
+    examples: list[list[str]] = []
+    current: list[str] | None = None
+    for line in lines:
+        if line == "state = Cluster()":
+            current = []
+        elif current is not None and re.match(r"state\.(?!barriers|nothing|programs)", line):
+            current.append(line)
+            if line == "state.teardown()":
+                examples.append(current)
+                current = None
+    shortest = min(examples, key=len) if examples else ["(none printed)"]
     return (
         f"## {name}: caught in {took:.0f}s\n"
         + "\n".join(errors)
         + "\nshrunk example:\n    "
-        + "\n    ".join(
-            example[: example.index("state.teardown()") + 1]
-            if "state.teardown()" in example
-            else example
-        )
+        + "\n    ".join(shortest)
         + "\n"
     )
 

@@ -6,7 +6,7 @@ import pytest
 
 from router.client import Router
 from tests.app import Trace
-from tests.ordering import assert_steps_in_order, leaf_order
+from tests.ordering import assert_leaves_in_order, leaf_order
 
 pytestmark = pytest.mark.e2e
 
@@ -40,7 +40,7 @@ async def test_task_bag_and_untiloop_give_the_right_result_in_order(
     # Bag members each get step 0's output (1) and add their n: the bag's output is their list.
     assert status["result"] == {"args": {"last": True}, "prev": {"iteration": 2}}
     events = trace.events()
-    assert_steps_in_order(events, MIXED_PATHS)
+    assert_leaves_in_order(events, MIXED_PATHS)
     bag = [e for e in events if e["path"] == "1" and e["event"] == "end"]
     assert sorted(e["index"] for e in bag) == list(range(10))
 
@@ -75,7 +75,7 @@ async def test_fifty_programs_at_once_over_four_shards_all_complete(
     assert {s["owner"] for s in statuses} == {0, 1, 2, 3}
     events = trace.events()
     assert len(leaf_order(events)) == 50
-    assert_steps_in_order(events, MIXED_PATHS)
+    assert_leaves_in_order(events, MIXED_PATHS)
 
 
 async def test_a_failing_task_fails_its_program_with_the_error(

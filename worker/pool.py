@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Coroutine
 from typing import Any, Literal
 
-from orchestrator.bus import Bus, Delivery, Publisher
+from orchestrator.bus import Bus, Delivery, Publisher, settle
 from orchestrator.lifecycle import Service
 from orchestrator.messages import Failed, MessageError, Next, TaskMessage, decode_task, encode
 from orchestrator.settings import Settings
@@ -69,7 +69,7 @@ class Worker(Service):
             task = decode_task(delivery.body)
         except MessageError as exc:
             await self.bus.dead_letter(delivery.body, reason=str(exc), source=source)
-            await delivery.ack()
+            await settle(delivery, ok=True)
             return
         try:
             report = await self.run_task(task, redelivered=bool(delivery.redelivered))
@@ -77,12 +77,12 @@ class Worker(Service):
                 await self.bus.publish_to_shard(task.owner, encode(report))
         except asyncio.CancelledError:
             raise  # a hard stop: the message goes back to the queue with the channel
-        except Exception:
-            log.exception("%s: %s %s: could not record; requeued", self.name, task.wf, task.path)
-            await delivery.nack(requeue=True)
+        except Exception as exc:
+            log.warning("%s: %s %s: not recorded, requeued: %r", self.name, task.wf, task.path, exc)
+            await settle(delivery, ok=False)
             await asyncio.sleep(RETRY_PAUSE_S)
             return
-        await delivery.ack()
+        await settle(delivery, ok=True)
 
     async def run_task(self, task: TaskMessage, *, redelivered: bool) -> Next | Failed | None:
         """Run the handler and record its output; the report for the owner, if any."""

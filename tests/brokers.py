@@ -1,0 +1,119 @@
+"""Private RabbitMQ and Redis instances on free loopback ports, for tests that kill them.
+
+The shared services are never restarted: a fault test starts its own and stops them after.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def wait_for_port(port: int, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {seconds}s")
+
+
+class PrivateRedis:
+    """redis-server with AOF (appendfsync always), so a kill -9 loses nothing acknowledged."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="sf-redis-"))
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--dir",
+             str(self.dir), "--appendonly", "yes", "--appendfsync", "always", "--save", ""],
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        wait_for_port(self.port, 20)
+
+    def kill(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def close(self) -> None:
+        self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class PrivateRabbit:
+    """A RabbitMQ node of its own (about 5 s to start); folders owned by the rabbitmq user."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.dist_port = free_port()
+        self.node = f"sftest{uuid.uuid4().hex[:6]}@localhost"
+        self.dir = Path(tempfile.mkdtemp(prefix="sf-rabbit-"))
+        for sub in ("mnesia", "log"):
+            (self.dir / sub).mkdir()
+        (self.dir / "enabled_plugins").write_text("[].\n")
+        if os.geteuid() == 0:
+            user = pwd.getpwnam("rabbitmq")
+            for path in [self.dir, *self.dir.rglob("*")]:
+                os.chown(path, user.pw_uid, user.pw_gid)
+
+    @property
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port}/"
+
+    def _env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "RABBITMQ_NODENAME": self.node,
+            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+            "RABBITMQ_NODE_PORT": str(self.port),
+            "RABBITMQ_DIST_PORT": str(self.dist_port),
+            "RABBITMQ_MNESIA_BASE": str(self.dir / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(self.dir / "log"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.dir / "enabled_plugins"),
+            "RABBITMQ_CONFIG_FILE": str(self.dir / "rabbitmq"),  # none: defaults only
+        }
+
+    def start(self) -> None:
+        subprocess.run(["rabbitmq-server", "-detached"], env=self._env(), check=True)
+        wait_for_port(self.port, 60)
+
+    def stop(self) -> None:
+        subprocess.run(
+            ["rabbitmqctl", "-n", self.node, "stop"], env=self._env(), capture_output=True,
+            timeout=60,
+        )  # fmt: skip
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
