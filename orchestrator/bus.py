@@ -10,6 +10,7 @@ import aio_pika
 from aio_pika.abc import (
     AbstractChannel,
     AbstractExchange,
+    AbstractIncomingMessage,
     AbstractQueueIterator,
     AbstractRobustConnection,
 )
@@ -30,6 +31,10 @@ class Publisher(Protocol):
     async def publish_all(self, pool: str, bodies: list[bytes]) -> None: ...
 
     async def publish_later(self, pool: str, body: bytes, delay_s: float) -> None: ...
+
+    async def publish_to_shard_later(self, owner: int, body: bytes, delay_s: float) -> None: ...
+
+    async def publish_control(self, body: bytes) -> None: ...
 
     async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None: ...
 
@@ -95,6 +100,9 @@ class Bus:
                 arguments=self._queue_arguments(single_active=True),
             )
             await queue.bind(shards, routing_key=str(shard))
+        await channel.declare_exchange(
+            names.control_exchange, aio_pika.ExchangeType.FANOUT, durable=True
+        )
         for pool in POOLS:
             await channel.declare_queue(
                 names.task_queue(pool),
@@ -139,17 +147,25 @@ class Bus:
         await asyncio.gather(*(self.publish_task(pool, body) for body in bodies))
 
     async def publish_later(self, pool: str, body: bytes, delay_s: float) -> None:
-        """Publish a task after `delay_s`: a TTL queue per delay dead-letters it to the pool."""
-        delay_ms = round(delay_s * 1000)
-        if delay_ms <= 0:
-            await self.publish_task(pool, body)
-            return
-        name = self.names.delay_queue(pool, delay_ms)
+        """Publish a task after `delay_s`, through a TTL queue that dead-letters to the pool."""
+        await self._publish_delayed(pool, "", self.names.task_queue(pool), body, delay_s)
+
+    async def publish_to_shard_later(self, owner: int, body: bytes, delay_s: float) -> None:
+        """Publish to the owner shard after `delay_s` (a program's deadline)."""
+        exchange = self.names.orchestrator_exchange
+        await self._publish_delayed(f"shard{owner}", exchange, str(owner), body, delay_s)
+
+    async def _publish_delayed(
+        self, target: str, exchange: str, routing_key: str, body: bytes, delay_s: float
+    ) -> None:
+        # One queue per delay: per-queue TTLs expire in order, per-message ones would not.
+        delay_ms = max(1, round(delay_s * 1000))
+        name = self.names.delay_queue(target, delay_ms)
         if name not in self._delay_queues:
             arguments: dict[str, Any] = {
                 "x-message-ttl": delay_ms,
-                "x-dead-letter-exchange": "",
-                "x-dead-letter-routing-key": self.names.task_queue(pool),
+                "x-dead-letter-exchange": exchange,
+                "x-dead-letter-routing-key": routing_key,
             }
             if self.settings.queue_type == "quorum":
                 arguments["x-queue-type"] = "quorum"
@@ -157,11 +173,43 @@ class Bus:
             self._delay_queues.add(name)
         await self._channel.default_exchange.publish(_message(body), routing_key=name)
 
+    async def publish_control(self, body: bytes) -> None:
+        """Tell every worker (e.g. a program was cancelled); nobody listening is fine."""
+        exchange = await self._channel.get_exchange(self.names.control_exchange, ensure=False)
+        await exchange.publish(_message(body), routing_key="", mandatory=False)
+
+    async def consume_control(self) -> AbstractQueueIterator:
+        """This process's own queue on the control exchange, gone when it disconnects."""
+        if self._connection is None:
+            raise RuntimeError("Bus.connect() was not called")
+        channel = await self._connection.channel(publisher_confirms=False)
+        queue = await channel.declare_queue(exclusive=True, auto_delete=True)
+        await queue.bind(self.names.control_exchange)
+        return queue.iterator(no_ack=True)
+
     async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:
         """Park an unusable message with the reason in its headers."""
         log.warning("dead-lettering a message from %s: %s", source, reason)
         dead = _message(body, headers={"x-shardflow-reason": reason, "x-shardflow-from": source})
         await self._channel.default_exchange.publish(dead, routing_key=self.names.dead_queue)
+
+    async def peek_dead(self, limit: int) -> list[tuple[dict[str, Any], bytes]]:
+        """Up to `limit` dead-lettered messages (headers, body), left in the queue."""
+        if self._connection is None:
+            raise RuntimeError("Bus.connect() was not called")
+        channel = await self._connection.channel(publisher_confirms=False)
+        try:
+            queue = await channel.get_queue(self.names.dead_queue, ensure=True)
+            held: list[AbstractIncomingMessage] = []
+            while len(held) < limit:
+                message = await queue.get(no_ack=False, fail=False)
+                if message is None:
+                    break
+                held.append(message)
+            # Closing the channel hands every held message back, in order.
+            return [(dict(message.headers or {}), message.body) for message in held]
+        finally:
+            await channel.close()
 
     async def consume(self, queue_name: str, prefetch: int) -> AbstractQueueIterator:
         """A consumer on its own channel, so the prefetch applies to this queue alone."""

@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 import uvloop
 from pydantic import ValidationError
 
+from orchestrator.keys import check_workflow_id
 from orchestrator.program import ProgramError, parse_input, program_schema
 from orchestrator.runtime import UNREACHABLE
 from orchestrator.settings import Settings
@@ -79,6 +80,17 @@ def _parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", help="print a program's status as JSON")
     status.add_argument("id")
+
+    cancel = commands.add_parser(
+        "cancel", help="cancel a program: no further step runs, running tasks are stopped"
+    )
+    cancel.add_argument("id")
+    cancel.add_argument("--reason", default="cancelled", help="recorded as the program's error")
+
+    dead = commands.add_parser(
+        "dead", help="list dead-lettered messages with the reason each was refused"
+    )
+    dead.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
 
     commands.add_parser("schema", help="print the program format's JSON Schema")
     return parser
@@ -265,6 +277,47 @@ async def _status(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
+    from orchestrator.runtime import connected
+    from router.client import Router
+
+    try:
+        check_workflow_id(args.id)
+    except ValueError as exc:
+        raise CliError(f"id: {exc}") from None
+    async with connected(settings, "shardflow-cancel") as (store, bus):
+        try:
+            status = await Router(settings, store=store, bus=bus).cancel(args.id, args.reason)
+        except LookupError as exc:
+            raise CliError(str(exc), EXIT_FAILED) from None
+    print(json.dumps(status, indent=2))
+    return 0
+
+
+async def _dead(settings: Settings, args: argparse.Namespace) -> int:
+    from orchestrator.runtime import connected
+
+    async with connected(settings, "shardflow-dead") as (_, bus):
+        messages = await bus.peek_dead(args.limit)
+    for headers, body in messages:
+        line = {
+            "reason": headers.get("x-shardflow-reason") or _death_reason(headers),
+            "from": headers.get("x-shardflow-from"),
+            "body": body.decode(errors="replace")[:500],
+        }
+        print(json.dumps(line))
+    return 0
+
+
+def _death_reason(headers: dict[str, Any]) -> str:
+    # Dead-lettered by the broker (rejected, or over a quorum queue's delivery limit).
+    deaths = headers.get("x-death") or []
+    if deaths:
+        death = deaths[0]
+        return f"{death.get('reason')} by the broker from {death.get('queue')}"
+    return "unknown"
+
+
 async def _schema(settings: Settings, args: argparse.Namespace) -> int:
     print(json.dumps(program_schema(), indent=2))
     return 0
@@ -276,6 +329,8 @@ _COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Coroutine[Any, Any
     "worker": _worker,
     "submit": _submit,
     "status": _status,
+    "cancel": _cancel,
+    "dead": _dead,
     "schema": _schema,
 }
 

@@ -65,8 +65,13 @@ class Names:
     def task_queue(self, pool: str) -> str:
         return f"{self.prefix}.tasks.{pool}"
 
-    def delay_queue(self, pool: str, delay_ms: int) -> str:
-        return f"{self.prefix}.delay.{pool}.{delay_ms}"
+    def delay_queue(self, target: str, delay_ms: int) -> str:
+        """Where a message waits `delay_ms` before it goes to `target` (a pool, or shardN)."""
+        return f"{self.prefix}.delay.{target}.{delay_ms}"
+
+    @property
+    def control_exchange(self) -> str:
+        return f"{self.prefix}.control"
 
     @property
     def dead_exchange(self) -> str:

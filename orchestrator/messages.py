@@ -51,7 +51,21 @@ class Failed(_Message):
     iteration: int = 0
 
 
-ShardMessage = Annotated[Start | Next | Failed, Field(discriminator="kind")]
+class Deadline(_Message):
+    """Router to owner shard, delayed by the program's `deadline_s`: end it if still running."""
+
+    kind: Literal["deadline"] = "deadline"
+    wf: WorkflowId
+    deadline_s: float
+
+
+class Cancelled(_Message):
+    """To every worker (control exchange): stop running this program's tasks."""
+
+    wf: WorkflowId
+
+
+ShardMessage = Annotated[Start | Next | Failed | Deadline, Field(discriminator="kind")]
 
 
 class TaskMessage(_Message):
@@ -75,7 +89,7 @@ _SHARD = TypeAdapter(ShardMessage)
 _TASK = TypeAdapter(TaskMessage)
 
 
-def decode_shard_message(body: bytes) -> Start | Next | Failed:
+def decode_shard_message(body: bytes) -> Start | Next | Failed | Deadline:
     """Parse a shard queue message, or raise MessageError naming the fault."""
     try:
         return _SHARD.validate_json(body)

@@ -114,6 +114,8 @@ class Program(_Model):
 
     name: str = Field(default="", max_length=200)
     steps: list[Step] = Field(min_length=1)
+    # The program fails if it has not ended this long after it was submitted.
+    deadline_s: float | None = Field(default=None, gt=0, le=30 * 86400)
 
     def task_names(self) -> set[str]:
         """Every task name the program may run."""

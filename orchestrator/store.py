@@ -58,6 +58,7 @@ class Store:
         self._advance = _script(client, "advance")
         self._complete = _script(client, "complete")
         self._fail = _script(client, "fail")
+        self._cancel = _script(client, "cancel")
 
     @classmethod
     def connect(cls, settings: Settings) -> Store:
@@ -71,7 +72,7 @@ class Store:
 
     async def load_scripts(self) -> None:
         """SCRIPT LOAD every transition up front; calls still reload on NOSCRIPT."""
-        for script in (self._submit, self._advance, self._complete, self._fail):
+        for script in (self._submit, self._advance, self._complete, self._fail, self._cancel):
             await self.client.script_load(script.script)
 
     async def close(self) -> None:
@@ -116,6 +117,13 @@ class Store:
             args=[path, index or 0, attempt, error, max_attempts],
         )
         return Completion(reply[0], list(reply[1:]) if reply[0] != "stale" else [])
+
+    async def cancel(self, wf: str, status: str, reason: str) -> Verdict:
+        """End a live program now (see lua/cancel.lua): applied, ended or missing."""
+        verdict, now_status, cursor = await self._cancel(
+            keys=[self.keys.state(wf)], args=[status, reason]
+        )
+        return Verdict(verdict, now_status, cursor)
 
     async def plan(self, wf: str) -> dict[str, Any] | None:
         """The recorded program, input and owner."""

@@ -13,7 +13,7 @@ from typing import Any
 
 from orchestrator import machine
 from orchestrator.bus import Publisher
-from orchestrator.messages import Failed, Next, Start, TaskMessage, encode
+from orchestrator.messages import Cancelled, Deadline, Failed, Next, Start, TaskMessage, encode
 from orchestrator.program import Bag, Member, Program, parse_program
 from orchestrator.store import TERMINAL, Store
 
@@ -84,6 +84,17 @@ def task_messages(
     return ("parallel" if isinstance(step, Bag) else step.pool), bodies
 
 
+async def end_program(store: Store, bus: Publisher, wf: str, status: str, reason: str) -> str:
+    """Cancel (or fail) a live program wherever it stands, and tell the workers."""
+    verdict = await store.cancel(wf, status, reason)
+    if verdict.verdict == "applied":
+        log.info("%s: ended %s: %s", wf, status, reason)
+    # Told again on a redelivery too: a crash may have cut the first notice short.
+    if verdict.verdict == "applied" or verdict.status == status:
+        await bus.publish_control(encode(Cancelled(wf=wf)))
+    return verdict.verdict
+
+
 class Transitions:
     """Applies start / next / failed messages of the shards this process owns."""
 
@@ -93,8 +104,11 @@ class Transitions:
         self.plans = plans
         self.counts: Counter[str] = Counter()
 
-    async def apply(self, message: Start | Next | Failed, *, redelivered: bool) -> str:
+    async def apply(self, message: Start | Next | Failed | Deadline, *, redelivered: bool) -> str:
         """Apply one message; return the verdict (applied, replay, stale, missing)."""
+        if isinstance(message, Deadline):
+            reason = f"deadline of {message.deadline_s}s exceeded"
+            return await end_program(self.store, self.bus, message.wf, "failed", reason)
         plan = await self.plans.get(message.wf)
         if plan is None:
             self.counts["missing"] += 1

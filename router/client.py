@@ -11,10 +11,11 @@ from typing import Any
 
 from orchestrator.bus import Publisher
 from orchestrator.keys import check_workflow_id
-from orchestrator.messages import Start, encode
+from orchestrator.messages import Deadline, Start, encode
 from orchestrator.program import Program, ProgramError, parse_program
 from orchestrator.settings import Settings
 from orchestrator.store import TERMINAL, Store
+from orchestrator.transitions import end_program
 from router.hashing import shard_for
 
 
@@ -87,7 +88,23 @@ class Router:
         # starting it again is harmless, the first transition is compare-and-advance.
         if found.status == "pending":
             await self.bus.publish_to_shard(found.owner, encode(Start(wf=wf)))
+            if checked.deadline_s is not None:
+                deadline = Deadline(wf=wf, deadline_s=checked.deadline_s)
+                await self.bus.publish_to_shard_later(
+                    found.owner, encode(deadline), checked.deadline_s
+                )
         return Submitted(wf, found.owner, found.created, found.status)
+
+    async def cancel(self, workflow_id: str, reason: str = "cancelled") -> dict[str, Any]:
+        """Cancel a program: no further step is dispatched, running tasks are told to stop."""
+        if self.bus is None:
+            raise RuntimeError("Router needs a bus to cancel")
+        verdict = await end_program(self.store, self.bus, workflow_id, "cancelled", reason)
+        if verdict == "missing":
+            raise LookupError(f"no program {workflow_id!r}")
+        status = await self.status(workflow_id)
+        assert status is not None
+        return status
 
     async def status(self, workflow_id: str) -> dict[str, Any] | None:
         """The program's status as JSON-ready data, or None when there is no such program."""

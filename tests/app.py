@@ -125,3 +125,9 @@ async def flaky(ctx: TaskContext) -> dict[str, int]:
     if ctx.attempt < ctx.args["fail_until"]:
         raise RuntimeError(f"attempt {ctx.attempt} fails")
     return {"attempt": ctx.attempt}
+
+
+@task()
+async def blob(ctx: TaskContext) -> str:
+    """An output of `n` bytes (and two quotes)."""
+    return "x" * ctx.args["n"]

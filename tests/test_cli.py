@@ -1,5 +1,6 @@
 """The `shardflow` command as a user runs it: real processes, one-line errors, exit codes."""
 
+import asyncio
 import json
 import os
 import signal
@@ -148,3 +149,42 @@ def test_schema_prints_the_program_json_schema() -> None:
     result = shardflow("schema")
     assert result.returncode == 0
     assert set(json.loads(result.stdout)["$defs"]) >= {"Task", "Bag", "Untiloop"}
+
+
+async def test_poison_messages_are_parked_with_their_reason_and_listed(
+    dev: dict[str, str], settings: Settings
+) -> None:
+    import aio_pika
+
+    from orchestrator.keys import Names
+    from orchestrator.runtime import connected
+
+    names = Names(settings.prefix)
+    async with connected(settings):  # the queues exist before anything is published to them
+        pass
+    async with await aio_pika.connect(settings.amqp_url) as connection:
+        channel = await connection.channel()
+        for queue, body in [
+            (names.shard_queue(1), b"{not json"),
+            (names.task_queue("parallel"), b'{"wf": "w", "path": "0", "task": "t"}'),
+        ]:
+            await channel.default_exchange.publish(aio_pika.Message(body), routing_key=queue)
+    listed: list[dict] = []
+    for _ in range(50):
+        listed = [json.loads(line) for line in shardflow("dead", env=dev).stdout.splitlines()]
+        if len(listed) == 2:
+            break
+        await asyncio.sleep(0.1)
+    by_queue = {entry["from"]: entry for entry in listed}
+    shard = by_queue[names.shard_queue(1)]
+    assert shard["reason"].startswith("message: Invalid JSON") and shard["body"] == "{not json"
+    assert by_queue[names.task_queue("parallel")]["reason"] == "owner: Field required"
+    # Listing leaves them where they are, and the cluster goes on working.
+    assert len(shardflow("dead", env=dev).stdout.splitlines()) == 2
+    done = shardflow("submit", str(EXAMPLE), "--input", '{"album": "a"}', "--wait", env=dev)
+    assert done.returncode == 0, done.stderr
+
+
+def test_cancel_of_an_unknown_program_exits_1(settings: Settings) -> None:
+    result = shardflow("cancel", "nothing-here", env=environment(settings))
+    assert (result.returncode, result.stderr) == (1, "shardflow: no program 'nothing-here'\n")

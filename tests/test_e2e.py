@@ -170,3 +170,47 @@ async def test_after_the_last_attempt_the_program_fails_with_every_error(cluster
         "step 0: task 'flaky' failed 3 attempts: #1: RuntimeError: attempt 0 fails; "
         "#2: RuntimeError: attempt 1 fails; #3: RuntimeError: attempt 2 fails"
     )
+
+
+async def test_cancel_stops_running_tasks_and_dispatches_nothing_more(
+    cluster: Router, trace: Trace
+) -> None:
+    program = {
+        "steps": [{"bag": [{"task": "echo", "args": {"sleep_s": 30}}] * 3}, {"task": "echo"}]
+    }
+    submitted = await cluster.submit(program, trace.as_input())
+    await _until(lambda: len(trace.events()) == 3)  # all three members started
+    status = await cluster.cancel(submitted.workflow_id, "not needed any more")
+    assert (status["status"], status["error"]) == ("cancelled", "not needed any more")
+    await asyncio.sleep(0.3)
+    events = trace.events()
+    assert [e["event"] for e in events] == ["start"] * 3  # stopped before they ended
+    assert "1" not in {e["path"] for e in events}
+    again = await cluster.cancel(submitted.workflow_id)
+    assert again["error"] == "not needed any more"  # the first end stands
+
+
+async def test_a_program_past_its_deadline_fails(cluster: Router) -> None:
+    program = {"deadline_s": 0.3, "steps": [{"task": "echo", "args": {"sleep_s": 30}}]}
+    status = await cluster.wait((await cluster.submit(program)).workflow_id, timeout_s=10)
+    assert (status["status"], status["error"]) == ("failed", "deadline of 0.3s exceeded")
+
+
+async def test_a_task_over_its_timeout_fails(cluster: Router) -> None:
+    program = {"steps": [{"task": "echo", "timeout_s": 0.1, "args": {"sleep_s": 5}}]}
+    status = await cluster.wait((await cluster.submit(program)).workflow_id, timeout_s=10)
+    assert status["error"] == "step 0: task 'echo': timed out after 0.1s"
+
+
+async def test_output_over_the_limit_fails_the_task(cluster: Router) -> None:
+    program = {"steps": [{"task": "blob", "args": {"n": 2_000_000}}]}
+    status = await cluster.wait((await cluster.submit(program)).workflow_id, timeout_s=10)
+    assert status["status"] == "failed"
+    assert "over the limit of 1048576 (SHARDFLOW_MAX_OUTPUT_BYTES)" in status["error"]
+
+
+async def _until(condition, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.02)

@@ -9,9 +9,19 @@ from collections import Counter
 from collections.abc import Coroutine
 from typing import Any, Literal
 
+from pydantic import ValidationError
+
 from orchestrator.bus import Bus, Delivery, Publisher, settle
 from orchestrator.lifecycle import Service
-from orchestrator.messages import Failed, MessageError, Next, TaskMessage, decode_task, encode
+from orchestrator.messages import (
+    Cancelled,
+    Failed,
+    MessageError,
+    Next,
+    TaskMessage,
+    decode_task,
+    encode,
+)
 from orchestrator.settings import Settings
 from orchestrator.store import Store
 from worker.context import TaskContext
@@ -47,12 +57,33 @@ class Worker(Service):
         self.store = store
         self.bus = bus
         self.counts: Counter[str] = Counter()
+        self._running: dict[str, set[asyncio.Task[Any]]] = {}
 
     def summary(self) -> str:
         return ", ".join(f"{verdict} {self.counts[verdict]}" for verdict in sorted(self.counts))
 
     async def _start(self) -> list[Coroutine[Any, Any, None]]:
-        return [self._consume()]
+        return [self._consume(), self._listen()]
+
+    async def _listen(self) -> None:
+        """Stop the running tasks of programs that were cancelled or ran out of time."""
+        assert isinstance(self.bus, Bus)
+        async for message in self._track(await self.bus.consume_control()):
+            try:
+                wf = Cancelled.model_validate_json(message.body).wf
+            except ValidationError:
+                log.warning("%s: ignored a control message: %r", self.name, message.body[:200])
+                continue
+            self.cancel_program(wf)
+
+    def cancel_program(self, wf: str) -> int:
+        """Cancel this worker's running handlers of a program; how many there were."""
+        handlers = self._running.get(wf, set())
+        for handler in handlers:
+            handler.cancel()
+        if handlers:
+            log.info("%s: %s cancelled: stopped %d running task(s)", self.name, wf, len(handlers))
+        return len(handlers)
 
     async def _consume(self) -> None:
         assert isinstance(self.bus, Bus)
@@ -100,6 +131,9 @@ class Worker(Service):
             text = await self._output(task, ctx)
         except asyncio.CancelledError:
             raise
+        except _ProgramCancelled:
+            self.counts["cancelled"] += 1
+            return None
         except Exception as exc:
             self.counts["failed"] += 1
             plain = isinstance(exc, _TaskError | UnknownTask)
@@ -125,10 +159,24 @@ class Worker(Service):
         )
 
     async def _output(self, task: TaskMessage, ctx: TaskContext) -> str:
+        # The handler runs in a task of its own, so a cancelled program can stop just it.
+        handler = asyncio.create_task(self.registry.run(task.task, ctx))
+        running = self._running.setdefault(task.wf, set())
+        running.add(handler)
         try:
-            output = await asyncio.wait_for(self.registry.run(task.task, ctx), task.timeout_s)
-        except TimeoutError:
-            raise _TaskError(f"timed out after {task.timeout_s}s") from None
+            done, _ = await asyncio.wait({handler}, timeout=task.timeout_s)
+        finally:
+            if not handler.done():  # timed out, or this worker is stopping
+                handler.cancel()
+                await asyncio.gather(handler, return_exceptions=True)
+            running.discard(handler)
+            if not running:
+                del self._running[task.wf]
+        if not done:
+            raise _TaskError(f"timed out after {task.timeout_s}s")
+        if handler.cancelled():
+            raise _ProgramCancelled
+        output = handler.result()
         try:
             text = json.dumps(output)
         except (TypeError, ValueError) as exc:
@@ -143,3 +191,7 @@ class Worker(Service):
 
 class _TaskError(Exception):
     """A task failure whose message is already the whole story."""
+
+
+class _ProgramCancelled(Exception):
+    """The program was cancelled while this task ran: nothing to report."""

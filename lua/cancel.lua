@@ -1,0 +1,21 @@
+-- cancel.lua: end a program that is still pending or running, wherever its cursor stands.
+-- Used for `shardflow cancel` and for a program's deadline. Nothing moves a program after it.
+-- KEYS[1]  state hash   <prefix>:{<wf>}:state
+-- ARGV[1]  end status: cancelled | failed
+-- ARGV[2]  reason, recorded as the program's error
+-- returns  {"applied", status, cursor}  ended now (cursor: the step that was running)
+--          {"ended", status, ""}        it had already ended: nothing changes
+--          {"missing", "", ""}          no such program
+local s = redis.call("HMGET", KEYS[1], "status", "cursor")
+local status, cursor = s[1], s[2]
+if not status then
+  return {"missing", "", ""}
+end
+if status ~= "pending" and status ~= "running" then
+  return {"ended", status, ""}
+end
+local t = redis.call("TIME")
+local now = string.format("%d", t[1] * 1000 + math.floor(t[2] / 1000))
+redis.call("HSET", KEYS[1], "status", ARGV[1], "error", ARGV[2], "cursor", "", "from", cursor,
+  "updated_ms", now, "ended_ms", now)
+return {"applied", ARGV[1], cursor}
