@@ -103,6 +103,9 @@ class Bus:
         await channel.declare_exchange(
             names.control_exchange, aio_pika.ExchangeType.FANOUT, durable=True
         )
+        await channel.declare_queue(
+            names.ingress_queue, durable=True, arguments=self._queue_arguments()
+        )
         for pool in POOLS:
             await channel.declare_queue(
                 names.task_queue(pool),
@@ -172,6 +175,13 @@ class Bus:
             await self._channel.declare_queue(name, durable=True, arguments=arguments)
             self._delay_queues.add(name)
         await self._channel.default_exchange.publish(_message(body), routing_key=name)
+
+    async def reply(self, to: str, correlation_id: str | None, body: bytes) -> None:
+        """Answer an RPC-style request on its reply queue (nobody listening is fine)."""
+        message = aio_pika.Message(
+            body, content_type="application/json", correlation_id=correlation_id
+        )
+        await self._channel.default_exchange.publish(message, routing_key=to, mandatory=False)
 
     async def publish_control(self, body: bytes) -> None:
         """Tell every worker (e.g. a program was cancelled); nobody listening is fine."""

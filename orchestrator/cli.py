@@ -57,6 +57,17 @@ def _parser() -> argparse.ArgumentParser:
         "--shards", required=True, type=_shard_list, help="which shards to own, e.g. 0,1"
     )
 
+    router = commands.add_parser(
+        "router", help="submit the programs that arrive on the ingress queue"
+    )
+    router.add_argument(
+        "--app",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="refuse programs naming tasks that MODULE does not define (repeatable)",
+    )
+
     work = commands.add_parser("worker", help="run tasks from one pool")
     work.add_argument("--pool", choices=("serial", "parallel"), required=True)
     _app_argument(work, required=True)
@@ -210,6 +221,20 @@ async def _orchestrator(settings: Settings, args: argparse.Namespace) -> int:
     )
 
 
+async def _router(settings: Settings, args: argparse.Namespace) -> int:
+    from router.client import Router
+    from router.ingress import Ingress
+
+    known = _registry(args.app).names() if args.app else None
+    return await _serve(
+        lambda store, bus: Ingress(
+            settings, Router(settings, store=store, bus=bus, known_tasks=known), bus
+        ),
+        settings,
+        "shardflow-router",
+    )
+
+
 async def _worker(settings: Settings, args: argparse.Namespace) -> int:
     from worker.pool import Worker
 
@@ -327,6 +352,7 @@ _COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Coroutine[Any, Any
     "dev": _dev,
     "orchestrator": _orchestrator,
     "worker": _worker,
+    "router": _router,
     "submit": _submit,
     "status": _status,
     "cancel": _cancel,

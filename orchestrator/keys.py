@@ -70,6 +70,10 @@ class Names:
         return f"{self.prefix}.delay.{target}.{delay_ms}"
 
     @property
+    def ingress_queue(self) -> str:
+        return f"{self.prefix}.ingress"
+
+    @property
     def control_exchange(self) -> str:
         return f"{self.prefix}.control"
 

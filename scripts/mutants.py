@@ -100,6 +100,8 @@ def run(name: str, scratch: Path) -> str:
     for line in lines:
         if line == "state = Cluster()":
             current = []
+        elif current is not None and current and current[-1].count("(") > current[-1].count(")"):
+            current[-1] += " " + line  # a call printed over several lines
         elif current is not None and re.match(r"state\.(?!barriers|nothing|programs)", line):
             current.append(line)
             if line == "state.teardown()":

@@ -1,0 +1,99 @@
+"""`shardflow router`: submits programs that arrive as messages on the ingress queue.
+
+Body: `{"program": {...}, "input": ..., "workflow_id": "..."}` (input and id optional).
+With `reply_to` set, the answer goes there with the same `correlation_id`:
+`{"workflow_id", "shard", "created", "status"}`, or `{"error": "..."}` for a refused request,
+which is also parked in the dead-letter queue with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from collections.abc import Coroutine
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from orchestrator.bus import Bus, Delivery, settle
+from orchestrator.lifecycle import Service
+from orchestrator.program import ProgramError
+from orchestrator.settings import Settings
+from router.client import Router
+
+log = logging.getLogger(__name__)
+
+INGRESS_PREFETCH = 32
+
+
+class Request(BaseModel):
+    """One submit request."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    program: dict[str, Any]
+    input: Any = None
+    workflow_id: str | None = None
+
+
+class Ingress(Service):
+    """Consumes the ingress queue; submits are idempotent, so several run at once."""
+
+    name = "router"
+
+    def __init__(self, settings: Settings, router: Router, bus: Bus) -> None:
+        super().__init__(settings.grace_s)
+        self.router = router
+        self.bus = bus
+        self.counts: Counter[str] = Counter()
+
+    def summary(self) -> str:
+        return ", ".join(f"{verdict} {self.counts[verdict]}" for verdict in sorted(self.counts))
+
+    async def _start(self) -> list[Coroutine[Any, Any, None]]:
+        return [self._consume()]
+
+    async def _consume(self) -> None:
+        queue = self.bus.names.ingress_queue
+        iterator = self._track(await self.bus.consume(queue, INGRESS_PREFETCH))
+        log.info("router: consuming %s", queue)
+        async for message in iterator:
+            self._spawn(self.handle(message, message.reply_to, message.correlation_id))
+
+    async def handle(
+        self, delivery: Delivery, reply_to: str | None, correlation_id: str | None
+    ) -> None:
+        """Submit one request; a refused one is answered and parked with its reason."""
+        try:
+            request = Request.model_validate_json(delivery.body)
+            submitted = await self.router.submit(
+                request.program, request.input, request.workflow_id
+            )
+            answer: dict[str, Any] = {
+                "workflow_id": submitted.workflow_id,
+                "shard": submitted.shard,
+                "created": submitted.created,
+                "status": submitted.status,
+            }
+            self.counts["created" if submitted.created else "existing"] += 1
+        except (ValidationError, ProgramError) as exc:
+            reason = str(exc) if isinstance(exc, ProgramError) else _first_error(exc)
+            self.counts["refused"] += 1
+            await self.bus.dead_letter(
+                delivery.body, reason=reason, source=self.bus.names.ingress_queue
+            )
+            answer = {"error": reason}
+        except Exception as exc:
+            log.warning("router: submit failed, request requeued: %r", exc)
+            await settle(delivery, ok=False)
+            return
+        if reply_to:
+            await self.bus.reply(reply_to, correlation_id, json.dumps(answer).encode())
+        await settle(delivery, ok=True)
+
+
+def _first_error(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or "request"
+    return f"{where}: {first['msg']}"

@@ -1,0 +1,79 @@
+"""The AMQP ingress: requests in, answers on reply_to, refusals parked with their reason."""
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import aio_pika
+import pytest
+
+from orchestrator.runtime import connected
+from orchestrator.settings import Settings
+from router.client import Router
+from router.ingress import Ingress
+
+pytestmark = pytest.mark.e2e
+
+GOOD = {"program": {"steps": [{"task": "add", "args": {"n": 2}}]}, "input": None}
+
+
+@pytest.fixture
+async def ingress(settings: Settings, cluster: Router) -> AsyncIterator[Router]:
+    async with connected(settings, "test-router") as (store, bus):
+        service = Ingress(
+            settings, Router(settings, store=store, bus=bus, known_tasks={"add"}), bus
+        )
+        running = asyncio.create_task(service.run())
+        yield cluster
+        service.shutdown()
+        await running
+
+
+async def ask(settings: Settings, bodies: list[bytes]) -> list[dict]:
+    """Send requests to the ingress queue; the answers, in the order of the requests."""
+    async with await aio_pika.connect(settings.amqp_url) as connection:
+        channel = await connection.channel()
+        replies = await channel.declare_queue(exclusive=True)
+        for n, body in enumerate(bodies):
+            message = aio_pika.Message(body, reply_to=replies.name, correlation_id=str(n))
+            await channel.default_exchange.publish(
+                message, routing_key=f"{settings.prefix}.ingress"
+            )
+        answers: dict[str, dict] = {}
+        async with replies.iterator() as iterator:
+            async for message in iterator:
+                await message.ack()
+                answers[message.correlation_id or ""] = json.loads(message.body)
+                if len(answers) == len(bodies):
+                    break
+    return [answers[str(n)] for n in range(len(bodies))]
+
+
+async def test_requests_are_submitted_and_bad_ones_refused_with_the_fault(
+    ingress: Router, settings: Settings
+) -> None:
+    requests = [
+        json.dumps({**GOOD, "workflow_id": "via-amqp"}).encode(),
+        b"not json at all",
+        json.dumps({"program": {"steps": [{"task": "add"}, {"bag": []}]}}).encode(),
+        json.dumps({"program": {"steps": [{"task": "nope"}]}}).encode(),
+        json.dumps({**GOOD, "workflow_id": "bad id"}).encode(),
+        json.dumps({**GOOD, "extra": 1}).encode(),
+        json.dumps({**GOOD, "workflow_id": "via-amqp"}).encode(),
+    ]
+    answers = await ask(settings, requests)
+    assert answers[0] == {"workflow_id": "via-amqp", "shard": answers[0]["shard"],
+                          "created": True, "status": "pending"}  # fmt: skip
+    assert answers[1]["error"].startswith("request: Invalid JSON")
+    assert answers[2] == {"error": "steps[1].bag: List should have at least 1 item after "
+                                   "validation, not 0"}  # fmt: skip
+    assert answers[3] == {"error": "steps: unknown task 'nope'"}
+    assert answers[4]["error"].startswith("id: workflow id 'bad id': use 1-128")
+    assert answers[5] == {"error": "extra: Extra inputs are not permitted"}
+    assert answers[6]["created"] is False  # the same id again: never a second run
+    assert (await ingress.wait("via-amqp", timeout_s=30))["result"] == 2
+    async with connected(settings) as (_, bus):
+        parked = await bus.peek_dead(10)
+    reasons = sorted(headers["x-shardflow-reason"] for headers, _ in parked)
+    assert len(reasons) == 5
+    assert sorted(a["error"] for a in answers if "error" in a) == reasons
