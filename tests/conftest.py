@@ -89,7 +89,15 @@ async def keyspace(redis_url: str, prefix: str) -> AsyncIterator[tuple[str, str]
 
 
 @pytest.fixture
-async def settings(amqp_url: str, redis_url: str, prefix: str) -> AsyncIterator[Settings]:
+def queue_type() -> str:
+    """Override with params to run a module on quorum queues too."""
+    return "classic"
+
+
+@pytest.fixture
+async def settings(
+    amqp_url: str, redis_url: str, prefix: str, queue_type: str
+) -> AsyncIterator[Settings]:
     """Settings for one test: its own prefix for queues and keys, cleaned up after it."""
     try:
         connection = await aio_pika.connect(amqp_url, timeout=5)
@@ -97,7 +105,12 @@ async def settings(amqp_url: str, redis_url: str, prefix: str) -> AsyncIterator[
         _unavailable("RabbitMQ", exc)
     await connection.close()
     settings = Settings(
-        amqp_url=amqp_url, redis_url=redis_url, prefix=prefix, shards=4, grace_s=2.0
+        amqp_url=amqp_url,
+        redis_url=redis_url,
+        prefix=prefix,
+        shards=4,
+        grace_s=2.0,
+        queue_type=queue_type,  # type: ignore[arg-type]
     )
     yield settings
     await _drop_keys(redis_url, prefix)

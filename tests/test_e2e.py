@@ -10,6 +10,13 @@ from tests.ordering import assert_leaves_in_order, leaf_order
 
 pytestmark = pytest.mark.e2e
 
+
+@pytest.fixture(params=["classic", "quorum"])
+def queue_type(request: pytest.FixtureRequest) -> str:
+    """Every test here runs on classic queues and again on quorum queues."""
+    return str(request.param)
+
+
 MIXED = {
     "name": "mixed",
     "steps": [

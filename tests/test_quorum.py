@@ -1,0 +1,48 @@
+"""Quorum queues: a message that keeps failing is dead-lettered by the broker at the limit."""
+
+import asyncio
+import json
+
+import pytest
+
+from orchestrator.messages import Start, encode
+from orchestrator.runtime import connected
+from orchestrator.service import Orchestrator
+from orchestrator.settings import Settings
+from orchestrator.store import Store
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def queue_type() -> str:
+    return "quorum"
+
+
+async def test_a_message_that_always_fails_is_dead_lettered_at_the_delivery_limit(
+    settings: Settings, store: Store
+) -> None:
+    settings = settings.model_copy(update={"delivery_limit": 2})
+    # A recorded program whose plan cannot be read: every delivery of its start fails.
+    await store.submit("broken", "{not json", 0, "broken")
+    async with connected(settings) as (_, bus):
+        queue = await bus._channel.get_queue(bus.names.shard_queue(0))
+        arguments = queue.arguments or {}
+        assert arguments.get("x-queue-type") == "quorum"
+        assert arguments.get("x-single-active-consumer") is True
+        orchestrator = Orchestrator(settings, [0], store=store, bus=bus)
+        running = asyncio.create_task(orchestrator.run())
+        await bus.publish_to_shard(0, encode(Start(wf="broken")))
+        parked: list = []
+        for _ in range(100):
+            parked = await bus.peek_dead(10)
+            if parked:
+                break
+            await asyncio.sleep(0.1)
+        orchestrator.shutdown()
+        await running
+    assert len(parked) == 1
+    headers, body = parked[0]
+    assert json.loads(body) == {"kind": "start", "wf": "broken"}
+    death = headers["x-death"][0]
+    assert (death["reason"], death["queue"]) == ("delivery_limit", bus.names.shard_queue(0))
