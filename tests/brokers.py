@@ -117,3 +117,55 @@ class PrivateRabbit:
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class PrivateRedisCluster:
+    """Three redis-server masters in cluster mode, joined with `redis-cli --cluster create`."""
+
+    def __init__(self, masters: int = 3) -> None:
+        self.ports = [free_port() for _ in range(masters)]
+        self.bus_ports = [free_port() for _ in range(masters)]
+        self.dir = Path(tempfile.mkdtemp(prefix="sf-cluster-"))
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.ports[0]}/0"
+
+    def start(self) -> None:
+        for port, bus_port in zip(self.ports, self.bus_ports, strict=True):
+            node_dir = self.dir / str(port)
+            node_dir.mkdir()
+            self.processes.append(
+                subprocess.Popen(
+                    ["redis-server", "--bind", "127.0.0.1", "--port", str(port),
+                     "--cluster-enabled", "yes", "--cluster-port", str(bus_port),
+                     "--cluster-config-file", "nodes.conf", "--dir", str(node_dir),
+                     "--save", "", "--appendonly", "no"],
+                    stdout=subprocess.DEVNULL,
+                )
+            )  # fmt: skip
+            wait_for_port(port, 20)
+        nodes = [f"127.0.0.1:{port}" for port in self.ports]
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *nodes, "--cluster-replicas", "0",
+             "--cluster-yes"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while True:
+            info = subprocess.run(
+                ["redis-cli", "-p", str(self.ports[0]), "cluster", "info"],
+                capture_output=True, text=True, timeout=10,
+            ).stdout  # fmt: skip
+            if "cluster_state:ok" in info:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the cluster did not come up: {info}")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        for process in self.processes:
+            process.kill()
+            process.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)

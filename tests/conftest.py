@@ -89,6 +89,12 @@ async def keyspace(redis_url: str, prefix: str) -> AsyncIterator[tuple[str, str]
 
 
 @pytest.fixture
+def redis_cluster() -> bool:
+    """Override to run a module against a Redis Cluster (with `redis_url` pointing at it)."""
+    return False
+
+
+@pytest.fixture
 def queue_type() -> str:
     """Override with params to run a module on quorum queues too."""
     return "classic"
@@ -96,7 +102,7 @@ def queue_type() -> str:
 
 @pytest.fixture
 async def settings(
-    amqp_url: str, redis_url: str, prefix: str, queue_type: str
+    amqp_url: str, redis_url: str, prefix: str, queue_type: str, redis_cluster: bool
 ) -> AsyncIterator[Settings]:
     """Settings for one test: its own prefix for queues and keys, cleaned up after it."""
     try:
@@ -111,9 +117,11 @@ async def settings(
         shards=4,
         grace_s=2.0,
         queue_type=queue_type,  # type: ignore[arg-type]
+        redis_cluster=redis_cluster,
     )
     yield settings
-    await _drop_keys(redis_url, prefix)
+    if not redis_cluster:  # a private cluster is thrown away whole
+        await _drop_keys(redis_url, prefix)
 
 
 async def _drop_keys(redis_url: str, prefix: str) -> None:
@@ -140,8 +148,11 @@ def registry() -> Registry:
 
 
 @pytest.fixture
-def trace(redis_url: str, prefix: str) -> app.Trace:
-    return app.Trace(redis_url, f"{prefix}:trace")
+def trace(prefix: str) -> Iterator[app.Trace]:
+    """Tasks' start/end events, always on the plain shared Redis."""
+    trace = app.Trace(REDIS_URL, f"{prefix}:trace")
+    yield trace
+    redis.Redis.from_url(REDIS_URL).delete(trace.key, trace.key + ":seq")
 
 
 @pytest.fixture
