@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any, Protocol
 
@@ -11,6 +12,7 @@ from aio_pika.abc import (
     AbstractChannel,
     AbstractExchange,
     AbstractIncomingMessage,
+    AbstractQueue,
     AbstractQueueIterator,
     AbstractRobustConnection,
 )
@@ -94,12 +96,7 @@ class Bus:
             names.orchestrator_exchange, aio_pika.ExchangeType.DIRECT, durable=True
         )
         for shard in range(self.settings.shards):
-            queue = await channel.declare_queue(
-                names.shard_queue(shard),
-                durable=True,
-                arguments=self._queue_arguments(single_active=True),
-            )
-            await queue.bind(shards, routing_key=str(shard))
+            await self._declare_shard(channel, shard)
         await channel.declare_exchange(
             names.control_exchange, aio_pika.ExchangeType.FANOUT, durable=True
         )
@@ -113,6 +110,29 @@ class Bus:
                 arguments=self._queue_arguments(single_active=pool == "serial"),
             )
         return shards
+
+    async def _declare_shard(self, channel: AbstractChannel, shard: int) -> AbstractQueue:
+        queue = await channel.declare_queue(
+            self.names.shard_queue(shard),
+            durable=True,
+            arguments=self._queue_arguments(single_active=True),
+        )
+        await queue.bind(self.names.orchestrator_exchange, routing_key=str(shard))
+        return queue
+
+    async def shard_queue_state(self, shard: int) -> tuple[int, int] | None:
+        """(messages ready, consumers) of a shard's queue, or None when it does not exist."""
+        if self._connection is None:
+            raise RuntimeError("Bus.connect() was not called")
+        channel = await self._connection.channel(publisher_confirms=False)
+        try:
+            queue = await channel.declare_queue(self.names.shard_queue(shard), passive=True)
+        except aio_pika.exceptions.ChannelClosed:
+            return None
+        result = queue.declaration_result
+        with contextlib.suppress(Exception):
+            await channel.close()
+        return result.message_count or 0, result.consumer_count or 0
 
     def _queue_arguments(
         self, *, single_active: bool = False, dead_letter: bool = True
@@ -229,6 +249,14 @@ class Bus:
         await channel.set_qos(prefetch_count=prefetch)
         queue = await channel.get_queue(queue_name, ensure=True)
         return queue.iterator()
+
+    async def consume_shard(self, shard: int, prefetch: int) -> AbstractQueueIterator:
+        """Consume a shard's queue, declaring it first: it may lie outside today's ring."""
+        if self._connection is None:
+            raise RuntimeError("Bus.connect() was not called")
+        channel = await self._connection.channel(publisher_confirms=False)
+        await channel.set_qos(prefetch_count=prefetch)
+        return (await self._declare_shard(channel, shard)).iterator()
 
 
 async def settle(delivery: Delivery, *, ok: bool) -> None:

@@ -103,6 +103,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     dead.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
 
+    commands.add_parser(
+        "shards",
+        help="each shard's queue depth, consumers, programs in flight, and whether it is in "
+        "the ring or draining",
+    )
+
     commands.add_parser("schema", help="print the program format's JSON Schema")
     return parser
 
@@ -208,17 +214,16 @@ async def _dev(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _orchestrator(settings: Settings, args: argparse.Namespace) -> int:
-    from orchestrator.service import Orchestrator
+    from orchestrator.service import Orchestrator, ShardError
 
     try:
-        Orchestrator.check_shards(settings, args.shards)
-    except ValueError as exc:
+        return await _serve(
+            lambda store, bus: Orchestrator(settings, args.shards, store=store, bus=bus),
+            settings,
+            f"shardflow-orchestrator-{','.join(map(str, args.shards))}",
+        )
+    except ShardError as exc:
         raise CliError(f"--shards: {exc}") from None
-    return await _serve(
-        lambda store, bus: Orchestrator(settings, args.shards, store=store, bus=bus),
-        settings,
-        f"shardflow-orchestrator-{','.join(map(str, args.shards))}",
-    )
 
 
 async def _router(settings: Settings, args: argparse.Namespace) -> int:
@@ -343,6 +348,30 @@ def _death_reason(headers: dict[str, Any]) -> str:
     return "unknown"
 
 
+async def _shards(settings: Settings, args: argparse.Namespace) -> int:
+    from orchestrator.runtime import connected
+
+    async with connected(settings, "shardflow-shards") as (store, bus):
+        for shard in sorted(set(range(settings.shards)) | await store.shards_used()):
+            queue = await bus.shard_queue_state(shard)
+            depth, consumers = queue if queue is not None else (0, 0)
+            in_flight = await store.in_flight(shard)
+            if shard < settings.shards:
+                state = "ring"
+            else:
+                state = "draining" if depth or in_flight else "removable"
+            line = {
+                "shard": shard,
+                "queue": bus.names.shard_queue(shard),
+                "depth": depth,
+                "consumers": consumers,
+                "in_flight": in_flight,
+                "state": state,
+            }
+            print(json.dumps(line))
+    return 0
+
+
 async def _schema(settings: Settings, args: argparse.Namespace) -> int:
     print(json.dumps(program_schema(), indent=2))
     return 0
@@ -357,6 +386,7 @@ _COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Coroutine[Any, Any
     "status": _status,
     "cancel": _cancel,
     "dead": _dead,
+    "shards": _shards,
     "schema": _schema,
 }
 

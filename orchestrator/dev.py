@@ -24,7 +24,9 @@ class Dev:
         bus: Bus,
         concurrency: int | None = None,
     ) -> None:
-        self.orchestrator = Orchestrator(settings, range(settings.shards), store=store, bus=bus)
+        self.orchestrator = Orchestrator(
+            settings, range(settings.shards), store=store, bus=bus, drain=True
+        )
         self.workers = [
             Worker(settings, registry, pool="serial", store=store, bus=bus),
             Worker(

@@ -44,6 +44,15 @@ class Keys:
     def barrier(self, wf: str, path: str) -> str:
         return f"{self.prefix}:{{{wf}}}:bar:{path}"
 
+    def live(self, shard: int) -> str:
+        """The set of programs a shard owns that have not ended (not per program: no hash tag)."""
+        return f"{self.prefix}:live:{shard}"
+
+    @property
+    def shards_used(self) -> str:
+        """Every shard that ever owned a program, so a shard outside the ring can be drained."""
+        return f"{self.prefix}:shards"
+
     def pattern(self, wf: str) -> str:
         """Every key of one program, for SCAN."""
         return f"{self.prefix}:{{{wf}}}:*"

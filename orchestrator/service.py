@@ -39,39 +39,60 @@ async def handle_shard_message(
     await settle(delivery, ok=True)
 
 
+class ShardError(ValueError):
+    """Shards an orchestrator cannot own."""
+
+
 class Orchestrator(Service):
     """Owns the ordering of the programs on `shards`; any replica may take a shard over."""
 
     name = "orchestrator"
 
-    def __init__(self, settings: Settings, shards: Sequence[int], *, store: Store, bus: Bus):
+    def __init__(
+        self,
+        settings: Settings,
+        shards: Sequence[int],
+        *,
+        store: Store,
+        bus: Bus,
+        drain: bool = False,
+    ) -> None:
+        """Own `shards`; with `drain`, also every shard outside the ring that owned programs."""
         super().__init__(settings.grace_s)
-        self.check_shards(settings, shards)
+        if not shards or min(shards) < 0:
+            raise ValueError(f"{list(shards)}: name one or more shards, from 0")
         self.settings = settings
-        self.shards = list(shards)
+        self.shards = sorted(set(shards))
+        self.store = store
         self.bus = bus
+        self.drain = drain
         self.transitions = Transitions(store, bus, Plans(store, settings.plan_cache_size))
 
     def summary(self) -> str:
         counts = self.transitions.counts
         return ", ".join(f"{verdict} {counts[verdict]}" for verdict in sorted(counts))
 
-    @staticmethod
-    def check_shards(settings: Settings, shards: Sequence[int]) -> None:
-        """Raise ValueError unless every shard is in the ring of `settings.shards`."""
-        bad = [shard for shard in shards if not 0 <= shard < settings.shards]
-        if bad or not shards:
-            raise ValueError(
-                f"{list(shards)}: each shard must be in 0..{settings.shards - 1} "
-                f"(SHARDFLOW_SHARDS={settings.shards})"
-            )
-
     async def _start(self) -> list[Coroutine[Any, Any, None]]:
+        ring = self.settings.shards
+        if self.drain:
+            used = await self.store.shards_used()
+            self.shards = sorted(set(self.shards) | {shard for shard in used if shard >= ring})
+        outside = [shard for shard in self.shards if shard >= ring]
+        if outside:
+            # After the shard count went down, old shards are drained, never invented.
+            used = await self.store.shards_used()
+            unknown = [shard for shard in outside if shard not in used]
+            if unknown:
+                raise ShardError(
+                    f"shards {unknown} are outside the ring 0..{ring - 1} "
+                    f"(SHARDFLOW_SHARDS={ring}) and never owned a program"
+                )
+            log.info("orchestrator: draining shards %s, outside the ring 0..%d", outside, ring - 1)
         return [self._consume(shard) for shard in self.shards]
 
     async def _consume(self, shard: int) -> None:
         queue = self.bus.names.shard_queue(shard)
-        iterator = self._track(await self.bus.consume(queue, self.settings.prefetch))
+        iterator = self._track(await self.bus.consume_shard(shard, self.settings.prefetch))
         log.info("orchestrator: consuming %s", queue)
         async for message in iterator:
             # One message at a time, in delivery order; shielded so a stop lets it finish.

@@ -125,6 +125,21 @@ class Store:
         )
         return Verdict(verdict, now_status, cursor)
 
+    async def track(self, wf: str, owner: int) -> None:
+        """Count a program as in flight on its owner shard (before it is recorded)."""
+        await self.client.sadd(self.keys.live(owner), wf)  # type: ignore[misc]
+        await self.client.sadd(self.keys.shards_used, str(owner))  # type: ignore[misc]
+
+    async def untrack(self, wf: str, owner: int) -> None:
+        """The program ended: idempotent, so every redelivery of its end may call it."""
+        await self.client.srem(self.keys.live(owner), wf)  # type: ignore[misc]
+
+    async def in_flight(self, shard: int) -> int:
+        return int(await self.client.scard(self.keys.live(shard)))  # type: ignore[misc]
+
+    async def shards_used(self) -> set[int]:
+        return {int(s) for s in await self.client.smembers(self.keys.shards_used)}  # type: ignore[misc]
+
     async def plan(self, wf: str) -> dict[str, Any] | None:
         """The recorded program, input and owner."""
         text = await self.client.get(self.keys.plan(wf))

@@ -87,6 +87,9 @@ def task_messages(
 async def end_program(store: Store, bus: Publisher, wf: str, status: str, reason: str) -> str:
     """Cancel (or fail) a live program wherever it stands, and tell the workers."""
     verdict = await store.cancel(wf, status, reason)
+    if verdict.verdict != "missing":
+        state = await store.state(wf)
+        await store.untrack(wf, int(state["owner"]))
     if verdict.verdict == "applied":
         log.info("%s: ended %s: %s", wf, status, reason)
     # Told again on a redelivery too: a crash may have cut the first notice short.
@@ -154,6 +157,7 @@ class Transitions:
             )
         if ended:
             self.plans.forget(message.wf)
+            await self.store.untrack(message.wf, plan.owner)
         return verdict.verdict
 
     async def _record_failure(

@@ -83,7 +83,11 @@ class Router:
             raise ProgramError([f"input: not JSON: {exc}"]) from None
         if len(plan) > 2 * self.settings.max_program_bytes:
             raise ProgramError([f"input: {len(plan)} bytes with the program, over the limit"])
+        # Tracked first: a crash between the two leaves a program counted, never one uncounted.
+        await self.store.track(wf, owner)
         found = await self.store.submit(wf, plan, owner, checked.name)
+        if found.owner != owner or found.status in TERMINAL:
+            await self.store.untrack(wf, owner)
         # A still-pending program may have missed its start (a crash right after recording):
         # starting it again is harmless, the first transition is compare-and-advance.
         if found.status == "pending":
