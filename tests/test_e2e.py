@@ -4,9 +4,13 @@ import asyncio
 
 import pytest
 
+from orchestrator.runtime import connected
+from orchestrator.settings import Settings
 from router.client import Router
 from tests.app import Trace
 from tests.ordering import assert_leaves_in_order, leaf_order
+from worker.pool import Worker
+from worker.registry import Registry
 
 pytestmark = pytest.mark.e2e
 
@@ -221,3 +225,24 @@ async def _until(condition, timeout_s: float = 10.0) -> None:  # type: ignore[no
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, "condition never held"
         await asyncio.sleep(0.02)
+
+
+async def test_a_stopping_worker_hands_back_what_it_cannot_finish(
+    settings: Settings, registry: Registry, cluster: Router, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A second worker with a short grace takes a long task, then is stopped: the task must
+    # go back to the queue and be finished by the cluster's own workers.
+    hasty = settings.model_copy(update={"grace_s": 0.1})
+    async with connected(hasty, "hasty") as (store, bus):
+        worker = Worker(hasty, registry, pool="parallel", store=store, bus=bus, concurrency=4)
+        running = asyncio.create_task(worker.run())
+        await asyncio.sleep(0.2)  # both workers consume now
+        program = {"steps": [{"bag": [{"task": "echo", "args": {"sleep_s": 0.5}}] * 8}]}
+        submitted = await cluster.submit(program)
+        await asyncio.sleep(0.2)
+        worker.shutdown()
+        await running
+    assert any("still busy after 0.1s; cancelling" in r.getMessage() for r in caplog.records)
+    status = await cluster.wait(submitted.workflow_id, timeout_s=30)
+    assert status["status"] == "completed"
+    assert len(status["result"]) == 8
