@@ -122,9 +122,7 @@ class Bus:
 
     async def shard_queue_state(self, shard: int) -> tuple[int, int] | None:
         """(messages ready, consumers) of a shard's queue, or None when it does not exist."""
-        if self._connection is None:
-            raise RuntimeError("Bus.connect() was not called")
-        channel = await self._connection.channel(publisher_confirms=False)
+        channel = await self._consumer_channel()
         try:
             queue = await channel.declare_queue(self.names.shard_queue(shard), passive=True)
         except aio_pika.exceptions.ChannelClosed:
@@ -210,9 +208,7 @@ class Bus:
 
     async def consume_control(self) -> AbstractQueueIterator:
         """This process's own queue on the control exchange, gone when it disconnects."""
-        if self._connection is None:
-            raise RuntimeError("Bus.connect() was not called")
-        channel = await self._connection.channel(publisher_confirms=False)
+        channel = await self._consumer_channel()
         queue = await channel.declare_queue(exclusive=True, auto_delete=True)
         await queue.bind(self.names.control_exchange)
         return queue.iterator(no_ack=True)
@@ -225,9 +221,7 @@ class Bus:
 
     async def peek_dead(self, limit: int) -> list[tuple[dict[str, Any], bytes]]:
         """Up to `limit` dead-lettered messages (headers, body), left in the queue."""
-        if self._connection is None:
-            raise RuntimeError("Bus.connect() was not called")
-        channel = await self._connection.channel(publisher_confirms=False)
+        channel = await self._consumer_channel()
         try:
             queue = await channel.get_queue(self.names.dead_queue, ensure=True)
             held: list[AbstractIncomingMessage] = []
@@ -243,20 +237,22 @@ class Bus:
 
     async def consume(self, queue_name: str, prefetch: int) -> AbstractQueueIterator:
         """A consumer on its own channel, so the prefetch applies to this queue alone."""
-        if self._connection is None:
-            raise RuntimeError("Bus.connect() was not called")
-        channel = await self._connection.channel(publisher_confirms=False)
-        await channel.set_qos(prefetch_count=prefetch)
+        channel = await self._consumer_channel(prefetch)
         queue = await channel.get_queue(queue_name, ensure=True)
         return queue.iterator()
 
     async def consume_shard(self, shard: int, prefetch: int) -> AbstractQueueIterator:
         """Consume a shard's queue, declaring it first: it may lie outside today's ring."""
+        channel = await self._consumer_channel(prefetch)
+        return (await self._declare_shard(channel, shard)).iterator()
+
+    async def _consumer_channel(self, prefetch: int = 0) -> AbstractChannel:
         if self._connection is None:
             raise RuntimeError("Bus.connect() was not called")
         channel = await self._connection.channel(publisher_confirms=False)
-        await channel.set_qos(prefetch_count=prefetch)
-        return (await self._declare_shard(channel, shard)).iterator()
+        if prefetch:
+            await channel.set_qos(prefetch_count=prefetch)
+        return channel
 
 
 async def settle(delivery: Delivery, *, ok: bool) -> None:

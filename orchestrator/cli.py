@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
         "dev", help="run every shard and both worker pools in one process (until Ctrl-C)"
     )
     dev.add_argument("--shards", type=int, help="shard count N (default: SHARDFLOW_SHARDS)")
-    _app_argument(dev)
+    _app_argument(dev, "import MODULE and use its @task() handlers")
     dev.add_argument("--concurrency", type=int, help="parallel pool concurrency")
 
     orch = commands.add_parser("orchestrator", help="consume some shards' queues")
@@ -60,17 +60,11 @@ def _parser() -> argparse.ArgumentParser:
     router = commands.add_parser(
         "router", help="submit the programs that arrive on the ingress queue"
     )
-    router.add_argument(
-        "--app",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="refuse programs naming tasks that MODULE does not define (repeatable)",
-    )
+    _app_argument(router, "refuse programs naming tasks that MODULE does not define")
 
     work = commands.add_parser("worker", help="run tasks from one pool")
     work.add_argument("--pool", choices=("serial", "parallel"), required=True)
-    _app_argument(work, required=True)
+    _app_argument(work, "import MODULE and use its @task() handlers", required=True)
     work.add_argument("--concurrency", type=int, help="tasks at once (parallel pool only)")
 
     submit = commands.add_parser("submit", help="submit a program; prints its workflow id")
@@ -81,13 +75,7 @@ def _parser() -> argparse.ArgumentParser:
         "--wait", action="store_true", help="wait for the end; print the result JSON"
     )
     submit.add_argument("--timeout", type=float, help="with --wait: give up after S seconds")
-    submit.add_argument(
-        "--app",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="check task names against the @task()s of MODULE (repeatable)",
-    )
+    _app_argument(submit, "check task names against the @task()s of MODULE")
 
     status = commands.add_parser("status", help="print a program's status as JSON")
     status.add_argument("id")
@@ -113,14 +101,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _app_argument(parser: argparse.ArgumentParser, required: bool = False) -> None:
+def _app_argument(parser: argparse.ArgumentParser, help: str, required: bool = False) -> None:
     parser.add_argument(
         "--app",
         action="append",
         default=[],
         required=required,
         metavar="MODULE",
-        help="import MODULE and use its @task() handlers (repeatable)",
+        help=f"{help} (repeatable)",
     )
 
 

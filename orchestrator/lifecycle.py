@@ -5,12 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Coroutine
 from typing import Any
 
 from aio_pika.abc import AbstractQueueIterator
 
 log = logging.getLogger(__name__)
+
+
+def format_counts(counts: Counter[str]) -> str:
+    """`applied 5, stale 1`: what a part handled, for its stop log."""
+    return ", ".join(f"{name} {counts[name]}" for name in sorted(counts))
 
 
 class Service:

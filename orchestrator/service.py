@@ -8,7 +8,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from orchestrator.bus import Bus, Delivery, Publisher, settle
-from orchestrator.lifecycle import Service
+from orchestrator.lifecycle import Service, format_counts
 from orchestrator.machine import PathError
 from orchestrator.messages import MessageError, decode_shard_message
 from orchestrator.program import ProgramError
@@ -69,8 +69,7 @@ class Orchestrator(Service):
         self.transitions = Transitions(store, bus, Plans(store, settings.plan_cache_size))
 
     def summary(self) -> str:
-        counts = self.transitions.counts
-        return ", ".join(f"{verdict} {counts[verdict]}" for verdict in sorted(counts))
+        return format_counts(self.transitions.counts)
 
     async def _start(self) -> list[Coroutine[Any, Any, None]]:
         ring = self.settings.shards

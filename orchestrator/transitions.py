@@ -98,6 +98,16 @@ async def end_program(store: Store, bus: Publisher, wf: str, status: str, reason
     return verdict.verdict
 
 
+def _failure(message: Failed, errors: list[str]) -> machine.Failed:
+    where = message.path if message.index is None else f"{message.path}/bag:{message.index}"
+    if len(errors) == 1:
+        return machine.Failed(f"step {where}: task {message.task!r}: {errors[0]}")
+    tries = "; ".join(f"#{n}: {error}" for n, error in enumerate(errors, 1))
+    return machine.Failed(
+        f"step {where}: task {message.task!r} failed {len(errors)} attempts: {tries}"
+    )
+
+
 class Transitions:
     """Applies start / next / failed messages of the shards this process owns."""
 
@@ -123,18 +133,11 @@ class Transitions:
             expected = message.path
             outcome = machine.after(plan.program, message.path, message.output, plan.input)
         else:
-            errors = await self._record_failure(message, plan, redelivered=redelivered)
-            if isinstance(errors, str):
-                self.counts[errors] += 1
-                return errors
-            expected = message.path
-            where = message.path if message.index is None else f"{message.path}/bag:{message.index}"
-            if len(errors) == 1:
-                text = f"step {where}: task {message.task!r}: {errors[0]}"
-            else:
-                tries = "; ".join(f"#{n}: {error}" for n, error in enumerate(errors, 1))
-                text = f"step {where}: task {message.task!r} failed {len(errors)} attempts: {tries}"
-            outcome = machine.Failed(text)
+            failure = await self._record_failure(message, plan, redelivered=redelivered)
+            if isinstance(failure, str):  # retried, or a stale report
+                self.counts[failure] += 1
+                return failure
+            expected, outcome = message.path, failure
         verdict = await self._advance(message.wf, expected, outcome)
         # stale: a duplicate or late message, acked and ignored
         self.counts[verdict.verdict] += 1
@@ -147,7 +150,7 @@ class Transitions:
                 log.info("%s: %s redelivered after a crash: published again", message.wf, expected)
             elif ended:
                 log.info("%s: ended %s", message.wf, verdict.status)
-        elif verdict.verdict != "applied":
+        else:
             log.info(
                 "%s: %s message for %r ignored (%s)",
                 message.wf,
@@ -162,9 +165,9 @@ class Transitions:
 
     async def _record_failure(
         self, message: Failed, plan: Plan, *, redelivered: bool
-    ) -> str | list[str]:
+    ) -> str | machine.Failed:
         """Apply the retry policy: a verdict when the task is tried again (or the report is
-        stale), else every attempt's error, to fail the program with."""
+        stale), else the program's failure, with every attempt's error."""
         step = machine.leaf_at(plan.program, message.path)
         if isinstance(step, Bag):
             if message.index is None or not 0 <= message.index < len(step.bag):
@@ -180,7 +183,7 @@ class Transitions:
         if reply.verdict == "stale":
             return "stale"
         if policy is None or message.attempt + 1 >= attempts:
-            return reply.outputs or [message.error]
+            return _failure(message, reply.outputs or [message.error])
         # A redelivered report may be the one whose retry a crash cut short.
         if reply.verdict == "retry" or redelivered:
             leaf = machine.Leaf(message.path, step, message.prev, message.iteration)

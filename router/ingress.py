@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from orchestrator.bus import Bus, Delivery, settle
-from orchestrator.lifecycle import Service
+from orchestrator.lifecycle import Service, format_counts
 from orchestrator.program import ProgramError
 from orchestrator.settings import Settings
 from router.client import Router
@@ -49,7 +49,7 @@ class Ingress(Service):
         self.counts: Counter[str] = Counter()
 
     def summary(self) -> str:
-        return ", ".join(f"{verdict} {self.counts[verdict]}" for verdict in sorted(self.counts))
+        return format_counts(self.counts)
 
     async def _start(self) -> list[Coroutine[Any, Any, None]]:
         return [self._consume()]

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from orchestrator.bus import Bus, Delivery, Publisher, settle
-from orchestrator.lifecycle import Service
+from orchestrator.lifecycle import Service, format_counts
 from orchestrator.messages import (
     Cancelled,
     Failed,
@@ -60,7 +60,7 @@ class Worker(Service):
         self._running: dict[str, set[asyncio.Task[Any]]] = {}
 
     def summary(self) -> str:
-        return ", ".join(f"{verdict} {self.counts[verdict]}" for verdict in sorted(self.counts))
+        return format_counts(self.counts)
 
     async def _start(self) -> list[Coroutine[Any, Any, None]]:
         return [self._consume(), self._listen()]
