@@ -27,6 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.services import drop_vhost, vhost  # noqa: E402
 from orchestrator.dev import Dev  # noqa: E402
 from orchestrator.runtime import connected  # noqa: E402
 from orchestrator.settings import Settings  # noqa: E402
@@ -65,7 +66,9 @@ async def main() -> None:
     parser.add_argument("--fast", type=int, default=300)
     parser.add_argument("--rate", type=float, default=60.0)
     args = parser.parse_args()
-    settings = Settings(prefix=f"bench{uuid.uuid4().hex[:6]}", shards=4)
+    settings = Settings(
+        amqp_url=vhost("shardflow-isolation"), prefix=f"bench{uuid.uuid4().hex[:6]}", shards=4
+    )
     registry = Registry.from_modules(["tests.app"])
     results: dict[str, Any] = {}
     async with connected(settings, "bench-isolation") as (store, bus):
@@ -91,6 +94,7 @@ async def main() -> None:
         keys = [key async for key in store.client.scan_iter(match=f"{settings.prefix}*")]
         for start in range(0, len(keys), 500):
             await store.client.delete(*keys[start : start + 500])
+    await asyncio.to_thread(drop_vhost, "shardflow-isolation")
     base = results["no burst"]
     ratios = {
         f"{name} / no burst": {

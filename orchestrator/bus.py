@@ -23,14 +23,23 @@ from orchestrator.settings import Settings
 log = logging.getLogger(__name__)
 
 POOLS = ("serial", "parallel")
+# Message priorities on classic queues: work that continues a started program goes before
+# work that starts a new one, so programs already running finish first.
+NEW, GOING_ON = 0, 1
+
+
+class TopologyError(RuntimeError):
+    """A queue exists with other arguments than this configuration declares."""
 
 
 class Publisher(Protocol):
     """What the transition logic needs from the transport; `Bus` is the real one."""
 
-    async def publish_to_shard(self, owner: int, body: bytes) -> None: ...
+    async def publish_to_shard(self, owner: int, body: bytes, priority: int = GOING_ON) -> None: ...
 
-    async def publish_all(self, pool: str, bodies: list[bytes]) -> None: ...
+    async def publish_all(
+        self, pool: str, bodies: list[bytes], priority: int = GOING_ON
+    ) -> None: ...
 
     async def publish_later(self, pool: str, body: bytes, delay_s: float) -> None: ...
 
@@ -75,7 +84,13 @@ class Bus:
         self._publisher = await self._connection.channel(
             publisher_confirms=True, on_return_raises=True
         )
-        self._shard_exchange = await self.declare(self._publisher)
+        try:
+            self._shard_exchange = await self.declare(self._publisher)
+        except aio_pika.exceptions.ChannelPreconditionFailed as exc:
+            raise TopologyError(
+                f"{exc}: a queue exists with other arguments (an older shardflow, or another "
+                "SHARDFLOW_QUEUE_TYPE); drain and delete it, or use a new SHARDFLOW_PREFIX"
+            ) from None
 
     async def close(self) -> None:
         if self._connection is not None:
@@ -107,7 +122,7 @@ class Bus:
             await channel.declare_queue(
                 names.task_queue(pool),
                 durable=True,
-                arguments=self._queue_arguments(single_active=pool == "serial"),
+                arguments=self._queue_arguments(single_active=pool == "serial", prioritized=True),
             )
         return shards
 
@@ -115,7 +130,7 @@ class Bus:
         queue = await channel.declare_queue(
             self.names.shard_queue(shard),
             durable=True,
-            arguments=self._queue_arguments(single_active=True),
+            arguments=self._queue_arguments(single_active=True, prioritized=True),
         )
         await queue.bind(self.names.orchestrator_exchange, routing_key=str(shard))
         return queue
@@ -133,9 +148,11 @@ class Bus:
         return result.message_count or 0, result.consumer_count or 0
 
     def _queue_arguments(
-        self, *, single_active: bool = False, dead_letter: bool = True
+        self, *, single_active: bool = False, dead_letter: bool = True, prioritized: bool = False
     ) -> dict[str, Any]:
         arguments: dict[str, Any] = {}
+        if prioritized and self.settings.queue_type == "classic":
+            arguments["x-max-priority"] = GOING_ON  # quorum queues have no priorities
         if single_active:
             arguments["x-single-active-consumer"] = True
         if dead_letter:
@@ -152,20 +169,22 @@ class Bus:
             raise RuntimeError("Bus.connect() was not called")
         return self._publisher
 
-    async def publish_to_shard(self, owner: int, body: bytes) -> None:
+    async def publish_to_shard(self, owner: int, body: bytes, priority: int = GOING_ON) -> None:
         """Publish to the owner shard's queue and wait for the broker's confirm."""
         assert self._shard_exchange is not None
-        await self._shard_exchange.publish(_message(body), routing_key=str(owner))
-
-    async def publish_task(self, pool: str, body: bytes) -> None:
-        """Publish to a pool's task queue and wait for the broker's confirm."""
-        await self._channel.default_exchange.publish(
-            _message(body), routing_key=self.names.task_queue(pool)
+        await self._shard_exchange.publish(
+            _message(body, priority=priority), routing_key=str(owner)
         )
 
-    async def publish_all(self, pool: str, bodies: list[bytes]) -> None:
+    async def publish_task(self, pool: str, body: bytes, priority: int = GOING_ON) -> None:
+        """Publish to a pool's task queue and wait for the broker's confirm."""
+        await self._channel.default_exchange.publish(
+            _message(body, priority=priority), routing_key=self.names.task_queue(pool)
+        )
+
+    async def publish_all(self, pool: str, bodies: list[bytes], priority: int = GOING_ON) -> None:
         """Publish many task messages; confirms are awaited together."""
-        await asyncio.gather(*(self.publish_task(pool, body) for body in bodies))
+        await asyncio.gather(*(self.publish_task(pool, body, priority) for body in bodies))
 
     async def publish_later(self, pool: str, body: bytes, delay_s: float) -> None:
         """Publish a task after `delay_s`, through a TTL queue that dead-letters to the pool."""
@@ -271,10 +290,13 @@ async def settle(delivery: Delivery, *, ok: bool) -> None:
         )
 
 
-def _message(body: bytes, headers: dict[str, Any] | None = None) -> aio_pika.Message:
+def _message(
+    body: bytes, headers: dict[str, Any] | None = None, priority: int = GOING_ON
+) -> aio_pika.Message:
     return aio_pika.Message(
         body,
         content_type="application/json",
         delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         headers=headers,
+        priority=priority,
     )

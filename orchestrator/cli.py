@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 import uvloop
 from pydantic import ValidationError
 
+from orchestrator.bus import TopologyError
 from orchestrator.keys import check_workflow_id
 from orchestrator.program import ProgramError, parse_input, program_schema
 from orchestrator.runtime import UNREACHABLE
@@ -138,6 +139,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
     except CliError as exc:
         code = _fail(str(exc), exc.code)
     except ProgramError as exc:
+        code = _fail(str(exc), EXIT_USAGE)
+    except TopologyError as exc:
         code = _fail(str(exc), EXIT_USAGE)
     except UNREACHABLE as exc:
         code = _fail(f"cannot connect: {exc}", EXIT_UNAVAILABLE)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator import machine
-from orchestrator.bus import Publisher
+from orchestrator.bus import GOING_ON, NEW, Publisher
 from orchestrator.messages import Cancelled, Deadline, Failed, Next, Start, TaskMessage, encode
 from orchestrator.program import Bag, Member, Program, parse_program
 from orchestrator.store import TERMINAL, Store
@@ -144,7 +144,7 @@ class Transitions:
         ended = verdict.status in TERMINAL
         # A redelivered message may be the one whose publishing a crash cut short.
         if verdict.verdict == "applied" or (verdict.verdict == "replay" and redelivered):
-            await self._publish(message.wf, plan, outcome)
+            await self._publish(message.wf, plan, outcome, NEW if expected == "" else GOING_ON)
             if verdict.verdict == "replay":
                 self.counts["republished"] += 1
                 log.info("%s: %s redelivered after a crash: published again", message.wf, expected)
@@ -203,7 +203,7 @@ class Transitions:
             )
         return await self.store.advance(wf, expected, "", "failed", "error", outcome.error)
 
-    async def _publish(self, wf: str, plan: Plan, outcome: machine.Outcome) -> None:
+    async def _publish(self, wf: str, plan: Plan, outcome: machine.Outcome, priority: int) -> None:
         if isinstance(outcome, machine.Leaf):
             pool, bodies = task_messages(wf, plan, outcome)
-            await self.bus.publish_all(pool, bodies)
+            await self.bus.publish_all(pool, bodies, priority)

@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.bus import Publisher
+from orchestrator.bus import NEW, Publisher
 from orchestrator.keys import check_workflow_id
 from orchestrator.messages import Deadline, Start, encode
 from orchestrator.program import Program, ProgramError, parse_program
@@ -91,7 +91,7 @@ class Router:
         # A still-pending program may have missed its start (a crash right after recording):
         # starting it again is harmless, the first transition is compare-and-advance.
         if found.status == "pending":
-            await self.bus.publish_to_shard(found.owner, encode(Start(wf=wf)))
+            await self.bus.publish_to_shard(found.owner, encode(Start(wf=wf)), NEW)
             if checked.deadline_s is not None:
                 deadline = Deadline(wf=wf, deadline_s=checked.deadline_s)
                 await self.bus.publish_to_shard_later(

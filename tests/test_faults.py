@@ -135,7 +135,10 @@ async def poison(settings: Settings) -> int:
             (names.task_queue("serial"), b"\xff\xfe"),
         ]
         for queue, body in bad:
-            await channel.default_exchange.publish(aio_pika.Message(body), routing_key=queue)
+            # Persistent, like everything shardflow sends: they must outlive the broker restart
+            # (new work has the lower priority, so they may still be waiting then).
+            message = aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
+            await channel.default_exchange.publish(message, routing_key=queue)
     return len(bad)
 
 

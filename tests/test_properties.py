@@ -84,11 +84,11 @@ class Transport:
                 raise Crash
             self.crash_after -= 1
 
-    async def publish_to_shard(self, owner: int, body: bytes) -> None:
+    async def publish_to_shard(self, owner: int, body: bytes, priority: int = 1) -> None:
         self._count()
         self.in_flight.append(Envelope("shard", body))
 
-    async def publish_all(self, pool: str, bodies: list[bytes]) -> None:
+    async def publish_all(self, pool: str, bodies: list[bytes], priority: int = 1) -> None:
         for body in bodies:
             self._count()
             self._on_dispatch(decode_task(body))

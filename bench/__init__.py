@@ -1,0 +1,1 @@
+"""Benchmarks: shardflow beside Celery on the same RabbitMQ and Redis."""

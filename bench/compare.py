@@ -1,0 +1,378 @@
+"""shardflow beside Celery canvas, in one run on one machine, on the same RabbitMQ and Redis.
+
+    make bench            (or: .venv/bin/python bench/compare.py [--quick])
+
+Each system gets a fresh RabbitMQ vhost and its own Redis database. Workloads (no-op tasks
+returning small dicts; every result is checked):
+  A  one task, a bag of 10 that each get its output, one task that gets the 10 in order;
+     M = 200 and M = 1000 programs submitted at once
+  B  a chain of 20 tasks: M = 1 fifty times (per-step overhead), and M = 200
+  C  shape A at M = 1000 with 1, 2 and 4 orchestrator processes (shardflow only)
+  memory: orchestrator RSS with 100 and 10,000 programs in flight; Redis bytes per program
+shardflow runs every task on its parallel pool (2 worker processes, 16 each); Celery runs a
+prefork pool of 2 and a threads pool of 16 (acks_late, Redis result backend), and ratios are
+against the better of the two. Latency is from submit to the last task's own clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from redis.asyncio import Redis  # noqa: E402
+
+from bench.services import drop_vhost, vhost  # noqa: E402
+from orchestrator.runtime import connected  # noqa: E402
+from orchestrator.settings import Settings  # noqa: E402
+from router.client import Router  # noqa: E402
+
+SHAPE_A = {
+    "name": "A",
+    "steps": [
+        {"task": "begin", "pool": "parallel"},
+        {"bag": [{"task": "member", "args": {"i": i}} for i in range(10)]},
+        {"task": "finish", "pool": "parallel"},
+    ],
+}
+SHAPE_B = {"name": "B", "steps": [{"task": "step", "pool": "parallel"}] * 20}
+SHARDS = 4
+
+
+def spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return subprocess.Popen(args, cwd=ROOT, env={**os.environ, **env}, stdout=out, stderr=out)
+
+
+def stop(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise LookupError(pid)
+
+
+def figures(m: int, tasks_per_program: int, started: float, submits: list[float],
+            ends: list[float]) -> dict[str, float]:  # fmt: skip
+    wall = max(ends) - started
+    latencies = [(end - submit) * 1000 for submit, end in zip(submits, ends, strict=True)]
+    cuts = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else latencies * 99
+    return {
+        "wall_s": round(wall, 3),
+        "programs_per_s": round(m / wall, 1),
+        "tasks_per_s": round(m * tasks_per_program / wall, 1),
+        "latency_p50_ms": round(cuts[49], 1),
+        "latency_p99_ms": round(cuts[98], 1),
+    }
+
+
+class Shardflow:
+    """Orchestrator and worker processes, driven through the Python API."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.settings = Settings(
+            amqp_url=vhost("shardflow-bench"),
+            redis_url="redis://127.0.0.1:6379/2",
+            shards=SHARDS,
+            prefix="sfb",
+        )
+        self.env = {
+            "SHARDFLOW_AMQP_URL": self.settings.amqp_url,
+            "SHARDFLOW_REDIS_URL": self.settings.redis_url,
+            "SHARDFLOW_SHARDS": str(SHARDS),
+            "SHARDFLOW_PREFIX": self.settings.prefix,
+            "SHARDFLOW_LOG_LEVEL": "WARNING",
+        }
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.orchestrators: list[subprocess.Popen[bytes]] = []
+
+    def start(self, orchestrators: int, worker_concurrency: int = 16, workers: int = 2) -> None:
+        groups = [list(range(SHARDS))[i::orchestrators] for i in range(orchestrators)]
+        cli = [sys.executable, "-m", "orchestrator.cli"]
+        self.orchestrators = [
+            spawn([*cli, "orchestrator", "--shards", ",".join(map(str, group))], self.env,
+                  self.logs / "orchestrator.log")
+            for group in groups
+        ]  # fmt: skip
+        self.processes = self.orchestrators + [
+            spawn([*cli, "worker", "--pool", "parallel", "--app", "bench.tasks",
+                   "--concurrency", str(worker_concurrency)], self.env, self.logs / "worker.log")
+            for _ in range(workers)
+        ]  # fmt: skip
+        time.sleep(2.5)  # imports and connections
+
+    def stop(self) -> None:
+        stop(self.processes)
+        self.processes = []
+
+    async def run(self, program: dict[str, Any], m: int, tasks: int,
+                  check: Callable[[Any], bool]) -> dict[str, float]:  # fmt: skip
+        async with connected(self.settings, "bench") as (store, bus):
+            router = Router(self.settings, store=store, bus=bus)
+            ids = [uuid.uuid4().hex for _ in range(m)]
+            submits = [0.0] * m
+            started = time.time()
+
+            async def submit(k: int) -> None:
+                submits[k] = time.time()
+                await router.submit(program, None, ids[k])
+
+            for chunk in range(0, m, 50):
+                await asyncio.gather(*(submit(k) for k in range(chunk, min(m, chunk + 50))))
+            ends = []
+            for wf in ids:
+                status = await router.wait(wf, timeout_s=600)
+                assert status["status"] == "completed" and check(status["result"]), status
+                ends.append(status["result"]["t"])
+            self.last_ids = ids
+            return figures(m, tasks, started, submits, ends)
+
+    async def redis_bytes_per_program(self) -> float:
+        client = Redis.from_url(self.settings.redis_url)
+        try:
+            sizes = []
+            for wf in self.last_ids[:50]:
+                total = 0
+                async for key in client.scan_iter(match=f"{self.settings.prefix}:{{{wf}}}:*"):
+                    total += await client.memory_usage(key) or 0
+                sizes.append(total)
+            return round(statistics.mean(sizes), 1)
+        finally:
+            await client.aclose()
+
+    async def rss_in_flight(self, counts: list[int]) -> dict[str, float]:
+        """Orchestrator RSS once `count` programs wait on a task that holds the only slot."""
+        self.start(orchestrators=1, worker_concurrency=1, workers=1)
+        result = {}
+        try:
+            async with connected(self.settings, "bench") as (store, bus):
+                router = Router(self.settings, store=store, bus=bus)
+                program = {"steps": [{"task": "hold", "pool": "parallel", "args": {"s": 600}}]}
+                submitted: list[str] = []
+                for count in counts:
+                    while len(submitted) < count:
+                        batch = range(len(submitted), min(count, len(submitted) + 50))
+                        done = await asyncio.gather(*(router.submit(program) for _ in batch))
+                        submitted += [s.workflow_id for s in done]
+                    while True:  # every one started: its task dispatched, its plan seen
+                        states = [await store.state(wf) for wf in submitted[-50:]]
+                        if all(state.get("status") == "running" for state in states):
+                            break
+                        await asyncio.sleep(0.5)
+                    await asyncio.sleep(1)
+                    result[f"rss_mb_{count}_in_flight"] = round(
+                        rss_mb(self.orchestrators[0].pid), 1
+                    )
+        finally:
+            self.stop()
+        return result
+
+
+class CeleryRun:
+    """Celery workers (one pool kind at a time), driven through canvas."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.env = {
+            "BENCH_CELERY_BROKER": vhost("celery-bench"),
+            "BENCH_CELERY_BACKEND": "redis://127.0.0.1:6379/3",
+        }
+        os.environ.update(self.env)
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    def start(self, pool: str, concurrency: int) -> None:
+        args = [sys.executable, "-m", "celery", "-A", "bench.celery_app", "worker",
+                "--pool", pool, "-c", str(concurrency), "--loglevel", "WARNING",
+                "--without-gossip", "--without-mingle", "--without-heartbeat"]  # fmt: skip
+        self.processes = [spawn(args, self.env, self.logs / f"celery-{pool}.log")]
+        time.sleep(4)
+
+    def stop(self) -> None:
+        stop(self.processes)
+
+    def run(self, make: Callable[[], Any], m: int, tasks: int,
+            check: Callable[[Any], bool]) -> dict[str, float]:  # fmt: skip
+        submits, results = [], []
+        started = time.time()
+        for _ in range(m):
+            submits.append(time.time())
+            results.append(make().apply_async())
+        ends = []
+        for result in results:
+            value = result.get(timeout=600)
+            assert check(value), value
+            ends.append(value["t"])
+            result.forget()
+        return figures(m, tasks, started, submits, ends)
+
+
+def check_a(result: Any) -> bool:
+    return bool(result["order"] == list(range(10)))
+
+
+def check_b(result: Any) -> bool:
+    return bool(result["k"] == 20)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller M, for a smoke run")
+    args = parser.parse_args()
+    big, small, repeats = (200, 50, 10) if args.quick else (1000, 200, 50)
+    logs = ROOT / "bench" / "results" / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    for db in ("2", "3"):  # the two systems' Redis databases, emptied before the run
+        await asyncio.to_thread(
+            subprocess.run, ["redis-cli", "-n", db, "flushdb"], check=True, capture_output=True
+        )
+    out: dict[str, dict[str, Any]] = {"shardflow": {}, "celery prefork 2": {},
+                                      "celery threads 16": {}}  # fmt: skip
+
+    sf = Shardflow(logs)
+    sf.start(orchestrators=2)
+    try:
+        for m in (small, big):
+            out["shardflow"][f"A_M{m}"] = await sf.run(SHAPE_A, m, 12, check_a)
+            print(f"shardflow A M={m}: {out['shardflow'][f'A_M{m}']}", flush=True)
+        steps = [await sf.run(SHAPE_B, 1, 20, check_b) for _ in range(repeats)]
+        out["shardflow"]["B_M1"] = _per_step(steps)
+        out["shardflow"][f"B_M{small}"] = await sf.run(SHAPE_B, small, 20, check_b)
+        out["shardflow"]["redis_bytes_per_program"] = await sf.redis_bytes_per_program()
+    finally:
+        sf.stop()
+    for orchestrators in (1, 2, 4):
+        sf.start(orchestrators=orchestrators)
+        try:
+            key = f"C_M{big}_{orchestrators}_orchestrators"
+            out["shardflow"][key] = await sf.run(SHAPE_A, big, 12, check_a)
+            print(f"shardflow {key}: {out['shardflow'][key]}", flush=True)
+        finally:
+            sf.stop()
+    out["shardflow"].update(await sf.rss_in_flight([100, 1000 if args.quick else 10_000]))
+
+    celery = CeleryRun(logs)  # sets the broker for the app, so before importing it
+    from bench import celery_app
+
+    for name, pool, concurrency in (("celery prefork 2", "prefork", 2),
+                                    ("celery threads 16", "threads", 16)):  # fmt: skip
+        celery.start(pool, concurrency)
+        try:
+            for m in (small, big):
+                out[name][f"A_M{m}"] = celery.run(celery_app.shape_a, m, 12, check_a)
+                print(f"{name} A M={m}: {out[name][f'A_M{m}']}", flush=True)
+            steps = [celery.run(celery_app.shape_b, 1, 20, check_b) for _ in range(repeats)]
+            out[name]["B_M1"] = _per_step(steps)
+            out[name][f"B_M{small}"] = celery.run(celery_app.shape_b, small, 20, check_b)
+        finally:
+            celery.stop()
+    report(out, big, small, args.quick)
+    cleanup()
+
+
+def cleanup() -> None:
+    """Leave the shared broker and Redis as they were."""
+    for name in ("shardflow-bench", "celery-bench"):
+        drop_vhost(name)
+    for db in ("2", "3"):
+        subprocess.run(["redis-cli", "-n", db, "flushdb"], capture_output=True)
+
+
+def _per_step(runs: list[dict[str, float]]) -> dict[str, float]:
+    per_step = [run["latency_p50_ms"] / 20 for run in runs]
+    cuts = statistics.quantiles(per_step, n=100)
+    return {"step_p50_ms": round(cuts[49], 2), "step_p99_ms": round(cuts[98], 2)}
+
+
+def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool) -> None:
+    sf = out["shardflow"]
+    celery = {k: v for k, v in out.items() if k.startswith("celery")}
+
+    def best(key: str, figure: str, higher: bool) -> float:
+        values = [c[key][figure] for c in celery.values()]
+        return max(values) if higher else min(values)
+
+    def ratio(key: str, figure: str, higher: bool) -> float:
+        return float(sf[key][figure] / best(key, figure, higher))
+
+    ratios = {}
+    for m in (small, big):
+        ratios[f"A_M{m}_tasks_per_s"] = ratio(f"A_M{m}", "tasks_per_s", True)
+        ratios[f"A_M{m}_latency_p50"] = ratio(f"A_M{m}", "latency_p50_ms", False)
+        ratios[f"A_M{m}_latency_p99"] = ratio(f"A_M{m}", "latency_p99_ms", False)
+    ratios["B_M1_step_p50"] = ratio("B_M1", "step_p50_ms", False)
+    ratios["B_M1_step_p99"] = ratio("B_M1", "step_p99_ms", False)
+    ratios[f"B_M{small}_tasks_per_s"] = ratio(f"B_M{small}", "tasks_per_s", True)
+    in_flight = [k for k in sf if k.startswith("rss_mb_")]
+    ratios["rss_many_over_few"] = sf[in_flight[-1]] / sf[in_flight[0]]
+    ratios = {k: round(v, 2) for k, v in ratios.items()}  # fmt: skip
+    result = {
+        "date": date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}",
+        "command": "make bench" + (" (--quick)" if quick else ""),
+        "note": "shardflow runs every task on its parallel pool in these shapes",
+        "figures": out,
+        "ratios": ratios,
+    }  # fmt: skip
+    stamp = result["date"] + ("-quick" if quick else "")
+    path = ROOT / "bench" / "results" / f"{stamp}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["figures"], indent=1))
+    print("ratios (shardflow / Celery's best):")
+    for key, value in ratios.items():
+        print(f"  {key:28} {value}")
+    chart(result, ROOT / "bench" / "results" / f"{stamp}.png", big, small)
+    print(f"written: {path.relative_to(ROOT)} and its .png")
+
+
+def chart(result: dict[str, Any], path: Path, big: int, small: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = result["figures"]
+    panels = [
+        (f"A M={big}: tasks/s (higher is better)", f"A_M{big}", "tasks_per_s"),
+        (f"A M={big}: latency p50 ms", f"A_M{big}", "latency_p50_ms"),
+        ("B M=1: per-step p50 ms", "B_M1", "step_p50_ms"),
+        (f"B M={small}: tasks/s", f"B_M{small}", "tasks_per_s"),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(16, 4))
+    for axis, (title, key, figure) in zip(axes, panels, strict=True):
+        names = list(figures)
+        values = [figures[name][key][figure] for name in names]
+        axis.bar(names, values, color=["#2a7", "#c84", "#d96"])
+        axis.set_title(title, fontsize=10)
+        axis.tick_params(axis="x", labelsize=8, rotation=15)
+    fig.suptitle(f"shardflow vs Celery, {result['date']}, {result['machine']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
