@@ -127,8 +127,10 @@ class Store:
 
     async def track(self, wf: str, owner: int) -> None:
         """Count a program as in flight on its owner shard (before it is recorded)."""
-        await self.client.sadd(self.keys.live(owner), wf)  # type: ignore[misc]
-        await self.client.sadd(self.keys.shards_used, str(owner))  # type: ignore[misc]
+        async with self.client.pipeline(transaction=False) as pipe:  # one round trip
+            pipe.sadd(self.keys.live(owner), wf)
+            pipe.sadd(self.keys.shards_used, str(owner))
+            await pipe.execute()
 
     async def untrack(self, wf: str, owner: int) -> None:
         """The program ended: idempotent, so every redelivery of its end may call it."""
