@@ -3,19 +3,19 @@
 -- KEYS[1]  state hash   <prefix>:{<wf>}:state
 -- ARGV[1]  end status: cancelled | failed
 -- ARGV[2]  reason, recorded as the program's error
--- returns  {"applied", status, cursor}  ended now (cursor: the step that was running)
---          {"ended", status, ""}        it had already ended: nothing changes
---          {"missing", "", ""}          no such program
-local s = redis.call("HMGET", KEYS[1], "status", "cursor")
-local status, cursor = s[1], s[2]
+-- returns  {"applied", status, owner}  ended now
+--          {"ended", status, owner}    it had already ended: nothing changes
+--          {"missing", "", ""}         no such program
+local s = redis.call("HMGET", KEYS[1], "status", "cursor", "owner")
+local status, cursor, owner = s[1], s[2], s[3]
 if not status then
   return {"missing", "", ""}
 end
 if status ~= "pending" and status ~= "running" then
-  return {"ended", status, ""}
+  return {"ended", status, owner}
 end
 local t = redis.call("TIME")
 local now = string.format("%d", t[1] * 1000 + math.floor(t[2] / 1000))
 redis.call("HSET", KEYS[1], "status", ARGV[1], "error", ARGV[2], "cursor", "", "from", cursor,
   "updated_ms", now, "ended_ms", now)
-return {"applied", ARGV[1], cursor}
+return {"applied", ARGV[1], owner}

@@ -36,6 +36,15 @@ class Recorded:
 
 
 @dataclass(frozen=True, slots=True)
+class Ended:
+    """What cancel found: whether this call ended the program, its status and owner shard."""
+
+    now: bool
+    status: str
+    owner: int
+
+
+@dataclass(frozen=True, slots=True)
 class Completion:
     """A task's completion as recorded; `fire` and `again` carry every output (JSON) of the step."""
 
@@ -118,12 +127,14 @@ class Store:
         )
         return Completion(reply[0], list(reply[1:]) if reply[0] != "stale" else [])
 
-    async def cancel(self, wf: str, status: str, reason: str) -> Verdict:
-        """End a live program now (see lua/cancel.lua): applied, ended or missing."""
-        verdict, now_status, cursor = await self._cancel(
+    async def cancel(self, wf: str, status: str, reason: str) -> Ended | None:
+        """End a live program now (see lua/cancel.lua); None when there is no such program."""
+        verdict, now_status, owner = await self._cancel(
             keys=[self.keys.state(wf)], args=[status, reason]
         )
-        return Verdict(verdict, now_status, cursor)
+        if verdict == "missing":
+            return None
+        return Ended(verdict == "applied", now_status, int(owner))
 
     async def track(self, wf: str, owner: int) -> None:
         """Count a program as in flight on its owner shard (before it is recorded)."""

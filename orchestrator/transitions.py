@@ -86,16 +86,16 @@ def task_messages(
 
 async def end_program(store: Store, bus: Publisher, wf: str, status: str, reason: str) -> str:
     """Cancel (or fail) a live program wherever it stands, and tell the workers."""
-    verdict = await store.cancel(wf, status, reason)
-    if verdict.verdict != "missing":
-        state = await store.state(wf)
-        await store.untrack(wf, int(state["owner"]))
-    if verdict.verdict == "applied":
+    ended = await store.cancel(wf, status, reason)
+    if ended is None:
+        return "missing"
+    await store.untrack(wf, ended.owner)
+    if ended.now:
         log.info("%s: ended %s: %s", wf, status, reason)
     # Told again on a redelivery too: a crash may have cut the first notice short.
-    if verdict.verdict == "applied" or verdict.status == status:
+    if ended.now or ended.status == status:
         await bus.publish_control(encode(Cancelled(wf=wf)))
-    return verdict.verdict
+    return "applied" if ended.now else "ended"
 
 
 def _failure(message: Failed, errors: list[str]) -> machine.Failed:
