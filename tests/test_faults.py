@@ -78,10 +78,13 @@ class Fleet:
                     "worker", "--pool", pool, "--app", "tests.app", "--concurrency", "8"
                 ]  # fmt: skip
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.started_at: dict[str, int] = {}  # log offset of each process's latest start
         self.kills = 0
 
     def start(self, name: str) -> None:
-        with (self.logs / f"{name}.log").open("ab") as log:
+        path = self.logs / f"{name}.log"
+        self.started_at[name] = path.stat().st_size if path.exists() else 0
+        with path.open("ab") as log:
             self.processes[name] = subprocess.Popen(
                 [sys.executable, "-m", "orchestrator.cli", *self.specs[name]],
                 cwd=ROOT,
@@ -100,7 +103,17 @@ class Fleet:
         process.wait()
         self.kills += 1
 
+    def ready(self, name: str) -> bool:
+        with (self.logs / f"{name}.log").open("rb") as log:
+            log.seek(self.started_at[name])
+            return b": consuming " in log.read()
+
     def stop_all(self) -> list[int]:
+        # A process still importing when SIGTERM comes dies of it (exit -15) holding nothing;
+        # graceful stop is only tested on processes that got as far as consuming.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(map(self.ready, self.processes)):
+            time.sleep(0.1)
         for process in self.processes.values():
             process.send_signal(signal.SIGTERM)
         return [process.wait(timeout=60) for process in self.processes.values()]
