@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from orchestrator.keys import WORKFLOW_ID
 
@@ -68,8 +68,17 @@ class Cancelled(_Message):
 ShardMessage = Annotated[Start | Next | Failed | Deadline, Field(discriminator="kind")]
 
 
+class Slot(_Message):
+    """One more bag member carried by a task message (a bag's `chunk`)."""
+
+    index: int = Field(ge=0)
+    task: str
+    args: dict[str, Any] = Field(default_factory=dict)
+    timeout_s: float | None = None
+
+
 class TaskMessage(_Message):
-    """Owner shard to a pool: run one task; report back to `owner`."""
+    """Owner shard to a pool: run one task (and the bag members in `batch`); report to `owner`."""
 
     wf: WorkflowId
     path: Path
@@ -83,6 +92,23 @@ class TaskMessage(_Message):
     attempt: int = Field(default=0, ge=0)
     owner: int = Field(ge=0)
     timeout_s: float | None = None
+    batch: list[Slot] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _members_in_bag(self) -> TaskMessage:
+        indices = [self.index, *(slot.index for slot in self.batch)]
+        if self.batch and self.index is None:
+            raise ValueError("batch: only bag members travel together")
+        if any(i is not None and i >= self.size for i in indices):
+            raise ValueError(f"index: a bag of {self.size} has members 0..{self.size - 1}")
+        return self
+
+    def split(self) -> list[TaskMessage]:
+        """One message per task it carries, each as if it had come alone."""
+        alone = self.model_copy(update={"batch": []}) if self.batch else self
+        return [alone] + [
+            self.model_copy(update={**slot.model_dump(), "batch": []}) for slot in self.batch
+        ]
 
 
 _SHARD = TypeAdapter(ShardMessage)

@@ -66,6 +66,9 @@ class Bag(_Model):
     """Tasks run in parallel; a join barrier holds the program until all finished."""
 
     bag: list[Member] = Field(min_length=1, max_length=MAX_BAG)
+    # Members per task message. Above 1, one worker runs a chunk's members side by side:
+    # fewer messages for bags of short tasks, less spreading for long ones.
+    chunk: int = Field(default=1, ge=1, le=MAX_BAG)
 
 
 class Untiloop(_Model):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Literal
@@ -108,13 +109,24 @@ class Store:
         self, wf: str, path: str, index: int | None, size: int, output: str
     ) -> Completion:
         """Record one output; for a bag of `size`, also its place in the barrier."""
+        return await self.record(wf, path, size, {index: output})
+
+    async def record(
+        self, wf: str, path: str, size: int, outputs: Mapping[int | None, str]
+    ) -> Completion:
+        """Record a single task's output (key None), or any members' of a bag of `size`
+        (keys: their indices), in one call (see lua/complete.lua)."""
         keys = self.keys
-        if index is None:
+        if None in outputs:
             script_keys = [keys.state(wf), keys.output(wf, path)]
+            args = [path, outputs[None]]
         else:
             members = [keys.output(wf, path, i) for i in range(size)]
-            script_keys = [keys.state(wf), members[index], keys.barrier(wf, path), *members]
-        reply = await self._complete(keys=script_keys, args=[path, index or 0, output])
+            script_keys = [keys.state(wf), keys.barrier(wf, path), *members]
+            args = [path]
+            for index, output in outputs.items():
+                args += [str(index), output]
+        reply = await self._complete(keys=script_keys, args=args)
         return Completion(reply[0], list(reply[1:]) if reply[0] in ("fire", "again") else [])
 
     async def fail(

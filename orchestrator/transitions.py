@@ -13,7 +13,16 @@ from typing import Any
 
 from orchestrator import machine
 from orchestrator.bus import GOING_ON, NEW, Publisher
-from orchestrator.messages import Cancelled, Deadline, Failed, Next, Start, TaskMessage, encode
+from orchestrator.messages import (
+    Cancelled,
+    Deadline,
+    Failed,
+    Next,
+    Slot,
+    Start,
+    TaskMessage,
+    encode,
+)
 from orchestrator.program import Bag, Member, Program, parse_program
 from orchestrator.store import TERMINAL, Store
 
@@ -61,26 +70,35 @@ def task_messages(
     """The pool and the task messages that run one leaf (or only its member `only`)."""
     step = leaf.step
     members: list[Member] = step.bag if isinstance(step, Bag) else [step]
-    indices = range(len(members)) if only is None else [only]
-    bodies = [
-        encode(
-            TaskMessage(
-                wf=wf,
-                path=leaf.path,
-                index=i if isinstance(step, Bag) else None,
-                size=len(members),
-                task=members[i].task,
-                args=members[i].args,
-                input=plan.input,
-                prev=leaf.prev,
-                iteration=leaf.iteration,
-                attempt=attempt,
-                owner=plan.owner,
-                timeout_s=members[i].timeout_s,
-            )
+    indices = list(range(len(members))) if only is None else [only]
+    chunk = step.chunk if isinstance(step, Bag) else 1
+    bodies = []
+    for start in range(0, len(indices), chunk):
+        first, *rest = indices[start : start + chunk]
+        message = TaskMessage(
+            wf=wf,
+            path=leaf.path,
+            index=first if isinstance(step, Bag) else None,
+            size=len(members),
+            task=members[first].task,
+            args=members[first].args,
+            input=plan.input,
+            prev=leaf.prev,
+            iteration=leaf.iteration,
+            attempt=attempt,
+            owner=plan.owner,
+            timeout_s=members[first].timeout_s,
+            batch=[
+                Slot(
+                    index=i,
+                    task=members[i].task,
+                    args=members[i].args,
+                    timeout_s=members[i].timeout_s,
+                )
+                for i in rest
+            ],
         )
-        for i in indices
-    ]
+        bodies.append(encode(message))
     return ("parallel" if isinstance(step, Bag) else step.pool), bodies
 
 

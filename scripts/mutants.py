@@ -25,20 +25,24 @@ MUTANTS = {
     "bare-counter-barrier": (
         "lua/complete.lua",
         """local verdict = "again"
-if redis.call("SADD", KEYS[3], ARGV[2]) == 1 then
-  redis.call("SET", KEYS[2], ARGV[3])
-  verdict = "fire"
+for k = 2, #ARGV, 2 do
+  if redis.call("SADD", KEYS[2], ARGV[k]) == 1 then
+    redis.call("SET", KEYS[3 + tonumber(ARGV[k])], ARGV[k + 1])
+    verdict = "fire"
+  end
 end
-if redis.call("SCARD", KEYS[3]) < #KEYS - 3 then
+if redis.call("SCARD", KEYS[2]) < #KEYS - 2 then
   return {"wait"}
 end""",
-        """redis.call("SET", KEYS[2], ARGV[3])
-local count = redis.call("INCR", KEYS[3])
-if count < #KEYS - 3 then
+        """for k = 2, #ARGV, 2 do
+  redis.call("SET", KEYS[3 + tonumber(ARGV[k])], ARGV[k + 1])
+end
+local count = redis.call("INCRBY", KEYS[2], (#ARGV - 1) / 2)
+if count < #KEYS - 2 then
   return {"wait"}
 end
 local verdict = "again"
-if count == #KEYS - 3 then
+if count - (#ARGV - 1) / 2 < #KEYS - 2 then
   verdict = "fire"
 end""",
     ),

@@ -27,6 +27,11 @@ def _task(pool: str | None, failing: bool) -> dict[str, Any]:
     return step
 
 
+def _bag(members: list[dict[str, Any]], chunk: int) -> dict[str, Any]:
+    # chunk 1 (one message per member) is the default, and where a bag shrinks to.
+    return {"bag": members, "chunk": chunk} if chunk > 1 else {"bag": members}
+
+
 def steps(depth: int = 0, max_bag: int = 50, fail_rate: int = 25) -> st.SearchStrategy[list[Any]]:
     """A list of 1-4 steps; untiloops nest up to two deep. Shrinks toward plain passing tasks.
 
@@ -36,9 +41,10 @@ def steps(depth: int = 0, max_bag: int = 50, fail_rate: int = 25) -> st.SearchSt
     fails = st.integers(0, fail_rate).map(lambda drawn: drawn == fail_rate)
     task = st.builds(_task, st.sampled_from([None, "serial", "parallel"]), fails)
     bag_size = max_bag if depth == 0 else min(max_bag, 5)
-    bag = st.lists(st.builds(_task, st.none(), fails), min_size=1, max_size=bag_size).map(
-        lambda members: {"bag": members}
-    )
+    bag = st.builds(
+        _bag, st.lists(st.builds(_task, st.none(), fails), min_size=1, max_size=bag_size),
+        st.integers(1, 4),
+    )  # fmt: skip
     kinds = [task, bag]
     if depth < 2:
         kinds.append(untiloops(depth + 1, max_bag, fail_rate))

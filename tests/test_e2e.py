@@ -72,6 +72,19 @@ async def test_a_bag_output_is_its_members_outputs_in_bag_order(cluster: Router)
     assert status["result"] == [1, 2, 3, 4, 5]
 
 
+async def test_a_chunked_bag_runs_its_members_together_and_retries_one_alone(
+    cluster: Router,
+) -> None:
+    retry = {"max_attempts": 2, "backoff_s": 0.01}
+    flaky = {"task": "flaky", "args": {"fail_until": 1}, "retry": retry}
+    members = [{"task": "add", "args": {"n": i, "sleep_s": 0.02 * (7 - i)}} for i in range(7)]
+    members[4] = flaky  # fails once inside a chunk of three, then runs again on its own
+    program = {"steps": [{"task": "add", "args": {"n": 1}}, {"bag": members, "chunk": 3}]}
+    status = await cluster.wait((await cluster.submit(program)).workflow_id, timeout_s=30)
+    assert status["status"] == "completed", status
+    assert status["result"] == [1, 2, 3, 4, {"attempt": 1}, 6, 7]
+
+
 async def test_fifty_programs_at_once_over_four_shards_all_complete(
     cluster: Router, trace: Trace
 ) -> None:

@@ -52,6 +52,10 @@ def test_untiloops_nest() -> None:
         ({"steps": [{"task": "a", "bag": []}]}, "steps[0]: a step needs exactly one of"),
         ({"steps": [{"bag": []}]}, "steps[0].bag: List should have at least 1 item"),
         (
+            {"steps": [{"bag": [{"task": "a"}], "chunk": 0}]},
+            "steps[0].chunk: Input should be greater than or equal to 1",
+        ),
+        (
             {
                 "steps": [
                     {"task": "a"},

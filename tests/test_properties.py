@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -108,15 +109,17 @@ class RecordingStore(Store):
         self.ended: Counter[str] = Counter()
         self.violations: list[str] = []
 
-    async def complete(
-        self, wf: str, path: str, index: int | None, size: int, output: str
+    async def record(
+        self, wf: str, path: str, size: int, outputs: Mapping[int | None, str]
     ) -> Completion:
-        completion = await super().complete(wf, path, index, size, output)
+        completion = await super().record(wf, path, size, outputs)
         if completion.verdict != "stale":
-            self.recorded[(wf, path)].add(index or 0)
+            self.recorded[(wf, path)].update(index or 0 for index in outputs)
         if completion.verdict == "fire":
             self.fired[(wf, path)] += 1
-            if len(self.recorded[(wf, path)]) != size:
+            single = None in outputs
+            keys = [self.keys.output(wf, path, None if single else i) for i in range(size)]
+            if await self.client.exists(*keys) != size:
                 self.violations.append(f"{wf} {path}: barrier fired before all {size} finished")
         return completion
 

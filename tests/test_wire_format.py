@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.machine import Leaf, first
 from orchestrator.messages import (
     Next,
     Start,
@@ -14,6 +15,8 @@ from orchestrator.messages import (
     decode_task,
     encode,
 )
+from orchestrator.program import parse_program
+from orchestrator.transitions import Plan, task_messages
 from router.hashing import shard_for
 
 VECTORS = json.loads((Path(__file__).parent.parent / "docs" / "shard-vectors.json").read_text())
@@ -57,3 +60,30 @@ def test_the_documented_messages_decode() -> None:
     assert next_ == Next(wf="order-1", path="2/iter:0/1", output=[1])
     task = TaskMessage(wf="order-1", path="1", index=0, size=2, task="resize", owner=3)
     assert decode_task(encode(task)) == task
+
+
+@pytest.mark.parametrize(("chunk", "sizes"), [(1, [1] * 7), (3, [3, 3, 1]), (7, [7]), (50, [7])])
+def test_a_bag_goes_out_in_chunks_that_split_back_into_its_members(
+    chunk: int, sizes: list[int]
+) -> None:
+    program = parse_program(
+        {
+            "steps": [
+                {"bag": [{"task": f"t{i}", "args": {"i": i}} for i in range(7)], "chunk": chunk}
+            ]
+        }
+    )
+    leaf = first(program)
+    assert isinstance(leaf, Leaf)
+    pool, bodies = task_messages("wf-1", Plan(program, {"x": 1}, owner=2), leaf)
+    assert pool == "parallel"
+    messages = [decode_task(body) for body in bodies]
+    assert [len(message.split()) for message in messages] == sizes
+    tasks = [task for message in messages for task in message.split()]
+    assert [(t.index, t.task, t.args, t.size) for t in tasks] == [
+        (i, f"t{i}", {"i": i}, 7) for i in range(7)
+    ]
+    assert all(t.batch == [] and t.input == {"x": 1} and t.owner == 2 for t in tasks)
+    # A retry sends one member alone, whatever the chunk.
+    _, alone = task_messages("wf-1", Plan(program, None, owner=2), leaf, attempt=1, only=5)
+    assert [(t.index, t.attempt) for t in decode_task(alone[0]).split()] == [(5, 1)]

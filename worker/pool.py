@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 RETRY_PAUSE_S = 0.5
 Pool = Literal["serial", "parallel"]
+Report = Next | Failed
 
 
 class Worker(Service):
@@ -103,8 +104,8 @@ class Worker(Service):
             await settle(delivery, ok=True)
             return
         try:
-            report = await self.run_task(task, redelivered=bool(delivery.redelivered))
-            if report is not None:
+            reports = await self.run_tasks(task.split(), redelivered=bool(delivery.redelivered))
+            for report in reports:
                 await self.bus.publish_to_shard(task.owner, encode(report))
         except asyncio.CancelledError:
             raise  # a hard stop: the message goes back to the queue with the channel
@@ -115,8 +116,28 @@ class Worker(Service):
             return
         await settle(delivery, ok=True)
 
-    async def run_task(self, task: TaskMessage, *, redelivered: bool) -> Next | Failed | None:
-        """Run the handler and record its output; the report for the owner, if any."""
+    async def run_tasks(self, tasks: list[TaskMessage], *, redelivered: bool) -> list[Report]:
+        """Run one message's tasks side by side and record their outputs in one call; the
+        reports for the owner: failures, and `next` when this completed the step."""
+        outcomes = await asyncio.gather(*(self._attempt(task) for task in tasks))
+        reports: list[Report] = [outcome for outcome in outcomes if isinstance(outcome, Failed)]
+        outputs = {
+            t.index: out for t, out in zip(tasks, outcomes, strict=True) if isinstance(out, str)
+        }
+        if not outputs:
+            return reports
+        task = tasks[0]  # a message's tasks share program, step and bag
+        completion = await self.store.record(task.wf, task.path, task.size, outputs)
+        self.counts[completion.verdict] += len(outputs)
+        # Only a redelivered task may be the one whose report a crash cut short.
+        if completion.verdict == "fire" or (completion.verdict == "again" and redelivered):
+            values = [json.loads(out) for out in completion.outputs]
+            output = values if task.index is not None else values[0]
+            reports.append(Next(wf=task.wf, path=task.path, output=output))
+        return reports
+
+    async def _attempt(self, task: TaskMessage) -> str | Failed | None:
+        """Run one handler: its output as JSON, its failure, or None when it was cancelled."""
         ctx = TaskContext(
             input=task.input,
             args=task.args,
@@ -128,7 +149,7 @@ class Worker(Service):
             attempt=task.attempt,
         )
         try:
-            text = await self._output(task, ctx)
+            return await self._output(task, ctx)
         except asyncio.CancelledError:
             raise
         except _ProgramCancelled:
@@ -137,26 +158,16 @@ class Worker(Service):
         except Exception as exc:
             self.counts["failed"] += 1
             plain = isinstance(exc, _TaskError | UnknownTask)
-            error = str(exc) if plain else f"{type(exc).__name__}: {exc}"
             return Failed(
                 wf=task.wf,
                 path=task.path,
                 index=task.index,
                 attempt=task.attempt,
                 task=task.task,
-                error=error,
+                error=str(exc) if plain else f"{type(exc).__name__}: {exc}",
                 prev=task.prev,
                 iteration=task.iteration,
             )
-        completion = await self.store.complete(task.wf, task.path, task.index, task.size, text)
-        self.counts[completion.verdict] += 1
-        # Only a redelivered task may be the one whose report a crash cut short.
-        if not (completion.verdict == "fire" or (completion.verdict == "again" and redelivered)):
-            return None
-        outputs = [json.loads(out) for out in completion.outputs]
-        return Next(
-            wf=task.wf, path=task.path, output=outputs if task.index is not None else outputs[0]
-        )
 
     async def _output(self, task: TaskMessage, ctx: TaskContext) -> str:
         # The handler runs in a task of its own, so a cancelled program can stop just it.
