@@ -49,6 +49,9 @@ SHAPE_A = {
         {"task": "finish", "pool": "parallel"},
     ],
 }
+# The same work, a bag sent as one task message (see "chunk" in the README's program format).
+SHAPE_A_CHUNKED = {**SHAPE_A, "steps": [*SHAPE_A["steps"][:1], {**SHAPE_A["steps"][1], "chunk": 10},
+                                        *SHAPE_A["steps"][2:]]}  # fmt: skip
 SHAPE_B = {"name": "B", "steps": [{"task": "step", "pool": "parallel"}] * 20}
 SHARDS = 4
 
@@ -256,8 +259,9 @@ async def main() -> None:
     sf.start(orchestrators=2)
     try:
         for m in (small, big):
-            out["shardflow"][f"A_M{m}"] = await sf.run(SHAPE_A, m, 12, check_a)
-            print(f"shardflow A M={m}: {out['shardflow'][f'A_M{m}']}", flush=True)
+            for key, shape in ((f"A_M{m}", SHAPE_A), (f"A_M{m}_chunk10", SHAPE_A_CHUNKED)):
+                out["shardflow"][key] = await sf.run(shape, m, 12, check_a)
+                print(f"shardflow {key}: {out['shardflow'][key]}", flush=True)
         steps = [await sf.run(SHAPE_B, 1, 20, check_b) for _ in range(repeats)]
         out["shardflow"]["B_M1"] = _per_step(steps)
         out["shardflow"][f"B_M{small}"] = await sf.run(SHAPE_B, small, 20, check_b)
@@ -315,14 +319,16 @@ def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool) ->
         values = [c[key][figure] for c in celery.values()]
         return max(values) if higher else min(values)
 
-    def ratio(key: str, figure: str, higher: bool) -> float:
-        return float(sf[key][figure] / best(key, figure, higher))
+    def ratio(key: str, figure: str, higher: bool, variant: str = "") -> float:
+        return float(sf[key + variant][figure] / best(key, figure, higher))
 
     ratios = {}
     for m in (small, big):
-        ratios[f"A_M{m}_tasks_per_s"] = ratio(f"A_M{m}", "tasks_per_s", True)
-        ratios[f"A_M{m}_latency_p50"] = ratio(f"A_M{m}", "latency_p50_ms", False)
-        ratios[f"A_M{m}_latency_p99"] = ratio(f"A_M{m}", "latency_p99_ms", False)
+        for variant in ("", "_chunk10"):
+            a = f"A_M{m}{variant}"
+            ratios[f"{a}_tasks_per_s"] = ratio(f"A_M{m}", "tasks_per_s", True, variant)
+            ratios[f"{a}_latency_p50"] = ratio(f"A_M{m}", "latency_p50_ms", False, variant)
+            ratios[f"{a}_latency_p99"] = ratio(f"A_M{m}", "latency_p99_ms", False, variant)
     ratios["B_M1_step_p50"] = ratio("B_M1", "step_p50_ms", False)
     ratios["B_M1_step_p99"] = ratio("B_M1", "step_p99_ms", False)
     ratios[f"B_M{small}_tasks_per_s"] = ratio(f"B_M{small}", "tasks_per_s", True)
@@ -334,19 +340,40 @@ def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool) ->
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}",
         "command": "make bench" + (" (--quick)" if quick else ""),
-        "note": "shardflow runs every task on its parallel pool in these shapes",
+        "note": "shardflow runs every task on its parallel pool in these shapes; "
+        "A_*_chunk10: the same bag sent as one task message (\"chunk\": 10)",
         "figures": out,
         "ratios": ratios,
     }  # fmt: skip
     stamp = result["date"] + ("-quick" if quick else "")
     path = ROOT / "bench" / "results" / f"{stamp}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result["figures"], indent=1))
+    print(table(out, big, small))
     print("ratios (shardflow / Celery's best):")
     for key, value in ratios.items():
-        print(f"  {key:28} {value}")
+        print(f"  {key:36} {value}")
     chart(result, ROOT / "bench" / "results" / f"{stamp}.png", big, small)
     print(f"written: {path.relative_to(ROOT)} and its .png")
+
+
+def table(out: dict[str, dict[str, Any]], big: int, small: int) -> str:
+    """Both systems side by side, one row per figure."""
+    rows = [(f"A M={m}{label}: {name}", f"A_M{m}{variant}", figure)
+            for m in (small, big) for variant, label in (("", ""), ("_chunk10", " chunk 10"))
+            for name, figure in (("tasks/s", "tasks_per_s"), ("p50 ms", "latency_p50_ms"),
+                                 ("p99 ms", "latency_p99_ms"))]  # fmt: skip
+    rows += [("B M=1: step p50 ms", "B_M1", "step_p50_ms"),
+             ("B M=1: step p99 ms", "B_M1", "step_p99_ms"),
+             (f"B M={small}: tasks/s", f"B_M{small}", "tasks_per_s")]  # fmt: skip
+    systems = list(out)
+    lines = [f"{'figure':30}" + "".join(f"{name:>20}" for name in systems)]
+    for label, key, figure in rows:
+        cells = [out[name].get(key, {}).get(figure) for name in systems]
+        lines.append(f"{label:30}" + "".join(f"{'-' if c is None else c:>20}" for c in cells))
+    extra = {k: v for k, v in out["shardflow"].items() if not isinstance(v, dict)}
+    extra.update({k: v["tasks_per_s"] for k, v in out["shardflow"].items() if k.startswith("C_")})
+    lines += [f"{key:48}{value:>10}" for key, value in extra.items()]
+    return "\n".join(lines)
 
 
 def chart(result: dict[str, Any], path: Path, big: int, small: int) -> None:
@@ -356,19 +383,27 @@ def chart(result: dict[str, Any], path: Path, big: int, small: int) -> None:
     import matplotlib.pyplot as plt
 
     figures = result["figures"]
+    systems = list(figures)
+
+    def bars(key: str, figure: str) -> list[tuple[str, float]]:
+        shown = [(name, figures[name][key][figure]) for name in systems]
+        if key + "_chunk10" in figures["shardflow"]:
+            shown.insert(1, ("shardflow\nchunk 10", figures["shardflow"][key + "_chunk10"][figure]))
+        return shown
+
     panels = [
-        (f"A M={big}: tasks/s (higher is better)", f"A_M{big}", "tasks_per_s"),
-        (f"A M={big}: latency p50 ms", f"A_M{big}", "latency_p50_ms"),
-        ("B M=1: per-step p50 ms", "B_M1", "step_p50_ms"),
-        (f"B M={small}: tasks/s", f"B_M{small}", "tasks_per_s"),
+        (f"A M={big}: tasks/s (higher is better)", bars(f"A_M{big}", "tasks_per_s")),
+        (f"A M={big}: latency p50 ms", bars(f"A_M{big}", "latency_p50_ms")),
+        ("B M=1: per-step p50 ms", bars("B_M1", "step_p50_ms")),
+        (f"B M={small}: tasks/s", bars(f"B_M{small}", "tasks_per_s")),
     ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(16, 4))
-    for axis, (title, key, figure) in zip(axes, panels, strict=True):
-        names = list(figures)
-        values = [figures[name][key][figure] for name in names]
-        axis.bar(names, values, color=["#2a7", "#c84", "#d96"])
+    fig, axes = plt.subplots(1, len(panels), figsize=(17, 4))
+    for axis, (title, shown) in zip(axes, panels, strict=True):
+        labels = [label for label, _ in shown]
+        colours = ["#2a7" if label.startswith("shardflow") else "#c84" for label in labels]
+        axis.bar(labels, [value for _, value in shown], color=colours)
         axis.set_title(title, fontsize=10)
-        axis.tick_params(axis="x", labelsize=8, rotation=15)
+        axis.tick_params(axis="x", labelsize=7, rotation=15)
     fig.suptitle(f"shardflow vs Celery, {result['date']}, {result['machine']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
