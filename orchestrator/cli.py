@@ -66,7 +66,11 @@ def _parser() -> argparse.ArgumentParser:
     work = commands.add_parser("worker", help="run tasks from one pool")
     work.add_argument("--pool", choices=("serial", "parallel"), required=True)
     _app_argument(work, "import MODULE and use its @task() handlers", required=True)
-    work.add_argument("--concurrency", type=int, help="tasks at once (parallel pool only)")
+    work.add_argument(
+        "--concurrency",
+        type=int,
+        help="task messages at once (parallel pool only; a chunked bag message counts once)",
+    )
 
     submit = commands.add_parser("submit", help="submit a program; prints its workflow id")
     submit.add_argument("program", type=Path, help="program JSON file ('-' for stdin)")

@@ -119,7 +119,10 @@ class Worker(Service):
     async def run_tasks(self, tasks: list[TaskMessage], *, redelivered: bool) -> list[Report]:
         """Run one message's tasks side by side and record their outputs in one call; the
         reports for the owner: failures, and `next` when this completed the step."""
-        outcomes = await asyncio.gather(*(self._attempt(task) for task in tasks))
+        if len(tasks) == 1:  # the common case, without gather's extra task
+            outcomes = [await self._attempt(tasks[0])]
+        else:
+            outcomes = await asyncio.gather(*(self._attempt(task) for task in tasks))
         reports: list[Report] = [outcome for outcome in outcomes if isinstance(outcome, Failed)]
         outputs = {
             t.index: out for t, out in zip(tasks, outcomes, strict=True) if isinstance(out, str)
