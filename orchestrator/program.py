@@ -68,7 +68,12 @@ class Bag(_Model):
     bag: list[Member] = Field(min_length=1, max_length=MAX_BAG)
     # Members per task message. Above 1, one worker runs a chunk's members side by side:
     # fewer messages for bags of short tasks, less spreading for long ones.
-    chunk: int = Field(default=1, ge=1, le=MAX_BAG)
+    chunk: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_BAG,
+        description="members per task message, run side by side by one worker",
+    )
 
 
 class Untiloop(_Model):

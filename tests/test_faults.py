@@ -48,7 +48,10 @@ def program(k: int) -> dict:
         "name": f"fault-{k}",
         "steps": [
             {"task": "add", "args": {"n": 1, "sleep_s": 0.01}},
-            {"bag": [{"task": "add", "args": {"n": i, "sleep_s": 0.05}} for i in range(5)]},
+            {
+                "bag": [{"task": "add", "args": {"n": i, "sleep_s": 0.05}} for i in range(5)],
+                "chunk": 1 + k % 3,  # one, two or three members per task message
+            },
             {
                 "until": "prev.iteration >= 2",
                 "max_iterations": 5,
