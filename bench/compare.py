@@ -41,17 +41,18 @@ from orchestrator.runtime import connected  # noqa: E402
 from orchestrator.settings import Settings  # noqa: E402
 from router.client import Router  # noqa: E402
 
-SHAPE_A = {
-    "name": "A",
-    "steps": [
-        {"task": "begin", "pool": "parallel"},
-        {"bag": [{"task": "member", "args": {"i": i}} for i in range(10)]},
-        {"task": "finish", "pool": "parallel"},
-    ],
-}
-# The same work, a bag sent as one task message (see "chunk" in the README's program format).
-SHAPE_A_CHUNKED = {**SHAPE_A, "steps": [*SHAPE_A["steps"][:1], {**SHAPE_A["steps"][1], "chunk": 10},
-                                        *SHAPE_A["steps"][2:]]}  # fmt: skip
+
+def shape_a(chunk: int = 1) -> dict[str, Any]:
+    """One task, a bag of 10 that each get its output, one task; `chunk` members per message
+    (see "chunk" in the README's program format): the same work, fewer messages."""
+    bag: dict[str, Any] = {"bag": [{"task": "member", "args": {"i": i}} for i in range(10)]}
+    if chunk > 1:
+        bag["chunk"] = chunk
+    steps = [{"task": "begin", "pool": "parallel"}, bag, {"task": "finish", "pool": "parallel"}]
+    return {"name": "A", "steps": steps}
+
+
+SHAPE_A, SHAPE_A_CHUNKED = shape_a(), shape_a(chunk=10)
 SHAPE_B = {"name": "B", "steps": [{"task": "step", "pool": "parallel"}] * 20}
 SHARDS = 4
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import os
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.compare import ROOT, SHAPE_A, Shardflow, check_a
+from bench.compare import ROOT, Shardflow, check_a, shape_a
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -41,8 +40,7 @@ async def main() -> None:
     parser.add_argument("--chunk", type=int, default=1, help="the bag's chunk")
     parser.add_argument("--orchestrators", type=int, default=2)
     args = parser.parse_args()
-    shape = copy.deepcopy(SHAPE_A)
-    shape["steps"][1]["chunk"] = args.chunk
+    shape = shape_a(args.chunk)
     await asyncio.to_thread(
         subprocess.run, ["redis-cli", "-n", "2", "flushdb"], check=True, capture_output=True
     )
