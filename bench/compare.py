@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from redis.asyncio import Redis  # noqa: E402
 
 from bench.services import drop_vhost, vhost  # noqa: E402
-from orchestrator.runtime import connected  # noqa: E402
+from orchestrator.connections import connected  # noqa: E402
 from orchestrator.settings import Settings  # noqa: E402
 from router.client import Router  # noqa: E402
 
@@ -116,7 +116,7 @@ class Shardflow:
 
     def start(self, orchestrators: int, worker_concurrency: int = 16, workers: int = 2) -> None:
         groups = [list(range(SHARDS))[i::orchestrators] for i in range(orchestrators)]
-        cli = [sys.executable, "-m", "orchestrator.cli"]
+        cli = [sys.executable, "-m", "shardflow"]
         self.orchestrators = [
             spawn([*cli, "orchestrator", "--shards", ",".join(map(str, group))], self.env,
                   self.logs / "orchestrator.log")

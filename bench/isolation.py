@@ -28,10 +28,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.services import drop_vhost, vhost  # noqa: E402
-from orchestrator.dev import Dev  # noqa: E402
-from orchestrator.runtime import connected  # noqa: E402
+from orchestrator.connections import connected  # noqa: E402
 from orchestrator.settings import Settings  # noqa: E402
 from router.client import Router  # noqa: E402
+from shardflow.dev import Dev  # noqa: E402
 from worker.registry import Registry  # noqa: E402
 
 SLOW_S = 3.0

@@ -1,8 +1,21 @@
-"""shardflow's core: the program format, settings, and the orchestrator that owns shards."""
+"""shardflow's core: the program format, settings, transport, state, and the shard owner."""
 
+from orchestrator.connections import connected
+from orchestrator.memory_store import MemoryStore
+from orchestrator.owner import Orchestrator
 from orchestrator.program import Program, ProgramError, parse_program
-from orchestrator.runtime import connected
-from orchestrator.service import Orchestrator
+from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
+from orchestrator.store import Store
 
-__all__ = ["Orchestrator", "Program", "ProgramError", "Settings", "connected", "parse_program"]
+__all__ = [
+    "MemoryStore",
+    "Orchestrator",
+    "Program",
+    "ProgramError",
+    "RedisStore",
+    "Settings",
+    "Store",
+    "connected",
+    "parse_program",
+]

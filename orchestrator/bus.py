@@ -50,18 +50,18 @@ class Publisher(Protocol):
     async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None: ...
 
 
-class Delivery(Protocol):
-    """One received message; aio-pika's IncomingMessage is one."""
+class Consumer(Protocol):
+    """What a consuming part (a worker pool) needs besides publishing; `Bus` is the real one."""
 
-    @property
-    def body(self) -> bytes: ...
+    names: Names
 
-    @property
-    def redelivered(self) -> bool | None: ...
+    async def consume(self, queue_name: str, prefetch: int) -> AbstractQueueIterator: ...
 
-    async def ack(self) -> None: ...
+    async def consume_control(self) -> AbstractQueueIterator: ...
 
-    async def nack(self, *, requeue: bool = True) -> None: ...
+
+class Transport(Publisher, Consumer, Protocol):
+    """Publishing and consuming: everything a worker uses of the broker."""
 
 
 class Bus:
@@ -272,22 +272,6 @@ class Bus:
         if prefetch:
             await channel.set_qos(prefetch_count=prefetch)
         return channel
-
-
-async def settle(delivery: Delivery, *, ok: bool) -> None:
-    """Ack, or hand back for redelivery. When the channel is already gone the broker hands the
-    message back by itself, so a failure here is logged, not raised."""
-    try:
-        if ok:
-            await delivery.ack()
-        else:
-            await delivery.nack(requeue=True)
-    except Exception as exc:
-        log.warning(
-            "could not %s a message (%s); it will be delivered again",
-            "ack" if ok else "requeue",
-            exc,
-        )
 
 
 def _message(

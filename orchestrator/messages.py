@@ -6,13 +6,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
+from orchestrator.delivery import Poison, first_error
 from orchestrator.keys import WORKFLOW_ID
 
 WorkflowId = Annotated[str, Field(pattern=WORKFLOW_ID.pattern)]
 Path = Annotated[str, Field(pattern=r"^\d+(/(iter:\d+/)?\d+)*$", max_length=1000)]
 
 
-class MessageError(ValueError):
+class MessageError(Poison, ValueError):
     """A message that cannot be decoded; it goes to the dead-letter queue with this reason."""
 
 
@@ -120,7 +121,7 @@ def decode_shard_message(body: bytes) -> Start | Next | Failed | Deadline:
     try:
         return _SHARD.validate_json(body)
     except ValidationError as exc:
-        raise MessageError(_reason(exc)) from None
+        raise MessageError(first_error(exc)) from None
 
 
 def decode_task(body: bytes) -> TaskMessage:
@@ -128,15 +129,8 @@ def decode_task(body: bytes) -> TaskMessage:
     try:
         return _TASK.validate_json(body)
     except ValidationError as exc:
-        raise MessageError(_reason(exc)) from None
+        raise MessageError(first_error(exc)) from None
 
 
 def encode(message: _Message) -> bytes:
     return message.model_dump_json().encode()
-
-
-def _reason(exc: ValidationError) -> str:
-    first = exc.errors()[0]
-    where = ".".join(str(part) for part in first["loc"]) or "message"
-    more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    return f"{where}: {first['msg']}{more}"

@@ -13,8 +13,8 @@ from typing import Any
 
 from orchestrator import machine
 from orchestrator.bus import GOING_ON, NEW, Publisher
+from orchestrator.ending import end_program
 from orchestrator.messages import (
-    Cancelled,
     Deadline,
     Failed,
     Next,
@@ -100,20 +100,6 @@ def task_messages(
         )
         bodies.append(encode(message))
     return ("parallel" if isinstance(step, Bag) else step.pool), bodies
-
-
-async def end_program(store: Store, bus: Publisher, wf: str, status: str, reason: str) -> str:
-    """Cancel (or fail) a live program wherever it stands, and tell the workers."""
-    ended = await store.cancel(wf, status, reason)
-    if ended is None:
-        return "missing"
-    await store.untrack(wf, ended.owner)
-    if ended.now:
-        log.info("%s: ended %s: %s", wf, status, reason)
-    # Told again on a redelivery too: a crash may have cut the first notice short.
-    if ended.now or ended.status == status:
-        await bus.publish_control(encode(Cancelled(wf=wf)))
-    return "applied" if ended.now else "ended"
 
 
 def _failure(message: Failed, errors: list[str]) -> machine.Failed:

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.bus import NEW, Publisher
+from orchestrator.ending import end_program
 from orchestrator.keys import check_workflow_id
 from orchestrator.messages import Deadline, Start, encode
 from orchestrator.program import Program, ProgramError, parse_program
 from orchestrator.settings import Settings
 from orchestrator.store import TERMINAL, Store
-from orchestrator.transitions import end_program
 from router.hashing import shard_for
 
 

@@ -16,7 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from orchestrator.bus import Bus, Delivery, settle
+from orchestrator.bus import Bus
+from orchestrator.delivery import Delivery, Poison, first_error, process
 from orchestrator.lifecycle import Service, format_counts
 from orchestrator.program import ProgramError
 from orchestrator.settings import Settings
@@ -65,35 +66,30 @@ class Ingress(Service):
         self, delivery: Delivery, reply_to: str | None, correlation_id: str | None
     ) -> None:
         """Submit one request; a refused one is answered and parked with its reason."""
-        try:
-            request = Request.model_validate_json(delivery.body)
+
+        async def answer(body: dict[str, Any]) -> None:
+            if reply_to:
+                await self.bus.reply(reply_to, correlation_id, json.dumps(body).encode())
+
+        async def refused(reason: str) -> None:
+            self.counts["refused"] += 1
+            await answer({"error": reason})
+
+        source = self.bus.names.ingress_queue
+        async with process(delivery, self.bus, source, poison=(ProgramError,), on_poison=refused):
+            try:
+                request = Request.model_validate_json(delivery.body)
+            except ValidationError as exc:
+                raise Poison(first_error(exc, root="request")) from None
             submitted = await self.router.submit(
                 request.program, request.input, request.workflow_id
             )
-            answer: dict[str, Any] = {
-                "workflow_id": submitted.workflow_id,
-                "shard": submitted.shard,
-                "created": submitted.created,
-                "status": submitted.status,
-            }
             self.counts["created" if submitted.created else "existing"] += 1
-        except (ValidationError, ProgramError) as exc:
-            reason = str(exc) if isinstance(exc, ProgramError) else _first_error(exc)
-            self.counts["refused"] += 1
-            await self.bus.dead_letter(
-                delivery.body, reason=reason, source=self.bus.names.ingress_queue
+            await answer(
+                {
+                    "workflow_id": submitted.workflow_id,
+                    "shard": submitted.shard,
+                    "created": submitted.created,
+                    "status": submitted.status,
+                }
             )
-            answer = {"error": reason}
-        except Exception as exc:
-            log.warning("router: submit failed, request requeued: %r", exc)
-            await settle(delivery, ok=False)
-            return
-        if reply_to:
-            await self.bus.reply(reply_to, correlation_id, json.dumps(answer).encode())
-        await settle(delivery, ok=True)
-
-
-def _first_error(exc: ValidationError) -> str:
-    first = exc.errors()[0]
-    where = ".".join(str(part) for part in first["loc"]) or "request"
-    return f"{where}: {first['msg']}"

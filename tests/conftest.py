@@ -20,11 +20,11 @@ from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
 from redis.asyncio import Redis
 
-from orchestrator.dev import Dev
-from orchestrator.runtime import connected
+from orchestrator.connections import connected
+from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
-from orchestrator.store import Store
 from router.client import Router
+from shardflow.dev import Dev
 from tests import app
 from worker.registry import Registry
 
@@ -135,8 +135,8 @@ async def _drop_keys(redis_url: str, prefix: str) -> None:
 
 
 @pytest.fixture
-async def store(settings: Settings) -> AsyncIterator[Store]:
-    store = Store.connect(settings)
+async def store(settings: Settings) -> AsyncIterator[RedisStore]:
+    store = RedisStore.connect(settings)
     await store.load_scripts()
     yield store
     await store.close()

@@ -19,7 +19,7 @@ EXAMPLE = ROOT / "examples" / "thumbnails.json"
 
 def shardflow(*args: str, env: dict[str, str] | None = None, timeout: float = 60, stdin: str = ""):  # type: ignore[no-untyped-def]
     return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args],
+        [sys.executable, "-m", "shardflow", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -43,7 +43,7 @@ def dev(settings: Settings) -> Iterator[dict[str, str]]:
     """`shardflow dev --app examples.tasks` running in its own process; stopped with SIGTERM."""
     env = environment(settings)
     process = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", "dev", "--app", "examples.tasks"],
+        [sys.executable, "-m", "shardflow", "dev", "--app", "examples.tasks"],
         cwd=ROOT,
         env={**os.environ, **env},
         stderr=subprocess.PIPE,
@@ -156,8 +156,8 @@ async def test_poison_messages_are_parked_with_their_reason_and_listed(
 ) -> None:
     import aio_pika
 
+    from orchestrator.connections import connected
     from orchestrator.keys import Names
-    from orchestrator.runtime import connected
 
     names = Names(settings.prefix)
     async with connected(settings):  # the queues exist before anything is published to them

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from orchestrator.runtime import connected
+from orchestrator.connections import connected
 from orchestrator.settings import Settings
 from router.client import Router
 from tests.app import Trace

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.dev import Dev
-from orchestrator.runtime import connected
+from orchestrator.connections import connected
 from orchestrator.settings import Settings
 from orchestrator.store import TERMINAL
 from router.client import Router
+from shardflow.dev import Dev
 from tests.app import Trace
 from tests.ordering import assert_leaves_in_order
 from worker.registry import Registry
@@ -48,7 +48,7 @@ def orchestrator(settings: Settings, log: Path) -> subprocess.Popen[bytes]:
     before = log.read_text().count("orchestrator: consuming") if log.exists() else 0
     with log.open("ab") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", "orchestrator", "--shards", "0,1"],
+            [sys.executable, "-m", "shardflow", "orchestrator", "--shards", "0,1"],
             cwd=ROOT, env=env, stdout=out, stderr=out,
         )  # fmt: skip
     deadline = time.monotonic() + 30

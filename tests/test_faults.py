@@ -27,7 +27,8 @@ import aio_pika
 import pytest
 from redis.asyncio import Redis
 
-from orchestrator.keys import Names
+from orchestrator.keys import Keys, Names
+from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
 from orchestrator.store import TERMINAL, Store
 from router.client import Router
@@ -89,7 +90,7 @@ class Fleet:
         self.started_at[name] = path.stat().st_size if path.exists() else 0
         with path.open("ab") as log:
             self.processes[name] = subprocess.Popen(
-                [sys.executable, "-m", "orchestrator.cli", *self.specs[name]],
+                [sys.executable, "-m", "shardflow", *self.specs[name]],
                 cwd=ROOT,
                 env={**os.environ, **self.env},
                 stdout=log,
@@ -206,7 +207,7 @@ async def test_every_program_ends_once_in_order_through_kills_and_restarts(
     }
     trace = Trace(redis_url, f"{prefix}:trace")  # on the shared Redis, which nobody restarts
     fleet = Fleet(env, tmp_path)
-    store = Store(Redis.from_url(redis.url, decode_responses=True), Store.connect(settings).keys)
+    store = RedisStore(Redis.from_url(redis.url, decode_responses=True), Keys(settings.prefix))
     from orchestrator.bus import Bus
 
     bus = Bus(settings)

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import aio_pika
 import pytest
 
-from orchestrator.runtime import connected
+from orchestrator.connections import connected
 from orchestrator.settings import Settings
 from router.client import Router
 from router.ingress import Ingress

@@ -4,18 +4,18 @@ import json
 
 from redis.crc import key_slot
 
-from orchestrator.store import Store
+from orchestrator.redis_store import RedisStore
 
 PLAN = json.dumps({"program": {"steps": [{"task": "a"}]}, "input": None, "owner": 1})
 
 
-async def started(store: Store, wf: str = "wf-1", cursor: str = "0") -> str:
+async def started(store: RedisStore, wf: str = "wf-1", cursor: str = "0") -> str:
     await store.submit(wf, PLAN, 1, "demo")
     await store.advance(wf, "", cursor, "running")
     return wf
 
 
-async def test_submit_records_once_and_reports_what_exists(store: Store) -> None:
+async def test_submit_records_once_and_reports_what_exists(store: RedisStore) -> None:
     first = await store.submit("wf-1", PLAN, 3, "demo")
     assert (first.created, first.status, first.owner) == (True, "pending", 3)
     again = await store.submit("wf-1", '{"other": true}', 0, "other")
@@ -25,7 +25,7 @@ async def test_submit_records_once_and_reports_what_exists(store: Store) -> None
     assert state["name"] == "demo" and state["cursor"] == "" and int(state["created_ms"]) > 0
 
 
-async def test_advance_applies_once_then_replays_then_is_stale(store: Store) -> None:
+async def test_advance_applies_once_then_replays_then_is_stale(store: RedisStore) -> None:
     await store.submit("wf-1", PLAN, 1, "demo")
     applied = await store.advance("wf-1", "", "0", "running")
     assert (applied.verdict, applied.status, applied.cursor) == ("applied", "running", "0")
@@ -41,7 +41,7 @@ async def test_advance_applies_once_then_replays_then_is_stale(store: Store) -> 
     assert (state["cursor"], state["from"], state["status"]) == ("1", "0", "running")
 
 
-async def test_advance_ends_a_program_once(store: Store) -> None:
+async def test_advance_ends_a_program_once(store: RedisStore) -> None:
     wf = await started(store)
     done = await store.advance(wf, "0", "", "completed", "result", '{"x": 1}')
     assert (done.verdict, done.status) == ("applied", "completed")
@@ -53,11 +53,11 @@ async def test_advance_ends_a_program_once(store: Store) -> None:
     assert "error" not in state and int(state["ended_ms"]) >= int(state["started_ms"])
 
 
-async def test_advance_of_an_unknown_program_is_missing(store: Store) -> None:
+async def test_advance_of_an_unknown_program_is_missing(store: RedisStore) -> None:
     assert (await store.advance("nope", "", "0", "running")).verdict == "missing"
 
 
-async def test_a_single_task_keeps_its_first_output(store: Store) -> None:
+async def test_a_single_task_keeps_its_first_output(store: RedisStore) -> None:
     wf = await started(store)
     first = await store.complete(wf, "0", None, 1, '"first"')
     assert (first.verdict, first.outputs) == ("fire", ['"first"'])
@@ -65,7 +65,7 @@ async def test_a_single_task_keeps_its_first_output(store: Store) -> None:
     assert (rerun.verdict, rerun.outputs) == ("again", ['"first"'])
 
 
-async def test_a_bag_barrier_fires_exactly_once_after_every_member(store: Store) -> None:
+async def test_a_bag_barrier_fires_exactly_once_after_every_member(store: RedisStore) -> None:
     wf = await started(store, cursor="3")
     size = 5
     verdicts = []
@@ -84,7 +84,9 @@ async def test_a_bag_barrier_fires_exactly_once_after_every_member(store: Store)
     assert members == {"0", "1", "2", "3", "4"}
 
 
-async def test_completions_for_another_step_or_an_ended_program_are_stale(store: Store) -> None:
+async def test_completions_for_another_step_or_an_ended_program_are_stale(
+    store: RedisStore,
+) -> None:
     wf = await started(store, cursor="1")
     old = await store.complete(wf, "0", None, 1, '"late"')
     assert old.verdict == "stale"
@@ -95,13 +97,13 @@ async def test_completions_for_another_step_or_an_ended_program_are_stale(store:
     assert not await store.client.exists(store.keys.barrier(wf, "1"))
 
 
-async def test_scripts_reload_after_the_script_cache_is_flushed(store: Store) -> None:
+async def test_scripts_reload_after_the_script_cache_is_flushed(store: RedisStore) -> None:
     wf = await started(store)
     await store.client.script_flush()
     assert (await store.complete(wf, "0", None, 1, "1")).verdict == "fire"
 
 
-async def test_every_key_of_a_program_shares_one_cluster_slot(store: Store) -> None:
+async def test_every_key_of_a_program_shares_one_cluster_slot(store: RedisStore) -> None:
     wf = await started(store, cursor="2")
     await store.complete(wf, "2", 0, 2, "1")
     keys = [key async for key in store.client.scan_iter(match=store.keys.pattern(wf))]
@@ -111,7 +113,7 @@ async def test_every_key_of_a_program_shares_one_cluster_slot(store: Store) -> N
 
 
 async def test_a_failed_attempt_is_recorded_once_and_the_last_returns_every_error(
-    store: Store,
+    store: RedisStore,
 ) -> None:
     wf = await started(store, cursor="1")
     assert (await store.fail(wf, "1", 2, 0, "first", 3)).verdict == "retry"

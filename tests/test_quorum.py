@@ -7,11 +7,11 @@ from urllib.parse import urlparse
 
 import pytest
 
+from orchestrator.connections import connected
 from orchestrator.messages import Start, encode
-from orchestrator.runtime import connected
-from orchestrator.service import Orchestrator
+from orchestrator.owner import Orchestrator
+from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
-from orchestrator.store import Store
 
 pytestmark = pytest.mark.e2e
 
@@ -22,7 +22,7 @@ def queue_type() -> str:
 
 
 async def test_a_message_that_always_fails_is_dead_lettered_at_the_delivery_limit(
-    settings: Settings, store: Store
+    settings: Settings, store: RedisStore
 ) -> None:
     settings = settings.model_copy(update={"delivery_limit": 2})
     # A recorded program whose plan cannot be read: every delivery of its start fails.

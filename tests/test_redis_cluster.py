@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from orchestrator.store import Store
+from orchestrator.redis_store import RedisStore
 from tests.brokers import PrivateRedisCluster
 from tests.test_e2e import (  # noqa: F401  (collected again here, on the cluster)
     test_a_bag_output_is_its_members_outputs_in_bag_order,
@@ -39,7 +39,7 @@ def redis_cluster() -> bool:
 
 
 async def test_a_programs_keys_spread_over_the_cluster_but_each_stays_in_one_slot(
-    store: Store,
+    store: RedisStore,
 ) -> None:
     from redis.asyncio.cluster import RedisCluster
 

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.dev import Dev
-from orchestrator.runtime import connected
-from orchestrator.service import Orchestrator
+from orchestrator.connections import connected
+from orchestrator.owner import Orchestrator
 from orchestrator.settings import Settings
 from router.client import Router
+from shardflow.dev import Dev
 from tests.app import Trace
 from tests.ordering import assert_leaves_in_order
 from worker.registry import Registry
@@ -109,7 +109,7 @@ def shards_report(settings: Settings) -> list[dict]:
         "SHARDFLOW_SHARDS": str(settings.shards),
     }
     result = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "shards"],
+        [sys.executable, "-m", "shardflow", "shards"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     return [json.loads(line) for line in result.stdout.splitlines()]

@@ -11,17 +11,10 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from orchestrator.bus import Bus, Delivery, Publisher, settle
+from orchestrator.bus import Transport
+from orchestrator.delivery import Delivery, process
 from orchestrator.lifecycle import Service, format_counts
-from orchestrator.messages import (
-    Cancelled,
-    Failed,
-    MessageError,
-    Next,
-    TaskMessage,
-    decode_task,
-    encode,
-)
+from orchestrator.messages import Cancelled, Failed, Next, TaskMessage, decode_task, encode
 from orchestrator.settings import Settings
 from orchestrator.store import Store
 from worker.context import TaskContext
@@ -29,7 +22,6 @@ from worker.registry import Registry, UnknownTask
 
 log = logging.getLogger(__name__)
 
-RETRY_PAUSE_S = 0.5
 Pool = Literal["serial", "parallel"]
 Report = Next | Failed
 
@@ -44,7 +36,7 @@ class Worker(Service):
         *,
         pool: Pool,
         store: Store,
-        bus: Bus | Publisher,
+        bus: Transport,
         concurrency: int | None = None,
     ) -> None:
         super().__init__(settings.grace_s)
@@ -68,7 +60,6 @@ class Worker(Service):
 
     async def _listen(self) -> None:
         """Stop the running tasks of programs that were cancelled or ran out of time."""
-        assert isinstance(self.bus, Bus)
         async for message in self._track(await self.bus.consume_control()):
             try:
                 wf = Cancelled.model_validate_json(message.body).wf
@@ -87,7 +78,6 @@ class Worker(Service):
         return len(handlers)
 
     async def _consume(self) -> None:
-        assert isinstance(self.bus, Bus)
         queue = self.bus.names.task_queue(self.pool)
         iterator = self._track(await self.bus.consume(queue, self.concurrency))
         log.info("%s: consuming %s with concurrency %d", self.name, queue, self.concurrency)
@@ -97,24 +87,11 @@ class Worker(Service):
 
     async def handle(self, delivery: Delivery, source: str) -> None:
         """Run one task message; ack only after the report to the owner is confirmed."""
-        try:
+        async with process(delivery, self.bus, source):
             task = decode_task(delivery.body)
-        except MessageError as exc:
-            await self.bus.dead_letter(delivery.body, reason=str(exc), source=source)
-            await settle(delivery, ok=True)
-            return
-        try:
             reports = await self.run_tasks(task.split(), redelivered=bool(delivery.redelivered))
             for report in reports:
                 await self.bus.publish_to_shard(task.owner, encode(report))
-        except asyncio.CancelledError:
-            raise  # a hard stop: the message goes back to the queue with the channel
-        except Exception as exc:
-            log.warning("%s: %s %s: not recorded, requeued: %r", self.name, task.wf, task.path, exc)
-            await settle(delivery, ok=False)
-            await asyncio.sleep(RETRY_PAUSE_S)
-            return
-        await settle(delivery, ok=True)
 
     async def run_tasks(self, tasks: list[TaskMessage], *, redelivered: bool) -> list[Report]:
         """Run one message's tasks side by side and record their outputs in one call; the

@@ -12,8 +12,8 @@ from aiormq.exceptions import AMQPConnectionError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from orchestrator.bus import Bus
+from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
-from orchestrator.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -23,13 +23,13 @@ UNREACHABLE = (OSError, RedisConnectionError, AMQPConnectionError)
 @contextlib.asynccontextmanager
 async def connected(
     settings: Settings, name: str = "shardflow", *, wait_s: float = 0.0
-) -> AsyncIterator[tuple[Store, Bus]]:
+) -> AsyncIterator[tuple[RedisStore, Bus]]:
     """Connect to Redis and RabbitMQ, declare the topology, and close both on exit.
 
     A long-running process passes `wait_s` to wait that long for services still starting
     (or restarting); after connecting, reconnects are aio-pika's and redis-py's.
     """
-    store = Store.connect(settings)
+    store = RedisStore.connect(settings)
     bus = Bus(settings, name=name)
     try:
         deadline = time.monotonic() + wait_s

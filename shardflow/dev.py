@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from orchestrator.bus import Bus
-from orchestrator.service import Orchestrator
+from orchestrator.owner import Orchestrator
 from orchestrator.settings import Settings
 from orchestrator.store import Store
 from worker.pool import Worker

@@ -1,4 +1,5 @@
-"""The orchestrator process: consumes its shard queues, one message at a time per shard."""
+"""The shard owner: the orchestrator process that consumes its shards' queues, one message at a
+time per shard, and so owns the ordering of their programs."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import logging
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from orchestrator.bus import Bus, Delivery, Publisher, settle
+from orchestrator.bus import Bus, Publisher
+from orchestrator.delivery import Delivery, process
 from orchestrator.lifecycle import Service, format_counts
 from orchestrator.machine import PathError
-from orchestrator.messages import MessageError, decode_shard_message
+from orchestrator.messages import decode_shard_message
 from orchestrator.program import ProgramError
 from orchestrator.settings import Settings
 from orchestrator.store import Store
@@ -18,25 +20,17 @@ from orchestrator.transitions import Plans, Transitions
 
 log = logging.getLogger(__name__)
 
-RETRY_PAUSE_S = 0.5
+# Retrying cannot help these (nor a MessageError): the plan or the path a message names is bad.
+SHARD_POISON = (ProgramError, PathError)
 
 
 async def handle_shard_message(
     delivery: Delivery, transitions: Transitions, bus: Publisher, source: str
 ) -> None:
     """Apply one shard message; ack only after what it publishes is confirmed."""
-    try:
+    async with process(delivery, bus, source, poison=SHARD_POISON):
         decoded = decode_shard_message(delivery.body)
         await transitions.apply(decoded, redelivered=bool(delivery.redelivered))
-    except (MessageError, ProgramError, PathError) as exc:
-        # Poison: retrying cannot help. Park it with the reason and go on.
-        await bus.dead_letter(delivery.body, reason=str(exc), source=source)
-    except Exception as exc:
-        log.warning("%s: transition failed, message requeued: %r", source, exc)
-        await settle(delivery, ok=False)
-        await asyncio.sleep(RETRY_PAUSE_S)
-        return
-    await settle(delivery, ok=True)
 
 
 class ShardError(ValueError):
@@ -44,25 +38,26 @@ class ShardError(ValueError):
 
 
 class Orchestrator(Service):
-    """Owns the ordering of the programs on `shards`; any replica may take a shard over."""
+    """Owns the ordering of the programs on the shards it consumes; any replica may take over."""
 
     name = "orchestrator"
 
     def __init__(
         self,
         settings: Settings,
-        shards: Sequence[int],
+        owned: Sequence[int],
         *,
         store: Store,
         bus: Bus,
         drain: bool = False,
     ) -> None:
-        """Own `shards`; with `drain`, also every shard outside the ring that owned programs."""
+        """Consume the shards in `owned`; with `drain`, also every shard outside the ring
+        (0..settings.shards-1) that owned programs."""
         super().__init__(settings.grace_s)
-        if not shards or min(shards) < 0:
-            raise ValueError(f"{list(shards)}: name one or more shards, from 0")
+        if not owned or min(owned) < 0:
+            raise ValueError(f"{list(owned)}: name one or more shards, from 0")
         self.settings = settings
-        self.shards = sorted(set(shards))
+        self.owned = sorted(set(owned))
         self.store = store
         self.bus = bus
         self.drain = drain
@@ -75,8 +70,8 @@ class Orchestrator(Service):
         ring = self.settings.shards
         if self.drain:
             used = await self.store.shards_used()
-            self.shards = sorted(set(self.shards) | {shard for shard in used if shard >= ring})
-        outside = [shard for shard in self.shards if shard >= ring]
+            self.owned = sorted(set(self.owned) | {shard for shard in used if shard >= ring})
+        outside = [shard for shard in self.owned if shard >= ring]
         if outside:
             # After the shard count went down, old shards are drained, never invented.
             used = await self.store.shards_used()
@@ -87,7 +82,7 @@ class Orchestrator(Service):
                     f"(SHARDFLOW_SHARDS={ring}) and never owned a program"
                 )
             log.info("orchestrator: draining shards %s, outside the ring 0..%d", outside, ring - 1)
-        return [self._consume(shard) for shard in self.shards]
+        return [self._consume(shard) for shard in self.owned]
 
     async def _consume(self, shard: int) -> None:
         queue = self.bus.names.shard_queue(shard)

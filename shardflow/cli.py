@@ -17,10 +17,18 @@ import uvloop
 from pydantic import ValidationError
 
 from orchestrator.bus import TopologyError
+from orchestrator.connections import UNREACHABLE, connected
+from orchestrator.delivery import first_error
 from orchestrator.keys import check_workflow_id
+from orchestrator.owner import Orchestrator, ShardError
 from orchestrator.program import ProgramError, parse_input, program_schema
-from orchestrator.runtime import UNREACHABLE
+from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
+from router.client import Router
+from router.ingress import Ingress
+from shardflow.dev import Dev
+from worker.pool import Worker
+from worker.registry import Registry
 
 EXIT_FAILED = 1  # the program ended failed or cancelled
 EXIT_USAGE = 2  # bad arguments, program or input
@@ -159,14 +167,11 @@ def _fail(message: str, code: int) -> int:
 
 
 def _settings_fault(exc: ValidationError) -> str:
-    first = exc.errors()[0]
-    name = "SHARDFLOW_" + "_".join(str(part) for part in first["loc"]).upper()
-    return f"{name}: {first['msg']}"
+    return first_error(exc, lambda loc: "SHARDFLOW_" + "_".join(map(str, loc)).upper())
 
 
 async def _serve(make: Callable[..., Any], settings: Settings, name: str) -> int:
     """Build a service on fresh connections and run it until SIGINT/SIGTERM."""
-    from orchestrator.runtime import connected
 
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
@@ -185,8 +190,7 @@ async def _serve(make: Callable[..., Any], settings: Settings, name: str) -> int
     return 0
 
 
-def _registry(modules: list[str]) -> Any:
-    from worker.registry import Registry
+def _registry(modules: list[str]) -> Registry:
 
     sys.path.insert(0, os.getcwd())
     try:
@@ -196,7 +200,6 @@ def _registry(modules: list[str]) -> Any:
 
 
 async def _dev(settings: Settings, args: argparse.Namespace) -> int:
-    from orchestrator.dev import Dev
 
     registry = _registry(args.app)
     return await _serve(
@@ -209,7 +212,6 @@ async def _dev(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _orchestrator(settings: Settings, args: argparse.Namespace) -> int:
-    from orchestrator.service import Orchestrator, ShardError
 
     try:
         return await _serve(
@@ -222,8 +224,6 @@ async def _orchestrator(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _router(settings: Settings, args: argparse.Namespace) -> int:
-    from router.client import Router
-    from router.ingress import Ingress
 
     known = _registry(args.app).names() if args.app else None
     return await _serve(
@@ -236,7 +236,6 @@ async def _router(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _worker(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.pool import Worker
 
     registry = _registry(args.app)
     return await _serve(
@@ -254,8 +253,6 @@ async def _worker(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _submit(settings: Settings, args: argparse.Namespace) -> int:
-    from orchestrator.runtime import connected
-    from router.client import Router
 
     text = _read_program(args.program)
     payload = parse_input(args.input, max_bytes=settings.max_program_bytes)
@@ -287,10 +284,8 @@ def _read_program(path: Path) -> str:
 
 
 async def _status(settings: Settings, args: argparse.Namespace) -> int:
-    from orchestrator.store import Store
-    from router.client import Router
 
-    store = Store.connect(settings)
+    store = RedisStore.connect(settings)
     try:
         router = Router(settings, store=store)
         status = await router.status(args.id)
@@ -303,8 +298,6 @@ async def _status(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
-    from orchestrator.runtime import connected
-    from router.client import Router
 
     try:
         check_workflow_id(args.id)
@@ -320,7 +313,6 @@ async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _dead(settings: Settings, args: argparse.Namespace) -> int:
-    from orchestrator.runtime import connected
 
     async with connected(settings, "shardflow-dead") as (_, bus):
         messages = await bus.peek_dead(args.limit)
@@ -344,7 +336,6 @@ def _death_reason(headers: dict[str, Any]) -> str:
 
 
 async def _shards(settings: Settings, args: argparse.Namespace) -> int:
-    from orchestrator.runtime import connected
 
     async with connected(settings, "shardflow-shards") as (store, bus):
         for shard in sorted(set(range(settings.shards)) | await store.shards_used()):
@@ -384,7 +375,3 @@ _COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Coroutine[Any, Any
     "shards": _shards,
     "schema": _schema,
 }
-
-
-if __name__ == "__main__":
-    main()

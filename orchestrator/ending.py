@@ -1,0 +1,31 @@
+"""Ending a live program from outside its step order: a cancel, or a deadline that passed.
+
+Both the router (`shardflow cancel`) and the engine (a deadline message) end programs this way.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from orchestrator.bus import Publisher
+from orchestrator.messages import Cancelled, encode
+from orchestrator.store import Store
+
+log = logging.getLogger(__name__)
+
+
+async def end_program(store: Store, bus: Publisher, wf: str, status: str, reason: str) -> str:
+    """Cancel (or fail) a live program wherever it stands, and tell the workers.
+
+    Returns `applied` (ended now), `ended` (it had ended before) or `missing`.
+    """
+    ended = await store.cancel(wf, status, reason)
+    if ended is None:
+        return "missing"
+    await store.untrack(wf, ended.owner)
+    if ended.now:
+        log.info("%s: ended %s: %s", wf, status, reason)
+    # Told again on a redelivery too: a crash may have cut the first notice short.
+    if ended.now or ended.status == status:
+        await bus.publish_control(encode(Cancelled(wf=wf)))
+    return "applied" if ended.now else "ended"

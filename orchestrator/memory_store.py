@@ -1,0 +1,192 @@
+"""A pure-Python model of the Lua transitions: their executable specification.
+
+`MemoryStore` keeps the same keys, with the same values, as the scripts keep in Redis, and
+answers every call with the same verdict. `tests/test_store_model.py` drives it and the real
+Lua with the same drawn calls and compares verdicts and every key after each call. It is also a
+`Store` for tests that need no Redis. Read a method beside its script: they are meant to match
+line for line.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from orchestrator.keys import Keys
+from orchestrator.store import Completion, Ended, Recorded, Verdict
+
+Value = str | dict[str, str] | set[str]
+
+
+def _now_ms() -> str:
+    return str(int(time.time() * 1000))
+
+
+class MemoryStore:
+    """Program state in a dict: key -> string, hash (dict) or set, as Redis would hold it."""
+
+    def __init__(self, keys: Keys, clock: Callable[[], str] = _now_ms) -> None:
+        self.keys = keys
+        self.data: dict[str, Value] = {}
+        self._clock = clock
+
+    async def load_scripts(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    # --- helpers: the few Redis commands the scripts use ----------------------------------
+
+    def _hash(self, key: str) -> dict[str, str]:
+        value = self.data.setdefault(key, {})
+        assert isinstance(value, dict), f"{key}: not a hash"
+        return value
+
+    def _set(self, key: str) -> set[str]:
+        value = self.data.setdefault(key, set())
+        assert isinstance(value, set), f"{key}: not a set"
+        return value
+
+    def _get(self, key: str) -> str | None:
+        value = self.data.get(key)
+        assert value is None or isinstance(value, str), f"{key}: not a string"
+        return value
+
+    def _drop_if_empty(self, key: str) -> None:
+        # Redis deletes a hash or set whose last member went.
+        if self.data.get(key) in ({}, set()):
+            del self.data[key]
+
+    def _hmget(self, key: str, *fields: str) -> list[str | None]:
+        found = self.data.get(key)
+        held = found if isinstance(found, dict) else {}
+        return [held.get(name) for name in fields]
+
+    # --- the five transitions -------------------------------------------------------------
+
+    async def submit(self, wf: str, plan: str, owner: int, name: str) -> Recorded:
+        """lua/submit.lua"""
+        status, found_owner = self._hmget(self.keys.state(wf), "status", "owner")
+        if status is not None:
+            return Recorded(False, status, int(found_owner or 0))
+        self.data[self.keys.plan(wf)] = plan
+        self._hash(self.keys.state(wf)).update(
+            status="pending", owner=str(owner), cursor="", name=name, created_ms=self._clock()
+        )
+        self._hash(self.keys.state(wf))["from"] = ""
+        return Recorded(True, "pending", owner)
+
+    async def advance(
+        self, wf: str, expected: str, cursor: str, status: str, field: str = "", payload: str = ""
+    ) -> Verdict:
+        """lua/advance.lua"""
+        key = self.keys.state(wf)
+        now_status, now_cursor, came_from = self._hmget(key, "status", "cursor", "from")
+        if now_status is None:
+            return Verdict("missing", "", "")
+        live = now_status in ("pending", "running")
+        if live and now_cursor == expected:
+            now = self._clock()
+            state = self._hash(key)
+            state.update(status=status, cursor=cursor, updated_ms=now)
+            state["from"] = expected
+            if now_status == "pending":
+                state["started_ms"] = now
+            if field:
+                state[field] = payload
+                state["ended_ms"] = now
+            return Verdict("applied", status, cursor)
+        if came_from == expected:
+            return Verdict("replay", now_status, now_cursor or "")
+        return Verdict("stale", now_status, now_cursor or "")
+
+    async def complete(
+        self, wf: str, path: str, index: int | None, size: int, output: str
+    ) -> Completion:
+        """Record one output; for a bag of `size`, also its place in the barrier."""
+        return await self.record(wf, path, size, {index: output})
+
+    async def record(
+        self, wf: str, path: str, size: int, outputs: Mapping[int | None, str]
+    ) -> Completion:
+        """lua/complete.lua"""
+        status, cursor = self._hmget(self.keys.state(wf), "status", "cursor")
+        if status != "running" or cursor != path:
+            return Completion("stale", [])
+        if None in outputs:
+            key = self.keys.output(wf, path)
+            fired = self._get(key) is None
+            if fired:
+                self.data[key] = outputs[None]
+            return Completion("fire" if fired else "again", [self._get(key) or ""])
+        barrier = self._set(self.keys.barrier(wf, path))
+        fired = False
+        for index, output in outputs.items():
+            if str(index) not in barrier:
+                barrier.add(str(index))
+                self.data[self.keys.output(wf, path, index)] = output
+                fired = True
+        self._drop_if_empty(self.keys.barrier(wf, path))
+        if len(barrier) < size:
+            return Completion("wait", [])
+        members = [self._get(self.keys.output(wf, path, i)) for i in range(size)]
+        return Completion("fire" if fired else "again", [member or "" for member in members])
+
+    async def fail(
+        self, wf: str, path: str, index: int | None, attempt: int, error: str, max_attempts: int
+    ) -> Completion:
+        """lua/fail.lua"""
+        status, cursor = self._hmget(self.keys.state(wf), "status", "cursor")
+        if status != "running" or cursor != path:
+            return Completion("stale", [])
+        member = str(index or 0)
+        failures = self._hash(self.keys.failures(wf, path))
+        first = f"{member}:{attempt}" not in failures
+        failures.setdefault(f"{member}:{attempt}", error)
+        if attempt + 1 < max_attempts:
+            return Completion("retry" if first else "again", [])
+        errors = [failures.get(f"{member}:{a}", "?") for a in range(attempt + 1)]
+        return Completion("exhausted" if first else "again", errors)
+
+    async def cancel(self, wf: str, status: str, reason: str) -> Ended | None:
+        """lua/cancel.lua"""
+        key = self.keys.state(wf)
+        now_status, cursor, owner = self._hmget(key, "status", "cursor", "owner")
+        if now_status is None:
+            return None
+        if now_status not in ("pending", "running"):
+            return Ended(False, now_status, int(owner or 0))
+        now = self._clock()
+        state = self._hash(key)
+        state.update(status=status, error=reason, cursor="", updated_ms=now, ended_ms=now)
+        state["from"] = cursor or ""
+        return Ended(True, status, int(owner or 0))
+
+    # --- shard membership and plain reads ---------------------------------------------------
+
+    async def track(self, wf: str, owner: int) -> None:
+        self._set(self.keys.live(owner)).add(wf)
+        self._set(self.keys.shards_used).add(str(owner))
+
+    async def untrack(self, wf: str, owner: int) -> None:
+        self._set(self.keys.live(owner)).discard(wf)
+        self._drop_if_empty(self.keys.live(owner))
+
+    async def in_flight(self, shard: int) -> int:
+        live = self.data.get(self.keys.live(shard))
+        return len(live) if isinstance(live, set) else 0
+
+    async def shards_used(self) -> set[int]:
+        used = self.data.get(self.keys.shards_used)
+        return {int(shard) for shard in used} if isinstance(used, set) else set()
+
+    async def plan(self, wf: str) -> dict[str, Any] | None:
+        text = self._get(self.keys.plan(wf))
+        return None if text is None else json.loads(text)
+
+    async def state(self, wf: str) -> dict[str, str]:
+        found = self.data.get(self.keys.state(wf))
+        return dict(found) if isinstance(found, dict) else {}

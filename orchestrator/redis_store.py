@@ -1,0 +1,139 @@
+"""Program state in Redis: one typed wrapper per Lua transition (`lua/`), plus plain reads."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from importlib import resources
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.commands.core import AsyncScript
+
+from orchestrator.keys import Keys
+from orchestrator.settings import Settings
+from orchestrator.store import Completion, Ended, Recorded, Verdict
+
+
+def _script(client: Redis | RedisCluster, name: str) -> AsyncScript:
+    source = resources.files("lua").joinpath(f"{name}.lua").read_text()
+    return client.register_script(source)  # type: ignore[return-value]
+
+
+class RedisStore:
+    """Redis state of programs (a `Store`). The client is owned by the caller of `connect`."""
+
+    def __init__(self, client: Redis | RedisCluster, keys: Keys) -> None:
+        self.client = client
+        self.keys = keys
+        self._submit = _script(client, "submit")
+        self._advance = _script(client, "advance")
+        self._complete = _script(client, "complete")
+        self._fail = _script(client, "fail")
+        self._cancel = _script(client, "cancel")
+
+    @classmethod
+    def connect(cls, settings: Settings) -> RedisStore:
+        """A store on a new client; no I/O happens until the first call."""
+        client: Redis | RedisCluster
+        if settings.redis_cluster:
+            client = RedisCluster.from_url(settings.redis_url, decode_responses=True)
+        else:
+            client = Redis.from_url(settings.redis_url, decode_responses=True)
+        return cls(client, Keys(settings.prefix))
+
+    async def load_scripts(self) -> None:
+        """SCRIPT LOAD every transition up front; calls still reload on NOSCRIPT."""
+        for script in (self._submit, self._advance, self._complete, self._fail, self._cancel):
+            await self.client.script_load(script.script)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def submit(self, wf: str, plan: str, owner: int, name: str) -> Recorded:
+        """Record a new program once, or report the one that exists."""
+        keys = self.keys
+        verdict, status, found_owner = await self._submit(
+            keys=[keys.state(wf), keys.plan(wf)], args=[plan, owner, name]
+        )
+        return Recorded(verdict == "created", status, int(found_owner))
+
+    async def advance(
+        self, wf: str, expected: str, cursor: str, status: str, field: str = "", payload: str = ""
+    ) -> Verdict:
+        """Compare-and-advance the cursor (see lua/advance.lua)."""
+        verdict, now_status, now_cursor = await self._advance(
+            keys=[self.keys.state(wf)], args=[expected, cursor, status, field, payload]
+        )
+        return Verdict(verdict, now_status, now_cursor)
+
+    async def complete(
+        self, wf: str, path: str, index: int | None, size: int, output: str
+    ) -> Completion:
+        """Record one output; for a bag of `size`, also its place in the barrier."""
+        return await self.record(wf, path, size, {index: output})
+
+    async def record(
+        self, wf: str, path: str, size: int, outputs: Mapping[int | None, str]
+    ) -> Completion:
+        """Record a single task's output (key None), or any members' of a bag of `size`
+        (keys: their indices), in one call (see lua/complete.lua)."""
+        keys = self.keys
+        if None in outputs:
+            script_keys = [keys.state(wf), keys.output(wf, path)]
+            args = [path, outputs[None]]
+        else:
+            members = [keys.output(wf, path, i) for i in range(size)]
+            script_keys = [keys.state(wf), keys.barrier(wf, path), *members]
+            args = [path]
+            for index, output in outputs.items():
+                args += [str(index), output]
+        reply = await self._complete(keys=script_keys, args=args)
+        return Completion(reply[0], list(reply[1:]) if reply[0] in ("fire", "again") else [])
+
+    async def fail(
+        self, wf: str, path: str, index: int | None, attempt: int, error: str, max_attempts: int
+    ) -> Completion:
+        """Record a failed attempt once: retry, exhausted (with every error), again or stale."""
+        reply = await self._fail(
+            keys=[self.keys.state(wf), self.keys.failures(wf, path)],
+            args=[path, index or 0, attempt, error, max_attempts],
+        )
+        return Completion(reply[0], list(reply[1:]) if reply[0] != "stale" else [])
+
+    async def cancel(self, wf: str, status: str, reason: str) -> Ended | None:
+        """End a live program now (see lua/cancel.lua); None when there is no such program."""
+        verdict, now_status, owner = await self._cancel(
+            keys=[self.keys.state(wf)], args=[status, reason]
+        )
+        if verdict == "missing":
+            return None
+        return Ended(verdict == "applied", now_status, int(owner))
+
+    async def track(self, wf: str, owner: int) -> None:
+        """Count a program as in flight on its owner shard (before it is recorded)."""
+        async with self.client.pipeline(transaction=False) as pipe:  # one round trip
+            pipe.sadd(self.keys.live(owner), wf)
+            pipe.sadd(self.keys.shards_used, str(owner))
+            await pipe.execute()
+
+    async def untrack(self, wf: str, owner: int) -> None:
+        """The program ended: idempotent, so every redelivery of its end may call it."""
+        await self.client.srem(self.keys.live(owner), wf)  # type: ignore[misc]
+
+    async def in_flight(self, shard: int) -> int:
+        return int(await self.client.scard(self.keys.live(shard)))  # type: ignore[misc]
+
+    async def shards_used(self) -> set[int]:
+        return {int(s) for s in await self.client.smembers(self.keys.shards_used)}  # type: ignore[misc]
+
+    async def plan(self, wf: str) -> dict[str, Any] | None:
+        """The recorded program, input and owner."""
+        text = await self.client.get(self.keys.plan(wf))
+        return None if text is None else json.loads(text)
+
+    async def state(self, wf: str) -> dict[str, str]:
+        """The program's state hash (empty when there is no such program)."""
+        state: dict[str, str] = await self.client.hgetall(self.keys.state(wf))  # type: ignore[assignment]
+        return state
