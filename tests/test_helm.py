@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import shutil
 import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from orchestrator.settings import Settings
+from router.client import Router
+
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "shardflow"
 HELM = os.environ.get("SHARDFLOW_HELM") or shutil.which("helm") or str(ROOT / ".tools" / "helm")
+CHECKOV = ROOT / ".tools" / "checkov" / "bin" / "checkov"
+UID = 10001
+# Kinds of optional features whose schemas (CRDs) kubernetes-validate does not know.
+CUSTOM_KINDS = {"ServiceMonitor", "ScaledObject", "TriggerAuthentication"}
 
 yaml = pytest.importorskip("yaml")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -23,19 +36,35 @@ if not Path(HELM).exists():
     pytest.skip("no helm binary: run scripts/helm.sh", allow_module_level=True)
 
 
-def render(*values: str) -> subprocess.CompletedProcess[str]:
+def _unusable(reason: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
+def render(
+    *values: str,
+    release: str = "demo",
+    extra: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
     sets = [arg for value in values for arg in ("--set", value)]
     return subprocess.run(
-        [HELM, "template", "demo", str(CHART), *sets], capture_output=True, text=True
+        [HELM, "template", release, str(CHART), *sets, *extra],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
 
 
-def manifests(*values: str) -> list[dict[str, Any]]:
-    result = render(*values)
+def manifests(*values: str, release: str = "demo") -> list[dict[str, Any]]:
+    result = render(*values, release=release)
     assert result.returncode == 0, result.stderr
     documents = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
     for doc in documents:
-        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+        if doc["kind"] not in CUSTOM_KINDS:
+            kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
     return documents
 
 
@@ -43,13 +72,28 @@ def deployments(documents: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {d["metadata"]["name"]: d for d in documents if d["kind"] == "Deployment"}
 
 
+def of_kind(documents: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in documents if d["kind"] == kind}
+
+
 def container(deployment: dict[str, Any]) -> dict[str, Any]:
     (only,) = deployment["spec"]["template"]["spec"]["containers"]
     return only
 
 
+def pod_specs(documents: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every pod the chart makes: the Deployments' templates and the `helm test` pod."""
+    specs = {name: d["spec"]["template"]["spec"] for name, d in deployments(documents).items()}
+    specs.update({name: d["spec"] for name, d in of_kind(documents, "Pod").items()})
+    return specs
+
+
+def config(documents: list[dict[str, Any]]) -> dict[str, str]:
+    return next(d for d in documents if d["kind"] == "ConfigMap")["data"]
+
+
 def test_the_chart_lints() -> None:
-    result = subprocess.run([HELM, "lint", str(CHART)], capture_output=True, text=True)
+    result = subprocess.run([HELM, "lint", "--strict", str(CHART)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -62,14 +106,19 @@ def test_defaults_render_valid_manifests_for_every_part() -> None:
         ("Deployment", "demo-router"),
         ("Deployment", "demo-worker-parallel"),
         ("Deployment", "demo-worker-serial"),
+        ("NetworkPolicy", "demo"),
+        ("Pod", "demo-test-shards"),
+        *[("PodDisruptionBudget", f"demo-orchestrator-{shard}") for shard in range(4)],
+        ("PodDisruptionBudget", "demo-worker-serial"),
         ("Secret", "demo-connection"),
+        ("ServiceAccount", "demo"),
     ]
+    assert {d["metadata"]["namespace"] for d in documents} == {"default"}
 
 
 def test_one_deployment_per_shard_each_owning_its_shard_with_standbys() -> None:
     documents = manifests("shards=3", "orchestrator.replicasPerShard=3")
-    config = next(d for d in documents if d["kind"] == "ConfigMap")
-    assert config["data"]["SHARDFLOW_SHARDS"] == "3"
+    assert config(documents)["SHARDFLOW_SHARDS"] == "3"
     found = deployments(documents)
     for shard in range(3):
         deployment = found[f"demo-orchestrator-{shard}"]
@@ -91,14 +140,74 @@ def test_draining_shards_keep_orchestrators_outside_the_ring() -> None:
 @pytest.mark.parametrize(
     ("values", "fault"),
     [
-        (["shards=0"], "shards: 0 is not a shard count from 1 to 1024"),
+        # refused by the chart's templates
         (["shards=4", "drainShards={1}"], "drainShards: 1 is inside the ring 0..3"),
+        (["probes.enabled=true"], "probes.enabled: the health endpoints"),
+        (
+            [
+                "workers.parallel.autoscaling.enabled=true",
+                "workers.parallel.autoscaling.maxReplicas=1",
+                "workers.parallel.autoscaling.minReplicas=3",
+            ],
+            "maxReplicas 1 is below minReplicas 3",
+        ),
+        # refused by values.schema.json, naming the value
+        (["shards=0"], "at '/shards': minimum: got 0, want 1"),
+        (["shards=1025"], "at '/shards': maximum: got 1,025, want 1,024"),
+        (["drainShards={-1}"], "at '/drainShards/0': minimum: got -1, want 0"),
+        (["queueType=foo"], "at '/queueType': value must be one of 'classic', 'quorum'"),
+        (["logLevel=verbose"], "at '/logLevel': value must be one of 'DEBUG', 'INFO'"),
+        (["prefix=Shop"], "at '/prefix': 'Shop' does not match pattern"),
+        (["image.tag=1.0:x"], "at '/image/tag': '1.0:x' does not match pattern"),
+        (["image.repository="], "at '/image/repository': minLength: got 0, want 1"),
+        (["image.pullPolicy=Sometimes"], "at '/image/pullPolicy': value must be one of"),
+        (["app={}"], "at '/app/0': '' does not match pattern"),
+        (["deliveryLimit=0"], "at '/deliveryLimit': minimum: got 0, want 1"),
+        (["gracePeriodSeconds=-1"], "at '/gracePeriodSeconds': minimum: got -1, want 0"),
+        (["orchestrator.replicasPerShard=0"], "at '/orchestrator/replicasPerShard': minimum"),
+        (["orchestrator.podAntiAffinity=always"], "at '/orchestrator/podAntiAffinity': value must"),
+        (["workers.parallel.concurrency=1001"], "at '/workers/parallel/concurrency': maximum"),
+        (["connection.amqpUrl=http://rabbitmq/"], "at '/connection/amqpUrl': 'http://rabbitmq/'"),
+        (
+            ["orchestrator.resources.limits.memory=lots"],
+            "at '/orchestrator/resources/limits/memory'",
+        ),
+        (["queuetype=quorum"], "additional properties 'queuetype' not allowed"),
     ],
 )
 def test_bad_values_are_refused_naming_the_fault(values: list[str], fault: str) -> None:
     result = render(*values)
     assert result.returncode != 0
     assert fault in result.stderr
+
+
+def test_the_prefix_pattern_is_the_one_shardflow_accepts() -> None:
+    for prefix in ["sf", "a" * 32, "a" * 33, "shop-flows_2", "Sf", "2sf", "s.f", "-sf", "s f"]:
+        try:
+            Settings(prefix=prefix)
+            accepted = True
+        except ValueError:
+            accepted = False
+        result = render(f"prefix={prefix}")
+        assert (result.returncode == 0) == accepted, (prefix, accepted, result.stderr)
+
+
+def test_the_default_prefix_carries_the_release_name() -> None:
+    assert config(manifests())["SHARDFLOW_PREFIX"] == "sf-demo"
+    assert config(manifests("prefix=sf"))["SHARDFLOW_PREFIX"] == "sf"  # an explicit one is kept
+    long = "a-rather-long-release-name-for-the-shop-flows-"
+    prefixes = {config(manifests(release=long + end))["SHARDFLOW_PREFIX"] for end in ("one", "two")}
+    assert len(prefixes) == 2, "two long release names must not share queues"
+    for prefix in prefixes:
+        assert Settings(prefix=prefix).prefix == prefix
+
+
+def test_the_image_tag_defaults_to_the_app_version() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    found = deployments(manifests())
+    assert container(found["demo-router"])["image"] == f"shardflow:{chart['appVersion']}"
+    found = deployments(manifests("image.repository=reg.example/flows", "image.tag=1.4.0"))
+    assert container(found["demo-router"])["image"] == "reg.example/flows:1.4.0"
 
 
 def test_workers_and_router_get_the_app_modules_and_connections() -> None:
@@ -126,12 +235,444 @@ def test_an_existing_secret_is_used_and_none_is_made() -> None:
 
 
 def test_the_config_matches_the_settings_shardflow_reads() -> None:
-    from orchestrator.settings import Settings
-
-    config = next(d for d in manifests() if d["kind"] == "ConfigMap")["data"]
+    data = config(manifests())
     settings_env = {f"SHARDFLOW_{name.upper()}" for name in Settings.model_fields}
-    unknown = set(config) - settings_env - {"SHARDFLOW_LOG_LEVEL"}
+    unknown = set(data) - settings_env - {"SHARDFLOW_LOG_LEVEL"}
     assert not unknown, f"the chart sets variables shardflow does not read: {unknown}"
-    values = {key.removeprefix("SHARDFLOW_").lower(): value for key, value in config.items()}
+    values = {key.removeprefix("SHARDFLOW_").lower(): value for key, value in data.items()}
     values.pop("log_level")
-    Settings(**values)  # every value the chart renders is one shardflow accepts
+    Settings.model_validate(values)  # every value the chart renders is one shardflow accepts
+
+
+def test_every_pod_meets_pod_security_restricted() -> None:
+    documents = manifests()
+    (account,) = of_kind(documents, "ServiceAccount").values()
+    assert account["automountServiceAccountToken"] is False
+    specs = pod_specs(documents)
+    assert len(specs) == 8  # 4 shards, 2 pools, the router, the helm test
+    for name, spec in specs.items():
+        assert spec["serviceAccountName"] == "demo", name
+        assert spec["automountServiceAccountToken"] is False, name
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] == UID, name
+        assert pod["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        (only,) = spec["containers"]
+        box = only["securityContext"]
+        assert box["allowPrivilegeEscalation"] is False, name
+        assert box["capabilities"] == {"drop": ["ALL"]}, name
+        assert box["readOnlyRootFilesystem"] is True, name
+        assert box["runAsNonRoot"] is True and box["seccompProfile"]["type"] == "RuntimeDefault"
+        assert only["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}], name
+        assert spec["volumes"] == [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}], name
+        resources = only["resources"]
+        for kind in ("requests", "limits"):
+            assert set(resources[kind]) == {"cpu", "memory"}, (name, kind)
+        assert "livenessProbe" not in only and "readinessProbe" not in only  # not yet
+
+
+def test_a_shards_owner_and_standby_prefer_different_nodes() -> None:
+    found = deployments(manifests())
+    anti = found["demo-orchestrator-2"]["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    (preferred,) = anti["preferredDuringSchedulingIgnoredDuringExecution"]
+    term = preferred["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"] == {
+        "app.kubernetes.io/instance": "demo",
+        "app.kubernetes.io/component": "orchestrator",
+        "shardflow/shard": "2",
+    }
+    assert "affinity" in found["demo-worker-serial"]["spec"]["template"]["spec"]
+    assert "affinity" not in found["demo-worker-parallel"]["spec"]["template"]["spec"]
+
+    found = deployments(manifests("orchestrator.podAntiAffinity=required"))
+    anti = found["demo-orchestrator-0"]["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    (required,) = anti["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert required["labelSelector"]["matchLabels"]["shardflow/shard"] == "0"
+
+    found = deployments(manifests("orchestrator.podAntiAffinity=none"))
+    assert "affinity" not in found["demo-orchestrator-0"]["spec"]["template"]["spec"]
+
+
+def test_placement_is_per_component_over_top_level_defaults() -> None:
+    found = deployments(
+        manifests(
+            "nodeSelector.pool=general",
+            "orchestrator.nodeSelector.pool=core",
+            "tolerations[0].key=dedicated",
+            "tolerations[0].operator=Exists",
+            "priorityClassName=flows-high",
+            "orchestrator.topologySpreadConstraints[0].maxSkew=1",
+            "orchestrator.topologySpreadConstraints[0].topologyKey=topology.kubernetes.io/zone",
+            "orchestrator.topologySpreadConstraints[0].whenUnsatisfiable=ScheduleAnyway",
+            "router.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+            ".nodeSelectorTerms[0].matchExpressions[0].key=kubernetes.io/arch",
+            "router.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+            ".nodeSelectorTerms[0].matchExpressions[0].operator=Exists",
+        )
+    )
+    orchestrator = found["demo-orchestrator-1"]["spec"]["template"]["spec"]
+    worker = found["demo-worker-serial"]["spec"]["template"]["spec"]
+    router = found["demo-router"]["spec"]["template"]["spec"]
+    assert orchestrator["nodeSelector"] == {"pool": "core"}
+    assert worker["nodeSelector"] == {"pool": "general"}
+    assert (
+        orchestrator["tolerations"]
+        == worker["tolerations"]
+        == [{"key": "dedicated", "operator": "Exists"}]
+    )
+    assert {spec["priorityClassName"] for spec in (orchestrator, worker, router)} == {"flows-high"}
+    (spread,) = orchestrator["topologySpreadConstraints"]
+    assert spread["labelSelector"]["matchLabels"]["shardflow/shard"] == "1"
+    assert "nodeAffinity" in router["affinity"] and "podAntiAffinity" not in router["affinity"]
+
+
+def test_a_disruption_budget_per_shard_and_for_the_serial_lane() -> None:
+    budgets = of_kind(manifests("shards=2", "drainShards={2}"), "PodDisruptionBudget")
+    assert sorted(budgets) == [
+        "demo-orchestrator-0", "demo-orchestrator-1", "demo-orchestrator-2", "demo-worker-serial"
+    ]  # fmt: skip
+    assert budgets["demo-orchestrator-2"]["spec"] == {
+        "maxUnavailable": 1,
+        "selector": {
+            "matchLabels": {
+                "app.kubernetes.io/instance": "demo",
+                "app.kubernetes.io/component": "orchestrator",
+                "shardflow/shard": "2",
+            }
+        },
+    }
+    assert not of_kind(manifests("podDisruptionBudget.enabled=false"), "PodDisruptionBudget")
+
+
+def test_a_change_of_settings_or_secret_restarts_every_pod() -> None:
+    def checksums(*values: str) -> dict[str, dict[str, str]]:
+        return {
+            name: d["spec"]["template"]["metadata"]["annotations"]
+            for name, d in deployments(manifests(*values)).items()
+        }
+
+    before = checksums()
+    after_secret = checksums("connection.redisUrl=redis://other:6379/0")
+    after_config = checksums("logLevel=DEBUG")
+    for name in before:
+        assert before[name]["checksum/secret"] != after_secret[name]["checksum/secret"], name
+        assert before[name]["checksum/config"] == after_secret[name]["checksum/config"], name
+        assert before[name]["checksum/config"] != after_config[name]["checksum/config"], name
+
+
+def test_keda_and_the_service_monitor_are_optional() -> None:
+    kinds = {d["kind"] for d in manifests()}
+    assert not kinds & (CUSTOM_KINDS | {"Service"})
+    documents = manifests(
+        "workers.parallel.autoscaling.enabled=true",
+        "workers.parallel.autoscaling.maxReplicas=20",
+        "metrics.serviceMonitor.enabled=true",
+        "prefix=shop",
+    )
+    (scaled,) = of_kind(documents, "ScaledObject").values()
+    assert scaled["spec"]["scaleTargetRef"] == {"name": "demo-worker-parallel"}
+    assert scaled["spec"]["maxReplicaCount"] == 20
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "rabbitmq"
+    assert trigger["metadata"]["queueName"] == "shop.tasks.parallel"
+    (auth,) = of_kind(documents, "TriggerAuthentication").values()
+    assert auth["spec"]["secretTargetRef"] == [
+        {"parameter": "host", "name": "demo-connection", "key": "amqp-url"}
+    ]
+    assert "replicas" not in deployments(documents)["demo-worker-parallel"]["spec"]  # KEDA's
+    (monitor,) = of_kind(documents, "ServiceMonitor").values()
+    (service,) = of_kind(documents, "Service").values()
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
+    assert container(deployments(documents)["demo-router"])["ports"] == [
+        {"name": "metrics", "containerPort": 9100}
+    ]
+
+
+# --- render-time checks that need the cluster: helm's `lookup` against a stand-in API server
+
+
+class _FakeApiServer:
+    """Answers helm's discovery and GETs on 127.0.0.1 as a cluster holding one release would:
+    its ConfigMap (`data`) is there, every other object is not. Nothing is ever written."""
+
+    GROUPS: dict[str, list[tuple[str, str]]] = {
+        "": [("configmaps", "ConfigMap"), ("secrets", "Secret"),
+             ("serviceaccounts", "ServiceAccount"), ("pods", "Pod"), ("services", "Service")],
+        "apps": [("deployments", "Deployment")],
+        "policy": [("poddisruptionbudgets", "PodDisruptionBudget")],
+        "networking.k8s.io": [("networkpolicies", "NetworkPolicy")],
+    }  # fmt: skip
+
+    def __init__(self) -> None:
+        self.data: dict[str, str] | None = None
+        self.paths: list[str] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                outer.paths.append(self.path)
+                code, body = outer.answer(self.path.split("?")[0])
+                payload = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def answer(self, path: str) -> tuple[int, dict[str, Any]]:
+        if path == "/version":
+            return 200, {"major": "1", "minor": "33", "gitVersion": "v1.33.0"}
+        if path == "/api":
+            return 200, {"kind": "APIVersions", "versions": ["v1"]}
+        if path == "/apis":
+            groups = [
+                {"name": g, "versions": [{"groupVersion": f"{g}/v1", "version": "v1"}],
+                 "preferredVersion": {"groupVersion": f"{g}/v1", "version": "v1"}}
+                for g in self.GROUPS if g
+            ]  # fmt: skip
+            return 200, {"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}
+        group = {"/api/v1": ""} | {f"/apis/{g}/v1": g for g in self.GROUPS if g}
+        if path in group:
+            resources = [
+                {"name": plural, "singularName": plural[:-1], "namespaced": True, "kind": kind,
+                 "verbs": ["get", "list"]}
+                for plural, kind in self.GROUPS[group[path]]
+            ]  # fmt: skip
+            version = "v1" if path == "/api/v1" else path.removeprefix("/apis/")
+            return 200, {"kind": "APIResourceList", "groupVersion": version, "resources": resources}
+        if path == "/api/v1/namespaces/default/configmaps/demo-config" and self.data is not None:
+            meta = {
+                "name": "demo-config",
+                "namespace": "default",
+                "labels": {"app.kubernetes.io/managed-by": "Helm"},
+                "annotations": {
+                    "meta.helm.sh/release-name": "demo",
+                    "meta.helm.sh/release-namespace": "default",
+                },
+            }
+            return 200, {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": meta,
+                "data": self.data,
+            }
+        return 404, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 404}
+
+    def kubeconfig(self, directory: Path) -> Path:
+        port = self.server.server_port
+        path = directory / "kubeconfig"
+        path.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "fake", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+                    "users": [{"name": "fake", "user": {"token": "fake"}}],
+                    "contexts": [
+                        {"name": "fake", "context": {"cluster": "fake", "user": "fake",
+                                                     "namespace": "default"}}
+                    ],
+                    "current-context": "fake",
+                }
+            )
+        )  # fmt: skip
+        return path
+
+
+@pytest.fixture
+def cluster_api(tmp_path: Path) -> Iterator[tuple[_FakeApiServer, dict[str, str]]]:
+    server = _FakeApiServer()
+    env = {**os.environ, "KUBECONFIG": str(server.kubeconfig(tmp_path))}
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
+        env.pop(name, None)  # the stand-in is on loopback; nothing may go elsewhere
+    yield server, env
+    server.server.shutdown()
+    server.server.server_close()
+
+
+def upgrade_render(
+    api: tuple[_FakeApiServer, dict[str, str]], *values: str
+) -> subprocess.CompletedProcess[str]:
+    """`helm template` as an upgrade would render: with the cluster, so `lookup` answers."""
+    extra = ("--dry-run=server", "--disable-openapi-validation")
+    return render(*values, extra=extra, env=api[1])
+
+
+def test_an_upgrade_that_drops_shards_without_draining_them_is_refused(
+    cluster_api: tuple[_FakeApiServer, dict[str, str]],
+) -> None:
+    server, _ = cluster_api
+    server.data = {"SHARDFLOW_SHARDS": "6", "SHARDFLOW_PREFIX": "sf-demo"}
+    refused = upgrade_render(cluster_api, "shards=4")
+    assert refused.returncode != 0
+    assert (
+        "shards: going from 6 to 4 shards would strand the programs of shards 4, 5; "
+        "add them to drainShards (--set 'drainShards={4,5}')"
+    ) in refused.stderr
+    assert "/api/v1/namespaces/default/configmaps/demo-config" in server.paths
+    partly = upgrade_render(cluster_api, "shards=3", "drainShards={4,5}")
+    assert "would strand the programs of shards 3; add them to drainShards (--set " in (
+        partly.stderr
+    )
+    assert "drainShards={4,5,3}" in partly.stderr
+
+    for values in (
+        ["shards=4", "drainShards={4,5}"],
+        ["shards=4", "allowShrinkWithoutDrain=true"],
+        ["shards=6"],
+        ["shards=8"],
+    ):
+        result = upgrade_render(cluster_api, *values)
+        assert result.returncode == 0, (values, result.stderr)
+    drained = upgrade_render(cluster_api, "shards=4", "drainShards={4,5}")
+    names = {d["metadata"]["name"] for d in yaml.safe_load_all(drained.stdout) if d}
+    assert {"demo-orchestrator-4", "demo-orchestrator-5"} <= names
+
+
+def test_an_upgrade_that_renames_the_queues_is_refused(
+    cluster_api: tuple[_FakeApiServer, dict[str, str]],
+) -> None:
+    server, _ = cluster_api
+    server.data = {"SHARDFLOW_SHARDS": "4", "SHARDFLOW_PREFIX": "sf"}  # an install from before
+    refused = upgrade_render(cluster_api)
+    assert refused.returncode != 0
+    assert "keep them with --set prefix=sf" in refused.stderr
+    assert upgrade_render(cluster_api, "prefix=sf").returncode == 0
+    assert upgrade_render(cluster_api, "allowPrefixChange=true").returncode == 0
+
+
+def test_a_first_install_has_nothing_to_compare(
+    cluster_api: tuple[_FakeApiServer, dict[str, str]],
+) -> None:
+    result = upgrade_render(cluster_api, "shards=2")
+    assert result.returncode == 0, result.stderr
+
+
+# --- `helm test`: the pod's script, run here against real RabbitMQ and Redis
+
+
+def _helm_test_script() -> str:
+    (pod,) = of_kind(manifests(), "Pod").values()
+    command = pod["spec"]["containers"][0]["command"]
+    assert command[:2] == ["python3", "-c"]
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    return str(command[2])
+
+
+async def _run_helm_test(settings: Settings, wait_s: float) -> tuple[int, str]:
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "SHARDFLOW_AMQP_URL": settings.amqp_url,
+        "SHARDFLOW_REDIS_URL": settings.redis_url,
+        "SHARDFLOW_PREFIX": settings.prefix,
+        "SHARDFLOW_SHARDS": str(settings.shards),
+        "SHARDFLOW_TEST_DRAIN": "",
+        "SHARDFLOW_TEST_WAIT_S": str(wait_s),
+    }
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _helm_test_script(), env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(process.communicate(), 120)
+    return await process.wait(), out.decode()
+
+
+async def test_the_helm_test_passes_when_every_shard_has_a_consumer(
+    cluster: Router, settings: Settings
+) -> None:
+    code, out = await _run_helm_test(settings, wait_s=30)
+    assert code == 0, out
+    assert f"every one of the {settings.shards} shards has a consumer" in out
+
+
+async def test_the_helm_test_fails_naming_the_shards_without_one(settings: Settings) -> None:
+    code, out = await _run_helm_test(settings, wait_s=0)
+    assert code == 1, out
+    assert "no consumer on shards [0, 1, 2, 3]" in out
+
+
+# --- the policy scan and the documentation
+
+
+@pytest.fixture(scope="module")
+def checkov() -> Path:
+    installed = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "checkov.sh")], capture_output=True, text=True, timeout=900
+    )
+    if installed.returncode != 0 or not CHECKOV.exists():
+        _unusable(f"no checkov: scripts/checkov.sh failed: {installed.stderr[-1500:]}")
+    return CHECKOV
+
+
+# Every check the chart skips, and where its reason is written (a checkov.io/skip annotation).
+EXPLAINED = {"CKV_K8S_8", "CKV_K8S_9", "CKV_K8S_35", "CKV_K8S_43", "CKV_K8S_15", "CKV_K8S_21"}
+
+
+def test_the_policy_scan_of_the_default_render_has_no_unexplained_finding(
+    checkov: Path, tmp_path: Path
+) -> None:
+    rendered = render()
+    assert rendered.returncode == 0, rendered.stderr
+    (tmp_path / "shardflow.yaml").write_text(rendered.stdout)
+    # Offline: no download of checkov's guidelines, and a dead proxy for anything else.
+    dead = "http://127.0.0.1:9"
+    env = {**os.environ, "HTTPS_PROXY": dead, "HTTP_PROXY": dead, "https_proxy": dead}
+    scan = subprocess.run(
+        [str(checkov), "--file", str(tmp_path / "shardflow.yaml"), "--framework", "kubernetes",
+         "--skip-download", "--compact", "--output", "json"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    report = json.loads(scan.stdout)
+    results = report["results"]
+    failed = [f"{c['check_id']} {c['check_name']}: {c['resource']}" for c in
+              results["failed_checks"]]  # fmt: skip
+    assert not failed, "\n".join(failed)
+    # Every skip is one the chart explains, with its reason carried in the annotation.
+    skipped = {(c["check_id"], c["check_result"].get("suppress_comment", "")) for c in
+               results["skipped_checks"]}  # fmt: skip
+    assert {check for check, _ in skipped} == EXPLAINED
+    assert all(len(reason) >= 20 for _, reason in skipped), skipped
+    assert report["summary"]["passed"] > 500 and report["summary"]["parsing_errors"] == 0
+    readme = (ROOT / "helm" / "README.md").read_text()
+    for check in EXPLAINED:
+        assert check in readme, f"helm/README.md does not explain the {check} skip"
+
+
+def _leaves(values: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for key, value in values.items():
+        if isinstance(value, dict) and value and key not in {
+            "resources", "podSecurityContext", "securityContext"
+        }:  # fmt: skip
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def test_every_value_is_in_the_schema_and_the_readme_table() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    for path, _ in _leaves(values):
+        node = schema
+        for key in path.split("."):
+            assert key in node.get("properties", {}), f"{path} is not in values.schema.json"
+            node = node["properties"][key]
+    check = subprocess.run(
+        [sys.executable, str(ROOT / "helm" / "values_table.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    table = [line for line in (ROOT / "helm" / "README.md").read_text().splitlines()
+             if line.startswith("| `")]  # fmt: skip
+    undescribed = [line for line in table if line.rstrip().endswith("|  |")]
+    assert not undescribed, f"values without a '# -- ' description in values.yaml: {undescribed}"

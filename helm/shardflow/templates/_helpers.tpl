@@ -14,9 +14,59 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- .Values.connection.existingSecret | default (printf "%s-connection" (include "shardflow.name" .)) -}}
 {{- end -}}
 
-{{/* One pod spec for every process; the caller gives "component", "args" and "resources". */}}
+{{- define "shardflow.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
+{{- define "shardflow.serviceAccount" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- .Values.serviceAccount.name | default (include "shardflow.name" .) -}}
+{{- else -}}
+{{- .Values.serviceAccount.name | default "default" -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The queue and key prefix. The default carries the release name, so two releases on one broker
+never share queues; a long name is cut and made unique again with a hash (32 characters at
+most, the limit shardflow's settings accept).
+*/}}
+{{- define "shardflow.prefix" -}}
+{{- if .Values.prefix -}}
+{{- .Values.prefix -}}
+{{- else -}}
+{{- $prefix := printf "sf-%s" .Release.Name -}}
+{{- if gt (len $prefix) 32 -}}
+{{- $prefix = printf "%s-%s" ($prefix | trunc 23 | trimSuffix "-") (sha256sum .Release.Name | trunc 8) -}}
+{{- end -}}
+{{- $prefix -}}
+{{- end -}}
+{{- end -}}
+
+{{/* checkov skips, with the reasons that hold for every shardflow pod (no '=' in a reason). */}}
+{{- define "shardflow.checkovSkips" -}}
+checkov.io/skip1: CKV_K8S_8=no liveness probe yet, the health endpoints come with the metrics work (values probes.enabled)
+checkov.io/skip2: CKV_K8S_9=no readiness probe yet, the health endpoints come with the metrics work (values probes.enabled)
+checkov.io/skip3: CKV_K8S_35=shardflow reads its connection URLs from SHARDFLOW_* environment variables only, taken from a Secret by secretKeyRef
+checkov.io/skip4: CKV_K8S_43=the image is set by tag, pin one by giving image.tag as TAG@sha256:DIGEST
+checkov.io/skip5: CKV_K8S_15=IfNotPresent with immutable release tags, set image.pullPolicy to Always for moving tags
+checkov.io/skip6: {{ include "shardflow.checkovNamespace" . }}
+{{- end -}}
+
+{{- define "shardflow.checkovNamespace" -}}
+CKV_K8S_21=resources go to the release namespace (helm install -n), which is default only in a bare render
+{{- end -}}
+
+{{/*
+One pod spec for every process. The caller gives "root", "component", "args", "spec" (the
+component's values: resources, nodeSelector, tolerations, affinity, topologySpreadConstraints,
+podAntiAffinity) and, for an orchestrator, "shard".
+*/}}
 {{- define "shardflow.pod" -}}
 {{- $ := .root -}}
+{{- $spec := .spec -}}
+{{- $selector := dict "app.kubernetes.io/instance" $.Release.Name "app.kubernetes.io/component" .component -}}
+{{- with .shard }}{{ $_ := set $selector "shardflow/shard" . }}{{ end -}}
 metadata:
   labels:
     {{- include "shardflow.labels" $ | nindent 4 }}
@@ -24,20 +74,33 @@ metadata:
     {{- with .shard }}
     shardflow/shard: {{ . | quote }}
     {{- end }}
+    {{- with $.Values.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
   annotations:
+    # A change of the settings or of the chart-made Secret restarts every pod, so all agree.
     checksum/config: {{ include (print $.Template.BasePath "/config.yaml") $ | sha256sum }}
+    checksum/secret: {{ include (print $.Template.BasePath "/secret.yaml") $ | sha256sum }}
     {{- with $.Values.podAnnotations }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
 spec:
+  serviceAccountName: {{ include "shardflow.serviceAccount" $ }}
+  # shardflow never calls the Kubernetes API.
+  automountServiceAccountToken: false
   terminationGracePeriodSeconds: {{ add $.Values.gracePeriodSeconds 10 }}
+  {{- with $.Values.priorityClassName }}
+  priorityClassName: {{ . }}
+  {{- end }}
   {{- with $.Values.imagePullSecrets }}
   imagePullSecrets:
     {{- toYaml . | nindent 4 }}
   {{- end }}
+  securityContext:
+    {{- toYaml $.Values.podSecurityContext | nindent 4 }}
   containers:
     - name: {{ .component }}
-      image: "{{ $.Values.image.repository }}:{{ $.Values.image.tag }}"
+      image: {{ include "shardflow.image" $ | quote }}
       imagePullPolicy: {{ $.Values.image.pullPolicy }}
       args:
         {{- toYaml .args | nindent 8 }}
@@ -58,21 +121,52 @@ spec:
         {{- with $.Values.extraEnv }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
-      {{- with .resources }}
+      {{- if $.Values.metrics.serviceMonitor.enabled }}
+      ports:
+        - name: metrics
+          containerPort: {{ $.Values.metrics.port }}
+      {{- end }}
+      {{- with $spec.resources }}
       resources:
         {{- toYaml . | nindent 8 }}
       {{- end }}
-  {{- with $.Values.nodeSelector }}
+      securityContext:
+        {{- toYaml $.Values.securityContext | nindent 8 }}
+      volumeMounts:
+        - name: tmp
+          mountPath: /tmp
+  volumes:
+    # The only writable path: the root filesystem is read-only.
+    - name: tmp
+      emptyDir:
+        sizeLimit: {{ $.Values.tmpSizeLimit }}
+  {{- with ($spec.nodeSelector | default $.Values.nodeSelector) }}
   nodeSelector:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- with $.Values.tolerations }}
+  {{- with ($spec.tolerations | default $.Values.tolerations) }}
   tolerations:
     {{- toYaml . | nindent 4 }}
   {{- end }}
-  {{- with $.Values.affinity }}
+  {{- $affinity := deepCopy ($spec.affinity | default $.Values.affinity | default dict) }}
+  {{- $mode := $spec.podAntiAffinity | default "none" }}
+  {{- if and (ne $mode "none") (not (hasKey $affinity "podAntiAffinity")) }}
+  {{- $term := dict "topologyKey" "kubernetes.io/hostname" "labelSelector" (dict "matchLabels" $selector) }}
+  {{- if eq $mode "required" }}
+  {{- $_ := set $affinity "podAntiAffinity" (dict "requiredDuringSchedulingIgnoredDuringExecution" (list $term)) }}
+  {{- else }}
+  {{- $_ := set $affinity "podAntiAffinity" (dict "preferredDuringSchedulingIgnoredDuringExecution" (list (dict "weight" 100 "podAffinityTerm" $term))) }}
+  {{- end }}
+  {{- end }}
+  {{- with $affinity }}
   affinity:
     {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $spec.topologySpreadConstraints }}
+  topologySpreadConstraints:
+    {{- range . }}
+    - {{- toYaml (merge (deepCopy .) (dict "labelSelector" (dict "matchLabels" $selector))) | nindent 6 }}
+    {{- end }}
   {{- end }}
 {{- end -}}
 
@@ -81,4 +175,26 @@ spec:
 - --app
 - {{ . }}
 {{- end }}
+{{- end -}}
+
+{{/* A PodDisruptionBudget: "root", "name", "component", and for an orchestrator "shard". */}}
+{{- define "shardflow.pdb" -}}
+{{- $ := .root -}}
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ .name }}
+  namespace: {{ $.Release.Namespace }}
+  labels:
+    {{- include "shardflow.labels" $ | nindent 4 }}
+    app.kubernetes.io/component: {{ .component }}
+spec:
+  maxUnavailable: {{ $.Values.podDisruptionBudget.maxUnavailable }}
+  selector:
+    matchLabels:
+      app.kubernetes.io/instance: {{ $.Release.Name }}
+      app.kubernetes.io/component: {{ .component }}
+      {{- with .shard }}
+      shardflow/shard: {{ . | quote }}
+      {{- end }}
 {{- end -}}
