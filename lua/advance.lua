@@ -5,6 +5,8 @@
 -- ARGV[3]  new status: running | completed | failed
 -- ARGV[4]  field for the payload: "result", "error" or "" for none
 -- ARGV[5]  payload JSON
+-- ARGV[6]  the new leaf's shape: "task", "bag:<size>", or "" when the program ends; complete
+--          and fail refuse reports that do not fit it
 -- returns  {verdict, status, cursor} where verdict is
 --   applied  the transition happened now: publish what it produces
 --   replay   it already happened (cursor moved from ARGV[1]): a redelivery publishes again
@@ -20,7 +22,7 @@ if live and cursor == ARGV[1] then
   local t = redis.call("TIME")
   local now = string.format("%d", t[1] * 1000 + math.floor(t[2] / 1000))
   redis.call("HSET", KEYS[1], "status", ARGV[3], "cursor", ARGV[2], "from", ARGV[1],
-    "updated_ms", now)
+    "leaf", ARGV[6], "updated_ms", now)
   if status == "pending" then
     redis.call("HSET", KEYS[1], "started_ms", now)
   end

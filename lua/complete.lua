@@ -18,16 +18,36 @@
 --                                redelivered task can report what a crash may have lost
 --          {"wait"}              other members are still running
 --          {"stale", status, cursor}  the program is elsewhere or ended: nothing recorded
-local s = redis.call("HMGET", KEYS[1], "status", "cursor")
-if s[1] ~= "running" or s[2] ~= ARGV[1] then
-  return {"stale", s[1] or "", s[2] or ""}
+--          {"missing"}           no such program
+--          {"invalid", reason}   the report does not fit the leaf (its shape recorded by
+--                                advance.lua, or an index out of range): nothing recorded
+local s = redis.call("HMGET", KEYS[1], "status", "cursor", "leaf")
+if not s[1] then
+  return {"missing"}
 end
+if s[1] ~= "running" or s[2] ~= ARGV[1] then
+  return {"stale", s[1], s[2] or ""}
+end
+local leaf = s[3] or ""  -- "" for a program started before leaves were recorded
 if #KEYS == 2 then
+  if leaf ~= "" and leaf ~= "task" then
+    return {"invalid", "step " .. ARGV[1] .. " is a " .. leaf .. ", not a single task"}
+  end
   local verdict = "again"
   if redis.call("SET", KEYS[2], ARGV[2], "NX") then
     verdict = "fire"
   end
   return {verdict, redis.call("GET", KEYS[2])}
+end
+local size = #KEYS - 2
+if leaf ~= "" and leaf ~= "bag:" .. size then
+  return {"invalid", "step " .. ARGV[1] .. " is a " .. leaf .. ", not a bag of " .. size}
+end
+for k = 2, #ARGV, 2 do  -- every index checked before anything is written
+  local i = tonumber(ARGV[k])
+  if not i or i ~= math.floor(i) or i < 0 or i >= size or not ARGV[k + 1] then
+    return {"invalid", "bag member " .. ARGV[k] .. ": a bag of " .. size .. " has 0.." .. (size - 1)}
+  end
 end
 local verdict = "again"
 for k = 2, #ARGV, 2 do
@@ -36,7 +56,7 @@ for k = 2, #ARGV, 2 do
     verdict = "fire"
   end
 end
-if redis.call("SCARD", KEYS[2]) < #KEYS - 2 then
+if redis.call("SCARD", KEYS[2]) < size then
   return {"wait"}
 end
 local outputs = redis.call("MGET", unpack(KEYS, 3, #KEYS))

@@ -5,19 +5,41 @@
 -- ARGV[2]  member index ("0" for a single task)
 -- ARGV[3]  attempt that failed, from 0
 -- ARGV[4]  error text
--- ARGV[5]  max attempts
+-- ARGV[5]  max attempts (1..100)
 -- returns  {"retry"}                 first report of this attempt: schedule attempt + 1
 --          {"exhausted", error...}   first report of the last attempt: every attempt's error
 --          {"again", ...}            this attempt was reported before (same reply otherwise)
 --          {"stale", status, cursor} the program is elsewhere or ended: nothing recorded
-local s = redis.call("HMGET", KEYS[1], "status", "cursor")
-if s[1] ~= "running" or s[2] ~= ARGV[1] then
-  return {"stale", s[1] or "", s[2] or ""}
+--          {"missing"}               no such program
+--          {"invalid", reason}       index or attempt out of range: nothing recorded
+local MAX_ATTEMPTS = 100  -- bounds the loop below, whatever a caller sends
+local s = redis.call("HMGET", KEYS[1], "status", "cursor", "leaf")
+if not s[1] then
+  return {"missing"}
 end
-local attempt = tonumber(ARGV[3])
+if s[1] ~= "running" or s[2] ~= ARGV[1] then
+  return {"stale", s[1], s[2] or ""}
+end
+local index, attempt, most = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[5])
+if not most or most ~= math.floor(most) or most < 1 or most > MAX_ATTEMPTS then
+  return {"invalid", "max attempts " .. ARGV[5] .. ": from 1 to " .. MAX_ATTEMPTS}
+end
+if not attempt or attempt ~= math.floor(attempt) or attempt < 0 or attempt >= most then
+  return {"invalid", "attempt " .. ARGV[3] .. ": from 0 to " .. (most - 1)}
+end
+local leaf = s[3] or ""
+local size = 1
+if string.sub(leaf, 1, 4) == "bag:" then
+  size = tonumber(string.sub(leaf, 5))
+elseif leaf == "" then
+  size = index and index + 1 or 1  -- a program started before leaves were recorded
+end
+if not index or index ~= math.floor(index) or index < 0 or index >= size then
+  return {"invalid", "member " .. ARGV[2] .. ": step " .. ARGV[1] .. " has 0.." .. (size - 1)}
+end
 local first = redis.call("HSETNX", KEYS[2], ARGV[2] .. ":" .. ARGV[3], ARGV[4]) == 1
 local verdict = "again"
-if attempt + 1 < tonumber(ARGV[5]) then
+if attempt + 1 < most then
   if first then verdict = "retry" end
   return {verdict}
 end

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from typing import Any, Protocol
 
 import aio_pika
@@ -28,6 +29,24 @@ POOLS = ("serial", "parallel")
 NEW, GOING_ON = 0, 1
 
 
+# Delays are rounded up to these steps per decade (at most +22%): 1, 1.2, 1.5 ... 8.2 ms,
+# 10 ms ... up to 30 days, so each target has at most ~120 delay queues, whatever is asked.
+_STEPS = (10, 12, 15, 18, 22, 27, 33, 39, 47, 56, 68, 82)
+MAX_DELAY_MS = 30 * 86400 * 1000
+
+
+def ladder_ms(delay_s: float) -> int:
+    """The delay in ms, rounded up to the ladder (1 ms at least, 30 days at most)."""
+    wanted = min(max(1, math.ceil(delay_s * 1000)), MAX_DELAY_MS)
+    scale = 1
+    while True:  # at most ~10 decades
+        for step in _STEPS:
+            value = max(1, step * scale // 10)
+            if value >= wanted:
+                return min(value, MAX_DELAY_MS)
+        scale *= 10
+
+
 class TopologyError(RuntimeError):
     """A queue exists with other arguments than this configuration declares."""
 
@@ -48,6 +67,10 @@ class Publisher(Protocol):
     async def publish_control(self, body: bytes) -> None: ...
 
     async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None: ...
+
+    async def requeue(
+        self, queue: str, body: bytes, headers: dict[str, Any], priority: int | None
+    ) -> None: ...
 
 
 class Consumer(Protocol):
@@ -198,8 +221,9 @@ class Bus:
     async def _publish_delayed(
         self, target: str, exchange: str, routing_key: str, body: bytes, delay_s: float
     ) -> None:
-        # One queue per delay: per-queue TTLs expire in order, per-message ones would not.
-        delay_ms = max(1, round(delay_s * 1000))
+        # One queue per delay: per-queue TTLs expire in order, per-message ones would not. The
+        # delay is rounded up to a fixed ladder, so the queues are few and bounded.
+        delay_ms = ladder_ms(delay_s)
         name = self.names.delay_queue(target, delay_ms)
         if name not in self._delay_queues:
             arguments: dict[str, Any] = {
@@ -231,6 +255,13 @@ class Bus:
         queue = await channel.declare_queue(exclusive=True, auto_delete=True)
         await queue.bind(self.names.control_exchange)
         return queue.iterator(no_ack=True)
+
+    async def requeue(
+        self, queue: str, body: bytes, headers: dict[str, Any], priority: int | None
+    ) -> None:
+        """Publish a message again at the tail of `queue` (after a failure), confirmed."""
+        message = _message(body, headers=headers, priority=priority or NEW)
+        await self._channel.default_exchange.publish(message, routing_key=queue)
 
     async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:
         """Park an unusable message with the reason in its headers."""

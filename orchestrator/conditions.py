@@ -1,24 +1,109 @@
-"""`until` conditions: CEL expressions over `input`, `prev` and `iteration` (never Python eval)."""
+"""`until` conditions: CEL expressions over `input`, `prev` and `iteration` (never Python eval).
+
+Bounds, because a condition is written by whoever submits a program:
+
+- **Size**, checked when a program is validated: at most `MAX_SOURCE_CHARS` characters,
+  brackets nested at most `MAX_NESTING` deep and comprehension macros (`all`, `exists`,
+  `exists_one`, `map`, `filter`) at most `MAX_COMPREHENSION_NESTING` deep. The `cel` module
+  exposes no syntax tree, so `_scan` counts nesting in one pass over the source, skipping
+  string literals and comments; `cel.compile` then parses it for real.
+- **Time**, per evaluation: `BUDGET_S` (0.1 s) unless the caller passes `budget_s`. Cost still
+  depends on the data (`prev.all(a, prev.all(b, prev.all(c, ...)))` over a 300-element list is
+  n^3, about 10 s), so evaluation needs a hard stop. The `cel` extension holds the GIL while it
+  evaluates (measured: while a thread evaluated for 1.2 s, the event loop ran twice), so a
+  thread with a timeout would stall the loop anyway, and could not be stopped. Conditions are
+  therefore evaluated in a small evaluator process (`python -P orchestrator/conditions.py`,
+  loading only the native extension), one per process, started on first use: a call that
+  exceeds its budget kills it (SIGKILL) and fails with "exceeded its time budget of 0.1 s"
+  (the n^3 example: after 0.10-0.12 s), and a fresh evaluator is started at once. The budget
+  counts from the moment the values are CEL values: decoding and converting them is linear in
+  their size (~0.1 s per MB) and bounded by the size limits on inputs and outputs.
+  Cost, measured on 2 cores: ~18 MB resident, ~50 ms to start (again after each kill), ~0.1 ms
+  per evaluation of small values; evaluations in one process run one at a time. The
+  evaluator also limits itself (kernel rlimits): CPU time per evaluation (budget + 2 s), so a
+  runaway ends even if its parent died, and `EVALUATOR_MEMORY_BYTES` of address space.
+
+`evaluate()` blocks its caller for at most the budget, plus converting the values (and, on
+first use, starting the evaluator); `evaluate_async()` waits in a thread, so an event loop
+keeps serving other work meanwhile.
+
+Functions offered (each one tested in tests/test_conditions_functions.py): `size`; the
+conversions `int`, `uint`, `double`, `string`, `bytes`, `type`, `dyn`, `duration`,
+`timestamp`, called as functions; the string methods `contains`, `startsWith`, `endsWith`,
+`matches`; and the timestamp/duration accessors `getFullYear`, `getMonth`, `getDate`,
+`getDayOfMonth`, `getDayOfWeek`, `getDayOfYear`, `getHours`, `getMinutes`, `getSeconds`,
+`getMilliseconds`, in UTC only. `bool()` is not implemented by the library and is refused.
+"""
 
 from __future__ import annotations
 
+import atexit
+import json
+import os
+import re
+import select
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
+from types import ModuleType
 from typing import Any
 
-import cel
+
+def _native_cel() -> ModuleType | None:
+    """The `cel` extension alone: its package's __init__ imports the package's command line
+    (typer, prompt_toolkit: 0.3 s), which the evaluator process does without (30 ms)."""
+    import importlib.machinery as machinery
+    import importlib.util as util
+
+    try:
+        spec = util.find_spec("cel")
+        for folder in (spec and spec.submodule_search_locations) or []:
+            for name in os.listdir(folder):
+                if name.startswith("cel.") and name.endswith(tuple(machinery.EXTENSION_SUFFIXES)):
+                    loader = machinery.ExtensionFileLoader("cel.cel", os.path.join(folder, name))
+                    found = util.spec_from_loader("cel.cel", loader)
+                    if found is not None:
+                        module = util.module_from_spec(found)
+                        loader.exec_module(module)
+                        return module
+    except (ImportError, OSError):
+        pass
+    return None  # `import cel` then loads the whole package: slower, the same functions
+
+
+if __name__ == "__main__" and (native := _native_cel()) is not None:
+    sys.modules["cel"] = native
+
+import cel  # noqa: E402
 
 VARIABLES = frozenset({"input", "prev", "iteration"})
+MAX_SOURCE_CHARS = 1000
+MAX_NESTING = 32
+MAX_COMPREHENSION_NESTING = 3
+BUDGET_S = 0.1  # per evaluation, unless the caller passes budget_s
+EVALUATOR_MEMORY_BYTES = 1 << 30  # address space of the evaluator process
+QUOTE_CHARS = 80  # an expression quoted in an error is cut to this many characters
+
 # Type names read as identifiers (`type(prev) == list`).
 _TYPES = frozenset({"bool", "bytes", "double", "int", "list", "map", "null_type", "string", "type"})
-# CEL's standard functions; operators show up as `_+_`, `!_`, `@in` and are always allowed.
-_FUNCTIONS = frozenset(
+_ACCESSORS = frozenset(
     {
-        "size", "contains", "startsWith", "endsWith", "matches", "int", "uint", "double",
-        "string", "bytes", "bool", "type", "dyn", "duration", "timestamp",
         "getFullYear", "getMonth", "getDate", "getDayOfMonth", "getDayOfWeek", "getDayOfYear",
         "getHours", "getMinutes", "getSeconds", "getMilliseconds",
     }
 )  # fmt: skip
+# The library implements these only as methods (`s.matches(re)`), and these only as functions.
+_METHODS = frozenset({"contains", "startsWith", "endsWith", "matches"}) | _ACCESSORS
+_CONVERSIONS = frozenset(
+    {"int", "uint", "double", "string", "bytes", "type", "dyn", "duration", "timestamp"}
+)
+# CEL's standard functions that the library implements; operators show up as `_+_`, `!_`,
+# `@in` and are always allowed.
+_FUNCTIONS = frozenset({"size"}) | _METHODS | _CONVERSIONS
+_COMPREHENSIONS = frozenset({"all", "exists", "exists_one", "map", "filter"})
 
 
 class ConditionError(ValueError):
@@ -28,20 +113,27 @@ class ConditionError(ValueError):
 @lru_cache(maxsize=512)
 def compile_condition(source: str) -> cel.Program:
     """Compile once; raise ConditionError naming what is wrong."""
+    if len(source) > MAX_SOURCE_CHARS:
+        raise ConditionError(f"{len(source)} characters, more than the limit of {MAX_SOURCE_CHARS}")
+    bound = _scan(source)  # names bound by comprehensions (`x` in `prev.all(x, x > 1)`)
     try:
         program = cel.compile(source)
     except ValueError as exc:
-        raise ConditionError(_first_line(str(exc))) from None
-    unknown = sorted(set(program.variables()) - VARIABLES - _TYPES - _bound_names(program))
+        raise ConditionError(_one_line(str(exc), source)) from None
+    unknown = sorted(set(program.variables()) - VARIABLES - _TYPES - bound)
     if unknown:
         raise ConditionError(
-            f"unknown variable {', '.join(map(repr, unknown))}; use {', '.join(sorted(VARIABLES))}"
+            f"unknown variable {_names(unknown)}; use {', '.join(sorted(VARIABLES))}"
         )
     functions = [name for name in program.functions() if name[0].isalpha() or name[0] == "_"]
     unknown = sorted(name for name in set(functions) - _FUNCTIONS if not _is_operator(name))
     if unknown:
-        raise ConditionError(f"unknown function {', '.join(map(repr, unknown))}")
+        raise ConditionError(f"unknown function {_names(unknown)}")
     return program
+
+
+def _names(names: list[str]) -> str:
+    return _cut(", ".join(map(repr, names)), 200)
 
 
 def _is_operator(name: str) -> bool:
@@ -49,31 +141,376 @@ def _is_operator(name: str) -> bool:
     return not name.replace("_", "").isidentifier()
 
 
-def evaluate(source: str, *, input: Any, prev: Any, iteration: int) -> bool:
-    """Evaluate a condition; only a real bool counts as an answer."""
-    program = compile_condition(source)
+def evaluate(
+    source: str, *, input: Any, prev: Any, iteration: int, budget_s: float | None = None
+) -> bool:
+    """Evaluate a condition within `budget_s` (default `BUDGET_S`); only a real bool counts.
+
+    Blocks the calling thread for at most the budget; see `evaluate_async` for event loops.
+    """
+    compile_condition(source)
+    budget = BUDGET_S if budget_s is None else budget_s
     try:
-        value = program.execute({"input": input, "prev": prev, "iteration": iteration})
-    except Exception as exc:  # the CEL runtime raises TypeError/RuntimeError/ValueError
-        raise ConditionError(_first_line(str(exc))) from None
-    if not isinstance(value, bool):
-        raise ConditionError(f"gave {type(value).__name__} {value!r}, not a bool")
-    return value
+        context = {"input": input, "prev": prev, "iteration": iteration}
+        request = json.dumps({"source": source, "context": context, "budget_s": budget})
+    except (TypeError, ValueError) as exc:
+        raise ConditionError(f"input or prev is not JSON: {exc}") from None
+    reply = _EVALUATOR.run(request.encode() + b"\n", budget)
+    if "value" in reply:
+        return bool(reply["value"])
+    if "gave" in reply:
+        raise ConditionError(f"gave {reply['gave']} {_cut(reply['repr'])}, not a bool")
+    if reply["error"] == "KeyError":  # its message is the missing key's repr
+        raise ConditionError(f"no such key {_cut(reply['message'])}")
+    raise ConditionError(_one_line(reply["message"], source))
 
 
-def _bound_names(program: cel.Program) -> set[str]:
-    # Comprehension macros (`prev.all(x, x > 1)`) bind names that are not context variables.
-    source = program.source
+async def evaluate_async(
+    source: str, *, input: Any, prev: Any, iteration: int, budget_s: float | None = None
+) -> bool:
+    """`evaluate` off the event loop: the loop keeps serving while the evaluator works.
+
+    Raises ConditionError("exceeded its time budget of X s") when it takes longer than the
+    budget; the runaway evaluation is killed, not left running.
+    """
+    import asyncio  # here, not at the top: the evaluator process imports this module too
+
+    def call() -> bool:
+        return evaluate(source, input=input, prev=prev, iteration=iteration, budget_s=budget_s)
+
+    return await asyncio.get_running_loop().run_in_executor(_EVALUATOR.executor(), call)
+
+
+def quote(source: str) -> str:
+    """A condition as an error message quotes it: repr, cut to `QUOTE_CHARS` characters."""
+    return _clip(source)
+
+
+def _clip(text: str, limit: int = QUOTE_CHARS) -> str:
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}… ({len(text)} characters)"
+
+
+def _cut(text: str, limit: int = QUOTE_CHARS) -> str:
+    return text if len(text) <= limit else f"{text[: limit - 1]}…"
+
+
+def _one_line(message: str, source: str) -> str:
+    # CEL's messages quote the whole expression, then point at the fault on later lines.
+    if source:
+        message = message.replace(f"'{source}'", _clip(source))
+    lines = message.strip().splitlines()
+    line = lines[0] if lines else "invalid expression"
+    return _cut(line, 300)
+
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_NUMBER = re.compile(r"0[xX][0-9a-fA-F]+[uU]?|[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?[uU]?")
+_STRING_PREFIXES = frozenset({"r", "R", "b", "B", "br", "bR", "Br", "BR", "rb", "rB", "Rb", "RB"})
+
+
+def _scan(source: str) -> frozenset[str]:
+    """Check nesting and the form of calls in one pass, outside strings and comments; return
+    the names that comprehension macros bind."""
+    open_brackets: list[bool] = []  # one per open bracket: does it open a comprehension?
+    comprehensions = 0
     bound: set[str] = set()
-    for macro in ("all(", "exists(", "exists_one(", "map(", "filter("):
-        start = 0
-        while (at := source.find(macro, start)) >= 0:
-            start = at + len(macro)
-            name = source[start:].split(",", 1)[0].strip()
-            if name.isidentifier():
-                bound.add(name)
-    return bound
+    after_dot = False  # the last token was `.`: a name here is a field or a method
+    comprehension_next = False  # the next `(` opens a comprehension macro
+    at, end = 0, len(source)
+    while at < end:
+        char = source[at]
+        if char in " \t\r\n\f":
+            at += 1
+            continue
+        if source.startswith("//", at):
+            newline = source.find("\n", at)
+            at = end if newline < 0 else newline + 1
+            continue
+        if char in "'\"":
+            at, after_dot = _skip_string(source, at, raw=False), False
+            continue
+        if char.isdigit():
+            number = _NUMBER.match(source, at)
+            at, after_dot = (number.end() if number else at + 1), False
+            continue
+        if name := _IDENTIFIER.match(source, at):
+            at = name.end()
+            if name.group() in _STRING_PREFIXES and at < end and source[at] in "'\"":
+                at = _skip_string(source, at, raw="r" in name.group().lower())
+            else:
+                comprehension_next = _check_call(source, name.group(), at, after_dot, bound)
+            after_dot = False
+            continue
+        if char in "([{":
+            opens = comprehension_next and char == "("
+            open_brackets.append(opens)
+            comprehensions += opens
+            if len(open_brackets) > MAX_NESTING:
+                raise ConditionError(f"brackets nested deeper than {MAX_NESTING} levels")
+            if comprehensions > MAX_COMPREHENSION_NESTING:
+                raise ConditionError(
+                    "comprehensions (all, exists, exists_one, map, filter) nested deeper than "
+                    f"{MAX_COMPREHENSION_NESTING} levels"
+                )
+        elif char in ")]}" and open_brackets:
+            comprehensions -= open_brackets.pop()
+        comprehension_next = False
+        after_dot = char == "."
+        at += 1
+    return frozenset(bound)
 
 
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else "invalid expression"
+def _check_call(source: str, name: str, at: int, method: bool, bound: set[str]) -> bool:
+    """Refuse the call forms the library lacks; say whether `(` opens a comprehension."""
+    paren = _skip_space(source, at)
+    if paren >= len(source) or source[paren] != "(":
+        return False  # not a call
+    if name in _METHODS and not method:
+        raise ConditionError(f"{name}() is a method: write x.{name}(...)")
+    if name in _CONVERSIONS and method:
+        raise ConditionError(f"{name}() is a function: write {name}(x)")
+    if name in _ACCESSORS:
+        closing = _skip_space(source, paren + 1)
+        if closing < len(source) and source[closing] != ")":
+            raise ConditionError(f"{name}() takes no time zone: only UTC is supported")
+    if method and name in _COMPREHENSIONS:
+        variable = _IDENTIFIER.match(source, _skip_space(source, paren + 1))
+        if variable:
+            bound.add(variable.group())
+        return True
+    return False
+
+
+def _skip_space(source: str, at: int) -> int:
+    """Past whitespace and comments: `prev.all // c` + newline + `(x, x)` is still a call."""
+    while at < len(source):
+        if source.startswith("//", at):
+            newline = source.find("\n", at)
+            at = len(source) if newline < 0 else newline + 1
+        elif source[at] in " \t\r\n\f":
+            at += 1
+        else:
+            break
+    return at
+
+
+def _skip_string(source: str, at: int, *, raw: bool) -> int:
+    """The index just past the string literal that starts at `at` (or the end of the source)."""
+    quote_char = source[at]
+    delimiter = quote_char * 3 if source.startswith(quote_char * 3, at) else quote_char
+    at += len(delimiter)
+    while at < len(source):
+        if source.startswith(delimiter, at):
+            return at + len(delimiter)
+        if len(delimiter) == 1 and source[at] in "\r\n":
+            return at  # unterminated: cel.compile says so
+        at += 2 if source[at] == "\\" and not raw else 1
+    return len(source)
+
+
+# --- The evaluator process -------------------------------------------------------------------
+
+# Not part of any budget: starting the evaluator, and decoding and converting the values
+# (linear in their size, bounded by the size limits on inputs and outputs: ~0.1 s per MB).
+_START_TIMEOUT_S = 30.0
+_PREPARE_TIMEOUT_S = 10.0
+
+
+class _Evaluator:
+    """The parent's side: one evaluator process, one request at a time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # held for a whole request
+        self._executor_lock = threading.Lock()  # never held long: event loops take it
+        self._process: subprocess.Popen[bytes] | None = None
+        self._ready = False
+        self._buffer = b""
+        self._spawn_error: OSError | None = None
+        self._pid = os.getpid()
+        self._executor: ThreadPoolExecutor | None = None
+
+    def executor(self) -> ThreadPoolExecutor:
+        """One thread for async callers: evaluations run one at a time anyway."""
+        self._after_fork()
+        with self._executor_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="cel-evaluator")
+            return self._executor
+
+    def run(self, request: bytes, budget_s: float) -> dict[str, Any]:
+        """Send one request; its reply, or ConditionError when over budget or crashed."""
+        self._after_fork()
+        with self._lock:
+            self._start()
+            try:
+                self._write(request)
+            except OSError:  # it died between requests: this request never started
+                self._stop()
+                self._start()
+                self._write(request)
+            # First the values are decoded and converted, then the budget starts.
+            try:
+                converted = self._read_line(_PREPARE_TIMEOUT_S) == b"converted\n"
+            except TimeoutError:
+                self._restart()
+                raise ConditionError(
+                    f"input and prev took over {_PREPARE_TIMEOUT_S:g} s to convert: too large"
+                ) from None
+            try:
+                line = self._read_line(budget_s) if converted else b""
+            except TimeoutError:
+                self._restart()
+                raise ConditionError(f"exceeded its time budget of {budget_s:g} s") from None
+            if not line:
+                code = self._restart()
+                raise ConditionError(
+                    f"the evaluator process died (exit code {code}): out of memory?"
+                )
+            reply: dict[str, Any] = json.loads(line)
+            return reply
+
+    def _restart(self) -> int | None:
+        """Kill the evaluator and start the next one at once (ready by the next call, or
+        nearly); the old one's exit code."""
+        code = self._stop()
+        self._spawn()
+        return code
+
+    def _start(self) -> None:
+        if self._process is None:
+            self._spawn()
+        if self._process is None:
+            raise ConditionError(f"the CEL evaluator process cannot start: {self._spawn_error}")
+        if not self._ready:
+            try:
+                ready = self._read_line(_START_TIMEOUT_S)
+            except TimeoutError:
+                ready = b""
+            if ready != b"ready\n":
+                self._stop()
+                raise ConditionError("the CEL evaluator process did not start")
+            self._ready = True
+
+    def _spawn(self) -> None:
+        self._ready, self._buffer = False, b""
+        try:
+            self._process = subprocess.Popen(
+                # -P: not the script's folder first on sys.path (it holds orchestrator modules).
+                [sys.executable, "-P", os.path.abspath(__file__)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                bufsize=0,
+            )
+        except OSError as exc:  # out of processes or file descriptors: the next call retries
+            self._process, self._spawn_error = None, exc
+
+    def _stop(self) -> int | None:
+        process, self._process, self._ready, self._buffer = self._process, None, False, b""
+        if process is None:
+            return None
+        process.kill()
+        for pipe in (process.stdin, process.stdout):
+            if pipe is not None:
+                pipe.close()
+        return process.wait()
+
+    def _write(self, data: bytes) -> None:
+        assert self._process is not None and self._process.stdin is not None
+        fd, view = self._process.stdin.fileno(), memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+
+    def _read_line(self, timeout_s: float) -> bytes:
+        """The next line (b"" if the process ended); TimeoutError when none came in time."""
+        assert self._process is not None and self._process.stdout is not None
+        fd = self._process.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not poller.poll(left * 1000):
+                raise TimeoutError
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return b""
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line + b"\n"
+
+    def close(self) -> None:
+        """At exit: end the evaluator (it would end anyway, on end of input)."""
+        if os.getpid() == self._pid:
+            with self._lock:
+                self._stop()
+
+    def _after_fork(self) -> None:
+        # A forked child must not share its parent's evaluator, pipes or lock.
+        if os.getpid() != self._pid:
+            self.__init__()  # type: ignore[misc]
+
+
+_EVALUATOR = _Evaluator()
+atexit.register(_EVALUATOR.close)
+
+
+def _serve() -> None:
+    """The evaluator process: one JSON request per line on stdin; per request, a line
+    `converted` once the values are CEL values, then the reply line."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the parent, which ends us
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    if hard == resource.RLIM_INFINITY or hard > EVALUATOR_MEMORY_BYTES:
+        resource.setrlimit(resource.RLIMIT_AS, (EVALUATOR_MEMORY_BYTES, hard))
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # anything else printed goes to stderr, not into the replies
+    programs: dict[str, Any] = {}
+    replies.write(b"ready\n")
+    replies.flush()
+    for line in sys.stdin.buffer:
+        reply: dict[str, Any]
+        converted = False
+        try:
+            request = json.loads(line)
+            context = cel.Context(variables=request["context"])
+            replies.write(b"converted\n")
+            replies.flush()
+            converted = True
+            _limit_cpu(request["budget_s"])
+            source = request["source"]
+            if source not in programs:
+                if len(programs) >= 512:
+                    programs.clear()
+                programs[source] = cel.compile(source)
+            value = programs[source].execute(context)
+            if isinstance(value, bool):
+                reply = {"value": value}
+            else:
+                reply = {"gave": type(value).__name__, "repr": repr(value)[:1000]}
+        except Exception as exc:  # the CEL runtime raises TypeError/RuntimeError/ValueError...
+            reply = {"error": type(exc).__name__, "message": str(exc)[:10_000]}
+        if not converted:
+            replies.write(b"converted\n")
+        replies.write(json.dumps(reply).encode() + b"\n")
+        replies.flush()
+
+
+def _limit_cpu(budget_s: float) -> None:
+    # The kernel stops this process (SIGXCPU) a little after the budget even if nobody is
+    # left to kill it: a parent that died mid-evaluation leaves no runaway behind.
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    soft = int(usage.ru_utime + usage.ru_stime + budget_s) + 2
+    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    if hard == resource.RLIM_INFINITY or soft <= hard:
+        resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+
+
+if __name__ == "__main__":
+    _serve()

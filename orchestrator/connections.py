@@ -8,16 +8,12 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from aiormq.exceptions import AMQPConnectionError
-from redis.exceptions import ConnectionError as RedisConnectionError
-
 from orchestrator.bus import Bus
+from orchestrator.delivery import UNREACHABLE
 from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
 
 log = logging.getLogger(__name__)
-
-UNREACHABLE = (OSError, RedisConnectionError, AMQPConnectionError)
 
 
 @contextlib.asynccontextmanager

@@ -8,7 +8,12 @@ Shaped like aio-pika's `message.process()`, for at-least-once work:
 - the block returns: ack. Its publishes were confirmed inside it, so the ack comes after them.
 - the block raises `Poison` or one of `poison`: retrying cannot help. The message is parked in
   the dead-letter queue with the reason, then acked.
-- the block raises anything else: requeue, then pause, so a broken dependency is not hammered.
+- the block raises anything else: the message goes back to the queue, then a pause, so a
+  broken dependency is not hammered. A lost connection (RabbitMQ or Redis away) hands it back
+  as it is, however often; any other error is counted in the header `x-shardflow-failures`
+  (the message is published again at the queue's tail and the original acked, so it cannot
+  wedge the head of a shard's queue), and at `limit` failures the message is dead-lettered
+  with its last error, on every queue type.
 - the block is cancelled (a hard stop): neither. The channel's close hands it back.
 """
 
@@ -18,15 +23,22 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
+from aiormq.exceptions import ChannelInvalidStateError
 from pydantic import ValidationError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = logging.getLogger(__name__)
 
 # After a transient failure: long enough not to spin on a dead dependency, short enough to
 # recover quickly once it is back.
 RETRY_PAUSE_S = 0.5
+FAILURES = "x-shardflow-failures"
+# The services being away: not the message's fault, so never counted against it. (aiormq's
+# connection errors are OSErrors; a refused publish, DeliveryError, is not one of these.)
+UNREACHABLE = (OSError, RedisConnectionError, RedisTimeoutError, ChannelInvalidStateError)
 
 
 class Poison(Exception):
@@ -42,25 +54,38 @@ class Delivery(Protocol):
     @property
     def redelivered(self) -> bool | None: ...
 
+    @property
+    def headers(self) -> dict[str, Any]: ...
+
+    @property
+    def priority(self) -> int | None: ...
+
     async def ack(self) -> None: ...
 
     async def nack(self, *, requeue: bool = True) -> None: ...
 
 
-class DeadLetters(Protocol):
+class Requeues(Protocol):
+    """What the policy needs of the transport; `Bus` is one."""
+
     async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None: ...
+
+    async def requeue(
+        self, queue: str, body: bytes, headers: dict[str, Any], priority: int | None
+    ) -> None: ...
 
 
 @contextlib.asynccontextmanager
 async def process(
     delivery: Delivery,
-    bus: DeadLetters,
+    bus: Requeues,
     source: str,
     *,
     poison: tuple[type[Exception], ...] = (),
     on_poison: Callable[[str], Awaitable[None]] | None = None,
+    limit: int = 20,
 ) -> AsyncIterator[None]:
-    """Run the block for one delivery and settle it by the policy above.
+    """Run the block for one delivery of queue `source` and settle it by the policy above.
 
     `on_poison(reason)` runs after a poison message was parked (e.g. to answer its sender).
     """
@@ -69,8 +94,11 @@ async def process(
     except asyncio.CancelledError:
         raise
     except Exception as exc:
-        if not isinstance(exc, (Poison, *poison)):
+        if isinstance(exc, UNREACHABLE):
             await _requeue(delivery, source, exc)
+            return
+        if not isinstance(exc, (Poison, *poison)):
+            await _count_failure(delivery, bus, source, exc, limit)
             return
         reason = describe(exc)
         try:
@@ -81,6 +109,41 @@ async def process(
             await _requeue(delivery, source, failure)
             return
     await settle(delivery, ok=True)
+
+
+def redelivered(delivery: Delivery) -> bool:
+    """Whether an earlier try at this message may have been cut short: the broker redelivered
+    it, or the policy published it again after a failure. Such a message publishes again what
+    its transition produces, even when that transition already happened."""
+    return bool(delivery.redelivered) or FAILURES in (delivery.headers or {})
+
+
+async def _count_failure(
+    delivery: Delivery, bus: Requeues, source: str, exc: Exception, limit: int
+) -> None:
+    headers = dict(delivery.headers or {})
+    failures = _int(headers.get(FAILURES)) + 1
+    try:
+        if failures >= limit:
+            reason = f"failed {failures} times, the limit; last: {describe(exc)[:500]}"
+            await bus.dead_letter(delivery.body, reason=reason, source=source)
+        else:
+            log.warning("%s: failure %d of %d, message requeued: %r", source, failures, limit, exc)
+            headers[FAILURES] = failures
+            await bus.requeue(source, delivery.body, headers, delivery.priority)
+    except Exception as failure:  # could not publish: hand it back as it is
+        await _requeue(delivery, source, failure)
+        return
+    await settle(delivery, ok=True)
+    if failures < limit:
+        await asyncio.sleep(RETRY_PAUSE_S)
+
+
+def _int(value: Any) -> int:
+    try:
+        return max(0, int(value))
+    except (TypeError, ValueError):
+        return 0
 
 
 async def _requeue(delivery: Delivery, source: str, exc: Exception) -> None:

@@ -9,12 +9,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+# `$` also matches before a trailing newline in Python, so ids are checked with fullmatch; the
+# pattern stays `^...$` for pydantic (messages.py), whose Rust regex has no `\Z` and whose `$`
+# is the end of the text.
 WORKFLOW_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 
 
 def check_workflow_id(workflow_id: str) -> str:
     """Return the id, or raise ValueError saying what an id may hold."""
-    if not WORKFLOW_ID.match(workflow_id):
+    if not WORKFLOW_ID.fullmatch(workflow_id):
         raise ValueError(
             f"workflow id {workflow_id!r}: use 1-128 of A-Z a-z 0-9 . _ : @ -, "
             "starting with a letter or digit"

@@ -2,7 +2,8 @@
 
 A program always has exactly one active *leaf* (a task or a bag); its step path is the
 program's cursor, e.g. `2` or `3/iter:4/1` inside an untiloop body. Nothing here does I/O,
-so the same functions drive the orchestrator and the property tests' model.
+so the same functions drive the orchestrator and the property tests' model. (An `until` is
+evaluated in a small evaluator process with a time budget: see orchestrator/conditions.py.)
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.conditions import ConditionError, evaluate
+from orchestrator.conditions import ConditionError, evaluate, quote
 from orchestrator.program import Bag, Program, Task, Untiloop
 
 Step = Task | Bag | Untiloop
@@ -97,11 +98,11 @@ def _after(
         try:
             met = evaluate(step.until, input=input, prev=output, iteration=loop_iteration)
         except ConditionError as exc:
-            return Failed(f"step {here}: until {step.until!r}: {exc}")
+            return Failed(f"step {here}: until {quote(step.until)}: {exc}")
         if not met:
             if loop_iteration + 1 >= step.max_iterations:
                 return Failed(
-                    f"step {here}: until {step.until!r} not met after "
+                    f"step {here}: until {quote(step.until)} not met after "
                     f"max_iterations={step.max_iterations}"
                 )
             return _descend(

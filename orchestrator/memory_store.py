@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from orchestrator.keys import Keys
-from orchestrator.store import Completion, Ended, Recorded, Verdict
+from orchestrator.store import MAX_ATTEMPTS, Completion, Ended, Recorded, Verdict
 
 Value = str | dict[str, str] | set[str]
 
@@ -67,20 +67,29 @@ class MemoryStore:
 
     # --- the five transitions -------------------------------------------------------------
 
-    async def submit(self, wf: str, plan: str, owner: int, name: str) -> Recorded:
+    async def submit(self, wf: str, plan: str, owner: int, name: str, digest: str) -> Recorded:
         """lua/submit.lua"""
-        status, found_owner = self._hmget(self.keys.state(wf), "status", "owner")
-        if status is not None:
-            return Recorded(False, status, int(found_owner or 0))
-        self.data[self.keys.plan(wf)] = plan
-        self._hash(self.keys.state(wf)).update(
-            status="pending", owner=str(owner), cursor="", name=name, created_ms=self._clock()
+        status, found_owner, found_digest = self._hmget(
+            self.keys.state(wf), "status", "owner", "digest"
         )
-        self._hash(self.keys.state(wf))["from"] = ""
+        if status is not None:
+            conflict = found_digest is not None and found_digest != digest
+            return Recorded(False, status, int(found_owner or 0), conflict)
+        self.data[self.keys.plan(wf)] = plan
+        state = self._hash(self.keys.state(wf))
+        state.update(status="pending", owner=str(owner), cursor="", name=name, digest=digest)
+        state.update({"from": "", "created_ms": self._clock()})
         return Recorded(True, "pending", owner)
 
     async def advance(
-        self, wf: str, expected: str, cursor: str, status: str, field: str = "", payload: str = ""
+        self,
+        wf: str,
+        expected: str,
+        cursor: str,
+        status: str,
+        field: str = "",
+        payload: str = "",
+        leaf: str = "",
     ) -> Verdict:
         """lua/advance.lua"""
         key = self.keys.state(wf)
@@ -91,7 +100,7 @@ class MemoryStore:
         if live and now_cursor == expected:
             now = self._clock()
             state = self._hash(key)
-            state.update(status=status, cursor=cursor, updated_ms=now)
+            state.update(status=status, cursor=cursor, leaf=leaf, updated_ms=now)
             state["from"] = expected
             if now_status == "pending":
                 state["started_ms"] = now
@@ -113,15 +122,26 @@ class MemoryStore:
         self, wf: str, path: str, size: int, outputs: Mapping[int | None, str]
     ) -> Completion:
         """lua/complete.lua"""
-        status, cursor = self._hmget(self.keys.state(wf), "status", "cursor")
+        status, cursor, leaf = self._hmget(self.keys.state(wf), "status", "cursor", "leaf")
+        if status is None:
+            return Completion("missing", [])
         if status != "running" or cursor != path:
             return Completion("stale", [])
+        leaf = leaf or ""  # "" for a program started before leaves were recorded
         if None in outputs:
+            if leaf not in ("", "task"):
+                return Completion("invalid", [f"step {path} is a {leaf}, not a single task"])
             key = self.keys.output(wf, path)
             fired = self._get(key) is None
             if fired:
                 self.data[key] = outputs[None]
             return Completion("fire" if fired else "again", [self._get(key) or ""])
+        if leaf not in ("", f"bag:{size}"):
+            return Completion("invalid", [f"step {path} is a {leaf}, not a bag of {size}"])
+        for index in outputs:
+            if not isinstance(index, int) or not 0 <= index < size:
+                reason = f"bag member {index}: a bag of {size} has 0..{size - 1}"
+                return Completion("invalid", [reason])
         barrier = self._set(self.keys.barrier(wf, path))
         fired = False
         for index, output in outputs.items():
@@ -139,10 +159,25 @@ class MemoryStore:
         self, wf: str, path: str, index: int | None, attempt: int, error: str, max_attempts: int
     ) -> Completion:
         """lua/fail.lua"""
-        status, cursor = self._hmget(self.keys.state(wf), "status", "cursor")
+        status, cursor, leaf = self._hmget(self.keys.state(wf), "status", "cursor", "leaf")
+        if status is None:
+            return Completion("missing", [])
         if status != "running" or cursor != path:
             return Completion("stale", [])
-        member = str(index or 0)
+        if not 1 <= max_attempts <= MAX_ATTEMPTS:
+            reason = f"max attempts {max_attempts}: from 1 to {MAX_ATTEMPTS}"
+            return Completion("invalid", [reason])
+        if not 0 <= attempt < max_attempts:
+            return Completion("invalid", [f"attempt {attempt}: from 0 to {max_attempts - 1}"])
+        member = index or 0
+        leaf = leaf or ""
+        if leaf.startswith("bag:"):
+            size = int(leaf.removeprefix("bag:"))
+        else:
+            size = member + 1 if leaf == "" else 1  # "": started before leaves were recorded
+        if not 0 <= member < size:
+            reason = f"member {member}: step {path} has 0..{size - 1}"
+            return Completion("invalid", [reason])
         failures = self._hash(self.keys.failures(wf, path))
         first = f"{member}:{attempt}" not in failures
         failures.setdefault(f"{member}:{attempt}", error)
@@ -178,6 +213,11 @@ class MemoryStore:
     async def in_flight(self, shard: int) -> int:
         live = self.data.get(self.keys.live(shard))
         return len(live) if isinstance(live, set) else 0
+
+    async def live(self, shard: int) -> AsyncIterator[str]:
+        for wf in sorted(self._set(self.keys.live(shard))):
+            yield wf
+        self._drop_if_empty(self.keys.live(shard))
 
     async def shards_used(self) -> set[int]:
         used = self.data.get(self.keys.shards_used)

@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from orchestrator.delivery import Poison, first_error
 from orchestrator.keys import WORKFLOW_ID
+from orchestrator.program import MAX_BAG
+from orchestrator.store import MAX_ATTEMPTS
 
 WorkflowId = Annotated[str, Field(pattern=WORKFLOW_ID.pattern)]
 Path = Annotated[str, Field(pattern=r"^\d+(/(iter:\d+/)?\d+)*$", max_length=1000)]
@@ -43,8 +45,8 @@ class Failed(_Message):
     kind: Literal["failed"] = "failed"
     wf: WorkflowId
     path: Path
-    index: int | None = None
-    attempt: int = Field(default=0, ge=0)
+    index: int | None = Field(default=None, ge=0, lt=MAX_BAG)
+    attempt: int = Field(default=0, ge=0, lt=MAX_ATTEMPTS)
     task: str = ""
     error: str
     # What a retry needs to send the task again.
@@ -57,7 +59,7 @@ class Deadline(_Message):
 
     kind: Literal["deadline"] = "deadline"
     wf: WorkflowId
-    deadline_s: float
+    deadline_s: float = Field(gt=0, le=30 * 86400)
 
 
 class Cancelled(_Message):
@@ -72,10 +74,10 @@ ShardMessage = Annotated[Start | Next | Failed | Deadline, Field(discriminator="
 class Slot(_Message):
     """One more bag member carried by a task message (a bag's `chunk`)."""
 
-    index: int = Field(ge=0)
+    index: int = Field(ge=0, lt=MAX_BAG)
     task: str
     args: dict[str, Any] = Field(default_factory=dict)
-    timeout_s: float | None = None
+    timeout_s: float | None = Field(default=None, gt=0, le=86400)
 
 
 class TaskMessage(_Message):
@@ -83,23 +85,25 @@ class TaskMessage(_Message):
 
     wf: WorkflowId
     path: Path
-    index: int | None = None
-    size: int = Field(default=1, ge=1)
+    index: int | None = Field(default=None, ge=0, lt=MAX_BAG)
+    size: int = Field(default=1, ge=1, le=MAX_BAG)
     task: str
     args: dict[str, Any] = Field(default_factory=dict)
     input: Any = None
     prev: Any = None
-    iteration: int = 0
-    attempt: int = Field(default=0, ge=0)
-    owner: int = Field(ge=0)
-    timeout_s: float | None = None
-    batch: list[Slot] = Field(default_factory=list)
+    iteration: int = Field(default=0, ge=0)
+    attempt: int = Field(default=0, ge=0, lt=MAX_ATTEMPTS)
+    owner: int = Field(ge=0, lt=1024)  # the most shards settings allow
+    timeout_s: float | None = Field(default=None, gt=0, le=86400)
+    batch: list[Slot] = Field(default_factory=list, max_length=MAX_BAG)
 
     @model_validator(mode="after")
     def _members_in_bag(self) -> TaskMessage:
         indices = [self.index, *(slot.index for slot in self.batch)]
         if self.batch and self.index is None:
             raise ValueError("batch: only bag members travel together")
+        if self.index is None and self.size != 1:
+            raise ValueError("size: a single task has size 1")
         if any(i is not None and i >= self.size for i in indices):
             raise ValueError(f"index: a bag of {self.size} has members 0..{self.size - 1}")
         return self

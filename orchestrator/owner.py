@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from orchestrator.bus import Bus, Publisher
-from orchestrator.delivery import Delivery, process
+from orchestrator.bus import NEW, Bus, Publisher
+from orchestrator.delivery import UNREACHABLE, Delivery, process, redelivered
 from orchestrator.lifecycle import Service, format_counts
 from orchestrator.machine import PathError
-from orchestrator.messages import decode_shard_message
+from orchestrator.messages import Start, decode_shard_message, encode
 from orchestrator.program import ProgramError
 from orchestrator.settings import Settings
-from orchestrator.store import Store
+from orchestrator.store import TERMINAL, Store
 from orchestrator.transitions import Plans, Transitions
 
 log = logging.getLogger(__name__)
@@ -25,12 +26,17 @@ SHARD_POISON = (ProgramError, PathError)
 
 
 async def handle_shard_message(
-    delivery: Delivery, transitions: Transitions, bus: Publisher, source: str
+    delivery: Delivery,
+    transitions: Transitions,
+    bus: Publisher,
+    shard: int,
+    source: str,
+    limit: int = 20,
 ) -> None:
-    """Apply one shard message; ack only after what it publishes is confirmed."""
-    async with process(delivery, bus, source, poison=SHARD_POISON):
+    """Apply one message of `shard`; ack only after what it publishes is confirmed."""
+    async with process(delivery, bus, source, poison=SHARD_POISON, limit=limit):
         decoded = decode_shard_message(delivery.body)
-        await transitions.apply(decoded, redelivered=bool(delivery.redelivered))
+        await transitions.apply(decoded, redelivered=redelivered(delivery), shard=shard)
 
 
 class ShardError(ValueError):
@@ -61,6 +67,8 @@ class Orchestrator(Service):
         self.store = store
         self.bus = bus
         self.drain = drain
+        self.limit = settings.delivery_limit
+        self._unrecorded: set[str] = set()
         self.transitions = Transitions(store, bus, Plans(store, settings.plan_cache_size))
 
     def summary(self) -> str:
@@ -82,7 +90,41 @@ class Orchestrator(Service):
                     f"(SHARDFLOW_SHARDS={ring}) and never owned a program"
                 )
             log.info("orchestrator: draining shards %s, outside the ring 0..%d", outside, ring - 1)
-        return [self._consume(shard) for shard in self.owned]
+        return [*(self._consume(shard) for shard in self.owned), self._sweep_every()]
+
+    async def _sweep_every(self) -> None:
+        while True:
+            try:
+                started = await self.sweep()
+                if started:
+                    log.warning("orchestrator: started %d program(s) that never started", started)
+            except UNREACHABLE as exc:
+                log.warning("orchestrator: sweep skipped: %r", exc)
+            await asyncio.sleep(self.settings.sweep_s)
+
+    async def sweep(self) -> int:
+        """Start the programs of the owned shards that were recorded but never started (their
+        client or router died in between), and stop counting ids that were never recorded
+        (seen twice: a submit may be between its two writes). Idempotent: starting twice is
+        a stale compare-and-advance. Returns how many it started."""
+        started = 0
+        old_ms = (time.time() - self.settings.sweep_s) * 1000
+        unrecorded: set[str] = set()
+        for shard in self.owned:
+            async for wf in self.store.live(shard):
+                state = await self.store.state(wf)
+                if not state:
+                    if wf in self._unrecorded:
+                        await self.store.untrack(wf, shard)
+                    else:
+                        unrecorded.add(wf)
+                elif state["status"] in TERMINAL or int(state["owner"]) != shard:
+                    await self.store.untrack(wf, shard)
+                elif state["status"] == "pending" and int(state.get("created_ms") or 0) < old_ms:
+                    await self.bus.publish_to_shard(shard, encode(Start(wf=wf)), NEW)
+                    started += 1
+        self._unrecorded = unrecorded
+        return started
 
     async def _consume(self, shard: int) -> None:
         queue = self.bus.names.shard_queue(shard)
@@ -91,5 +133,9 @@ class Orchestrator(Service):
         async for message in iterator:
             # One message at a time, in delivery order; shielded so a stop lets it finish.
             await asyncio.shield(
-                self._spawn(handle_shard_message(message, self.transitions, self.bus, queue))
+                self._spawn(
+                    handle_shard_message(
+                        message, self.transitions, self.bus, shard, queue, self.limit
+                    )
+                )
             )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from importlib import resources
 from typing import Any
 
@@ -14,6 +14,11 @@ from redis.commands.core import AsyncScript
 from orchestrator.keys import Keys
 from orchestrator.settings import Settings
 from orchestrator.store import Completion, Ended, Recorded, Verdict
+
+
+def _carried(reply: list[str], verdicts: tuple[str, ...]) -> list[str]:
+    """What a script's reply carries after its verdict, for the verdicts that carry any."""
+    return list(reply[1:]) if reply[0] in verdicts else []
 
 
 def _script(client: Redis | RedisCluster, name: str) -> AsyncScript:
@@ -51,20 +56,27 @@ class RedisStore:
     async def close(self) -> None:
         await self.client.aclose()
 
-    async def submit(self, wf: str, plan: str, owner: int, name: str) -> Recorded:
+    async def submit(self, wf: str, plan: str, owner: int, name: str, digest: str) -> Recorded:
         """Record a new program once, or report the one that exists."""
         keys = self.keys
         verdict, status, found_owner = await self._submit(
-            keys=[keys.state(wf), keys.plan(wf)], args=[plan, owner, name]
+            keys=[keys.state(wf), keys.plan(wf)], args=[plan, owner, name, digest]
         )
-        return Recorded(verdict == "created", status, int(found_owner))
+        return Recorded(verdict == "created", status, int(found_owner), verdict == "conflict")
 
     async def advance(
-        self, wf: str, expected: str, cursor: str, status: str, field: str = "", payload: str = ""
+        self,
+        wf: str,
+        expected: str,
+        cursor: str,
+        status: str,
+        field: str = "",
+        payload: str = "",
+        leaf: str = "",
     ) -> Verdict:
         """Compare-and-advance the cursor (see lua/advance.lua)."""
         verdict, now_status, now_cursor = await self._advance(
-            keys=[self.keys.state(wf)], args=[expected, cursor, status, field, payload]
+            keys=[self.keys.state(wf)], args=[expected, cursor, status, field, payload, leaf]
         )
         return Verdict(verdict, now_status, now_cursor)
 
@@ -90,7 +102,7 @@ class RedisStore:
             for index, output in outputs.items():
                 args += [str(index), output]
         reply = await self._complete(keys=script_keys, args=args)
-        return Completion(reply[0], list(reply[1:]) if reply[0] in ("fire", "again") else [])
+        return Completion(reply[0], _carried(reply, ("fire", "again", "invalid")))
 
     async def fail(
         self, wf: str, path: str, index: int | None, attempt: int, error: str, max_attempts: int
@@ -100,7 +112,7 @@ class RedisStore:
             keys=[self.keys.state(wf), self.keys.failures(wf, path)],
             args=[path, index or 0, attempt, error, max_attempts],
         )
-        return Completion(reply[0], list(reply[1:]) if reply[0] != "stale" else [])
+        return Completion(reply[0], _carried(reply, ("exhausted", "again", "invalid")))
 
     async def cancel(self, wf: str, status: str, reason: str) -> Ended | None:
         """End a live program now (see lua/cancel.lua); None when there is no such program."""
@@ -124,6 +136,10 @@ class RedisStore:
 
     async def in_flight(self, shard: int) -> int:
         return int(await self.client.scard(self.keys.live(shard)))  # type: ignore[misc]
+
+    async def live(self, shard: int) -> AsyncIterator[str]:
+        async for wf in self.client.sscan_iter(self.keys.live(shard), count=500):
+            yield wf
 
     async def shards_used(self) -> set[int]:
         return {int(s) for s in await self.client.smembers(self.keys.shards_used)}  # type: ignore[misc]

@@ -22,7 +22,8 @@ class Settings(BaseSettings):
     shards: int = Field(default=4, ge=1, le=1024)
     prefix: str = "sf"
     queue_type: Literal["classic", "quorum"] = "classic"
-    # Quorum queues requeue to the back without one; dead-letter after this many deliveries.
+    # A message that fails this often (a lost connection aside) is dead-lettered, on every
+    # queue type; quorum queues also count redeliveries after a crash against it.
     delivery_limit: int = Field(default=20, ge=1)
     prefetch: int = Field(default=1, ge=1, le=1000)
     serial_concurrency: Literal[1] = 1
@@ -34,6 +35,8 @@ class Settings(BaseSettings):
     # How long a starting orchestrator or worker waits for RabbitMQ and Redis.
     startup_wait_s: float = Field(default=120.0, ge=0)
     wait_poll_s: float = Field(default=0.05, gt=0)
+    # How often an orchestrator looks for programs recorded but never started (and starts them).
+    sweep_s: float = Field(default=30.0, ge=0.1, le=86400)
 
     @field_validator("prefix")
     @classmethod

@@ -7,7 +7,7 @@ specification, and a store for tests that need no Redis).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -25,13 +25,19 @@ class Verdict:
     cursor: str
 
 
+# A report may name at most this many attempts (lua/fail.lua has the same bound).
+MAX_ATTEMPTS = 100
+
+
 @dataclass(frozen=True, slots=True)
 class Recorded:
-    """What submit found: whether it created the program, its status and owner shard."""
+    """What submit found: whether it created the program, its status and owner shard; with
+    `conflict`, the id exists with another program or input (and nothing changed)."""
 
     created: bool
     status: str
     owner: int
+    conflict: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,9 +51,10 @@ class Ended:
 
 @dataclass(frozen=True, slots=True)
 class Completion:
-    """A task's completion as recorded; `fire` and `again` carry every output (JSON) of the step."""
+    """A task's completion as recorded; `fire` and `again` carry every output (JSON) of the step,
+    `exhausted` every attempt's error, `invalid` the reason a report was refused."""
 
-    verdict: Literal["fire", "again", "wait", "stale", "retry", "exhausted"]
+    verdict: Literal["fire", "again", "wait", "stale", "retry", "exhausted", "missing", "invalid"]
     outputs: list[str]
 
 
@@ -65,27 +72,36 @@ class Store(Protocol):
 
     async def close(self) -> None: ...
 
-    async def submit(self, wf: str, plan: str, owner: int, name: str) -> Recorded:
+    async def submit(self, wf: str, plan: str, owner: int, name: str, digest: str) -> Recorded:
         """Record a new program once, or report the one that exists (lua/submit.lua)."""
         ...
 
     async def advance(
-        self, wf: str, expected: str, cursor: str, status: str, field: str = "", payload: str = ""
+        self,
+        wf: str,
+        expected: str,
+        cursor: str,
+        status: str,
+        field: str = "",
+        payload: str = "",
+        leaf: str = "",
     ) -> Verdict:
-        """Compare-and-advance the cursor: applied, replay, stale or missing (lua/advance.lua)."""
+        """Compare-and-advance the cursor: applied, replay, stale or missing (lua/advance.lua).
+        `leaf` is the new leaf's shape (`task`, `bag:<size>`, "" at the end)."""
         ...
 
     async def record(
         self, wf: str, path: str, size: int, outputs: Mapping[int | None, str]
     ) -> Completion:
         """Record a single task's output (key None) or bag members' (keys: their indices):
-        fire, again, wait or stale (lua/complete.lua)."""
+        fire, again, wait, stale, missing or invalid (lua/complete.lua)."""
         ...
 
     async def fail(
         self, wf: str, path: str, index: int | None, attempt: int, error: str, max_attempts: int
     ) -> Completion:
-        """Record a failed attempt once: retry, exhausted, again or stale (lua/fail.lua)."""
+        """Record a failed attempt once: retry, exhausted, again, stale, missing or invalid
+        (lua/fail.lua)."""
         ...
 
     async def cancel(self, wf: str, status: str, reason: str) -> Ended | None:
@@ -99,6 +115,10 @@ class Store(Protocol):
         """The program ended: idempotent, so every redelivery of its end may call it."""
 
     async def in_flight(self, shard: int) -> int: ...
+
+    def live(self, shard: int) -> AsyncIterator[str]:
+        """The ids of the programs counted in flight on a shard, in batches (SSCAN)."""
+        ...
 
     async def shards_used(self) -> set[int]: ...
 

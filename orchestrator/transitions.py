@@ -5,14 +5,17 @@ No program state is kept here between messages: plans are immutable and only cac
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 from orchestrator import machine
 from orchestrator.bus import GOING_ON, NEW, Publisher
+from orchestrator.delivery import Poison
 from orchestrator.ending import end_program
 from orchestrator.messages import (
     Deadline,
@@ -121,21 +124,32 @@ class Transitions:
         self.plans = plans
         self.counts: Counter[str] = Counter()
 
-    async def apply(self, message: Start | Next | Failed | Deadline, *, redelivered: bool) -> str:
-        """Apply one message; return the verdict (applied, replay, stale, missing)."""
+    async def apply(
+        self, message: Start | Next | Failed | Deadline, *, redelivered: bool, shard: int
+    ) -> str:
+        """Apply one message that arrived on `shard`; return the verdict (applied, replay,
+        stale, ...). Raises Poison for a message no retry can help: an unknown program, one
+        that another shard owns, a report that does not fit the program."""
+        plan = await self.plans.get(message.wf)
+        if plan is None:
+            raise Poison(f"{message.wf}: no such program")
+        if plan.owner != shard:
+            raise Poison(f"{message.wf}: owned by shard {plan.owner}, not by shard {shard}")
         if isinstance(message, Deadline):
             reason = f"deadline of {message.deadline_s}s exceeded"
             return await end_program(self.store, self.bus, message.wf, "failed", reason)
-        plan = await self.plans.get(message.wf)
-        if plan is None:
-            self.counts["missing"] += 1
-            log.warning("%s: no such program; message dropped", message.wf)
-            return "missing"
         if isinstance(message, Start):
             expected, outcome = "", machine.first(plan.program)
         elif isinstance(message, Next):
             expected = message.path
-            outcome = machine.after(plan.program, message.path, message.output, plan.input)
+            args = (plan.program, message.path, message.output, plan.input)
+            # Inside an untiloop, `after` may evaluate `until` (up to its time budget): wait
+            # in a thread, which only waits on the evaluator's pipe, so the shard keeps serving.
+            outcome = (
+                await asyncio.to_thread(machine.after, *args)
+                if "iter:" in message.path
+                else machine.after(*args)
+            )
         else:
             failure = await self._record_failure(message, plan, redelivered=redelivered)
             if isinstance(failure, str):  # retried, or a stale report
@@ -143,11 +157,15 @@ class Transitions:
                 return failure
             expected, outcome = message.path, failure
         verdict = await self._advance(message.wf, expected, outcome)
+        if verdict.verdict == "missing":
+            raise Poison(f"{message.wf}: no such program")
         # stale: a duplicate or late message, acked and ignored
         self.counts[verdict.verdict] += 1
         ended = verdict.status in TERMINAL
         # A redelivered message may be the one whose publishing a crash cut short.
         if verdict.verdict == "applied" or (verdict.verdict == "replay" and redelivered):
+            if isinstance(message, Start) and plan.program.deadline_s is not None:
+                await self._publish_deadline(message.wf, plan)
             await self._publish(message.wf, plan, outcome, NEW if expected == "" else GOING_ON)
             if verdict.verdict == "replay":
                 self.counts["republished"] += 1
@@ -167,6 +185,15 @@ class Transitions:
             await self.store.untrack(message.wf, plan.owner)
         return verdict.verdict
 
+    async def _publish_deadline(self, wf: str, plan: Plan) -> None:
+        """The deadline counts from submission: what is left of it when the program starts."""
+        deadline_s = plan.program.deadline_s
+        assert deadline_s is not None
+        created_ms = int((await self.store.state(wf)).get("created_ms") or 0)
+        elapsed_s = max(0.0, time.time() - created_ms / 1000) if created_ms else 0.0
+        body = encode(Deadline(wf=wf, deadline_s=deadline_s))
+        await self.bus.publish_to_shard_later(plan.owner, body, max(0.001, deadline_s - elapsed_s))
+
     async def _record_failure(
         self, message: Failed, plan: Plan, *, redelivered: bool
     ) -> str | machine.Failed:
@@ -181,9 +208,13 @@ class Transitions:
             member = step
         policy = member.retry
         attempts = policy.max_attempts if policy else 1
+        if message.attempt >= attempts:
+            raise Poison(f"{message.wf}: attempt {message.attempt} of a task tried {attempts}x")
         reply = await self.store.fail(
             message.wf, message.path, message.index, message.attempt, message.error, attempts
         )
+        if reply.verdict in ("missing", "invalid"):
+            raise Poison(f"{message.wf}: {', '.join(reply.outputs) or 'no such program'}")
         if reply.verdict == "stale":
             return "stale"
         if policy is None or message.attempt + 1 >= attempts:
@@ -200,7 +231,9 @@ class Transitions:
 
     async def _advance(self, wf: str, expected: str, outcome: machine.Outcome) -> Any:
         if isinstance(outcome, machine.Leaf):
-            return await self.store.advance(wf, expected, outcome.path, "running")
+            step = outcome.step
+            leaf = f"bag:{len(step.bag)}" if isinstance(step, Bag) else "task"
+            return await self.store.advance(wf, expected, outcome.path, "running", leaf=leaf)
         if isinstance(outcome, machine.Done):
             return await self.store.advance(
                 wf, expected, "", "completed", "result", json.dumps(outcome.result)

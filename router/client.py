@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 import uuid
@@ -12,7 +13,7 @@ from typing import Any
 from orchestrator.bus import NEW, Publisher
 from orchestrator.ending import end_program
 from orchestrator.keys import check_workflow_id
-from orchestrator.messages import Deadline, Start, encode
+from orchestrator.messages import Start, encode
 from orchestrator.program import Program, ProgramError, parse_program
 from orchestrator.settings import Settings
 from orchestrator.store import TERMINAL, Store
@@ -72,31 +73,28 @@ class Router:
             raise ProgramError([f"id: {exc}"]) from None
         owner = shard_for(wf, self.settings.shards)
         try:
-            plan = json.dumps(
-                {
-                    "program": checked.model_dump(mode="json", exclude_defaults=True),
-                    "input": input,
-                    "owner": owner,
-                }
-            )
+            program_json = checked.model_dump(mode="json", exclude_defaults=True)
+            plan = json.dumps({"program": program_json, "input": input, "owner": owner})
+            # What makes a submission the same one again: its program and its input.
+            digest = hashlib.sha256(
+                json.dumps([program_json, input], sort_keys=True).encode()
+            ).hexdigest()
         except (TypeError, ValueError) as exc:
             raise ProgramError([f"input: not JSON: {exc}"]) from None
         if len(plan) > 2 * self.settings.max_program_bytes:
             raise ProgramError([f"input: {len(plan)} bytes with the program, over the limit"])
         # Tracked first: a crash between the two leaves a program counted, never one uncounted.
         await self.store.track(wf, owner)
-        found = await self.store.submit(wf, plan, owner, checked.name)
+        found = await self.store.submit(wf, plan, owner, checked.name, digest)
+        if found.conflict:
+            raise ProgramError([f"id: {wf!r} exists with another program or input; use a new id"])
         if found.owner != owner or found.status in TERMINAL:
             await self.store.untrack(wf, owner)
         # A still-pending program may have missed its start (a crash right after recording):
-        # starting it again is harmless, the first transition is compare-and-advance.
+        # starting it again is harmless, the first transition is compare-and-advance. Its
+        # owner also sweeps for such programs (see Orchestrator), so none stays pending.
         if found.status == "pending":
             await self.bus.publish_to_shard(found.owner, encode(Start(wf=wf)), NEW)
-            if checked.deadline_s is not None:
-                deadline = Deadline(wf=wf, deadline_s=checked.deadline_s)
-                await self.bus.publish_to_shard_later(
-                    found.owner, encode(deadline), checked.deadline_s
-                )
         return Submitted(wf, found.owner, found.created, found.status)
 
     async def cancel(self, workflow_id: str, reason: str = "cancelled") -> dict[str, Any]:

@@ -8,6 +8,7 @@ which is also parked in the dead-letter queue with the reason.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections import Counter
@@ -45,6 +46,7 @@ class Ingress(Service):
 
     def __init__(self, settings: Settings, router: Router, bus: Bus) -> None:
         super().__init__(settings.grace_s)
+        self.settings = settings
         self.router = router
         self.bus = bus
         self.counts: Counter[str] = Counter()
@@ -60,12 +62,22 @@ class Ingress(Service):
         iterator = self._track(await self.bus.consume(queue, INGRESS_PREFETCH))
         log.info("router: consuming %s", queue)
         async for message in iterator:
-            self._spawn(self.handle(message, message.reply_to, message.correlation_id))
+            self._spawn(
+                self.handle(message, message.reply_to, message.correlation_id, message.message_id)
+            )
 
     async def handle(
-        self, delivery: Delivery, reply_to: str | None, correlation_id: str | None
+        self,
+        delivery: Delivery,
+        reply_to: str | None,
+        correlation_id: str | None,
+        message_id: str | None = None,
     ) -> None:
-        """Submit one request; a refused one is answered and parked with its reason."""
+        """Submit one request; a refused one is answered and parked with its reason.
+
+        A request without `workflow_id` gets an id derived from the message (its AMQP
+        `message_id`, else its body), so a redelivery submits the same program, never a second.
+        """
 
         async def answer(body: dict[str, Any]) -> None:
             if reply_to:
@@ -77,13 +89,15 @@ class Ingress(Service):
 
         source = self.bus.names.ingress_queue
         async with process(delivery, self.bus, source, poison=(ProgramError,), on_poison=refused):
+            # The program and its input, each up to SHARDFLOW_MAX_PROGRAM_BYTES.
+            if len(delivery.body) > 2 * self.settings.max_program_bytes:
+                raise Poison(f"request: {len(delivery.body)} bytes, over the limit")
             try:
                 request = Request.model_validate_json(delivery.body)
             except ValidationError as exc:
                 raise Poison(first_error(exc, root="request")) from None
-            submitted = await self.router.submit(
-                request.program, request.input, request.workflow_id
-            )
+            workflow_id = request.workflow_id or derived_id(message_id, delivery.body)
+            submitted = await self.router.submit(request.program, request.input, workflow_id)
             self.counts["created" if submitted.created else "existing"] += 1
             await answer(
                 {
@@ -93,3 +107,9 @@ class Ingress(Service):
                     "status": submitted.status,
                 }
             )
+
+
+def derived_id(message_id: str | None, body: bytes) -> str:
+    """The workflow id of a request that names none: the same for every delivery of it."""
+    seed = f"message:{message_id}".encode() if message_id else b"body:" + body
+    return "ingress-" + hashlib.sha256(seed).hexdigest()[:32]

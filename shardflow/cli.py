@@ -36,6 +36,10 @@ EXIT_TIMEOUT = 3  # --wait gave up; the program goes on
 EXIT_UNAVAILABLE = 4  # RabbitMQ or Redis could not be reached
 
 
+class _StdoutClosed(Exception):
+    """Whoever read standard output stopped reading (`shardflow schema | head -1`)."""
+
+
 class CliError(Exception):
     """A one-line error for the user, and the exit code to leave with."""
 
@@ -142,6 +146,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
+        _check_text(args)
         settings = Settings()
         if getattr(args, "shards", None) is not None and args.command == "dev":
             settings = settings.model_copy(update={"shards": args.shards})
@@ -158,12 +163,40 @@ def main(argv: list[str] | None = None) -> NoReturn:
         code = _fail(f"cannot connect: {exc}", EXIT_UNAVAILABLE)
     except KeyboardInterrupt:
         code = 130
+    except _StdoutClosed:
+        # Quietly, with the status of a command killed by SIGPIPE (141), as commands in a
+        # pipe do. Python would flush stdout again at exit and report the broken pipe:
+        # point it at /dev/null first (the Python docs' note on SIGPIPE).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 128 + signal.SIGPIPE
     sys.exit(code)
+
+
+def _check_text(args: argparse.Namespace) -> None:
+    """Refuse arguments that are not text: the shell passes any bytes, Python turns the ones
+    that are not UTF-8 into lone surrogates, which nothing downstream can encode."""
+    for name, value in vars(args).items():
+        for text in value if isinstance(value, list) else [value]:
+            if not isinstance(text, str):
+                continue
+            try:
+                text.encode()
+            except UnicodeEncodeError as exc:
+                bad = exc.object[exc.start : exc.end]
+                raise CliError(f"{name}: not UTF-8 text (a lone surrogate {bad!r})") from None
 
 
 def _fail(message: str, code: int) -> int:
     print(f"shardflow: {message}", file=sys.stderr)
     return code
+
+
+def _print(text: str) -> None:
+    """One line (or document) to stdout, now; a reader that went away is not an error."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # an OSError: without this, UNREACHABLE says "cannot connect"
+        raise _StdoutClosed from None
 
 
 def _settings_fault(exc: ValidationError) -> str:
@@ -261,7 +294,7 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
         router = Router(settings, store=store, bus=bus, known_tasks=known)
         submitted = await router.submit(text, payload, args.id)
         if not args.wait:
-            print(submitted.workflow_id)
+            _print(submitted.workflow_id)
             return 0
         print(submitted.workflow_id, file=sys.stderr)
         try:
@@ -269,7 +302,7 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
         except TimeoutError as exc:
             raise CliError(str(exc), EXIT_TIMEOUT) from None
     if status["status"] == "completed":
-        print(json.dumps(status["result"]))
+        _print(json.dumps(status["result"]))
         return 0
     raise CliError(f"program {status['status']}: {status['error']}", EXIT_FAILED)
 
@@ -285,6 +318,10 @@ def _read_program(path: Path) -> str:
 
 async def _status(settings: Settings, args: argparse.Namespace) -> int:
 
+    try:
+        check_workflow_id(args.id)
+    except ValueError as exc:
+        raise CliError(f"id: {exc}") from None
     store = RedisStore.connect(settings)
     try:
         router = Router(settings, store=store)
@@ -293,7 +330,7 @@ async def _status(settings: Settings, args: argparse.Namespace) -> int:
         await store.close()
     if status is None:
         raise CliError(f"no program {args.id!r}", EXIT_FAILED)
-    print(json.dumps(status, indent=2))
+    _print(json.dumps(status, indent=2))
     return 0
 
 
@@ -308,7 +345,7 @@ async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
             status = await Router(settings, store=store, bus=bus).cancel(args.id, args.reason)
         except LookupError as exc:
             raise CliError(str(exc), EXIT_FAILED) from None
-    print(json.dumps(status, indent=2))
+    _print(json.dumps(status, indent=2))
     return 0
 
 
@@ -322,7 +359,7 @@ async def _dead(settings: Settings, args: argparse.Namespace) -> int:
             "from": headers.get("x-shardflow-from"),
             "body": body.decode(errors="replace")[:500],
         }
-        print(json.dumps(line))
+        _print(json.dumps(line))
     return 0
 
 
@@ -354,12 +391,12 @@ async def _shards(settings: Settings, args: argparse.Namespace) -> int:
                 "in_flight": in_flight,
                 "state": state,
             }
-            print(json.dumps(line))
+            _print(json.dumps(line))
     return 0
 
 
 async def _schema(settings: Settings, args: argparse.Namespace) -> int:
-    print(json.dumps(program_schema(), indent=2))
+    _print(json.dumps(program_schema(), indent=2))
     return 0
 
 

@@ -131,3 +131,9 @@ async def flaky(ctx: TaskContext) -> dict[str, int]:
 async def blob(ctx: TaskContext) -> str:
     """An output of `n` bytes (and two quotes)."""
     return "x" * ctx.args["n"]
+
+
+@task()
+def exits(ctx: TaskContext) -> None:
+    """Calls sys.exit: it must fail the task, never stop the worker."""
+    raise SystemExit(ctx.args.get("code", 3))

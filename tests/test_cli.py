@@ -96,6 +96,25 @@ def test_submit_without_wait_prints_the_id_and_a_failed_program_exits_1(
         (["submit", "-", "--input", "{nope"], "shardflow: input: not JSON: Expecting property"),
         (["submit", "-", "--id", "bad id!"], "shardflow: id: workflow id 'bad id!': use 1-128"),
         (["submit", "-", "--app", "examples.tasks"], "shardflow: steps: unknown task 'nope'"),
+        # `$` matched before a trailing newline: the id was recorded, then refused.
+        (["submit", "-", "--id", "abc\n"], "shardflow: id: workflow id 'abc\\n': use 1-128"),
+        (["status", "abc\n"], "shardflow: id: workflow id 'abc\\n': use 1-128"),
+        (["cancel", "abc\n"], "shardflow: id: workflow id 'abc\\n': use 1-128"),
+        # Each of these was a traceback (RecursionError, UnicodeEncodeError), exit 1.
+        (
+            ["submit", "-", "--input", "[" * 60_000 + "]" * 60_000],
+            "shardflow: input: nested deeper than 64 levels",
+        ),
+        (
+            ["submit", "-", "--input", '"\udcff"'],  # the byte 0xff, as the shell passes it
+            "shardflow: input: not UTF-8 text (a lone surrogate '\\udcff')",
+        ),
+        (["status", "\udcff"], "shardflow: id: not UTF-8 text"),
+        (["cancel", "x", "--reason", "\udcff"], "shardflow: reason: not UTF-8 text"),
+        # Each of these was accepted.
+        (["submit", "-", "--input", '{"a": 1, "a": 2}'], "shardflow: input: duplicate key 'a'"),
+        (["submit", "-", "--input", "[NaN]"], "shardflow: input: NaN is not JSON"),
+        (["submit", "-", "--input", "1e999"], "shardflow: input: number '1e999' is out of range"),
     ],
 )
 def test_bad_input_gets_one_line_and_exit_2(
@@ -119,6 +138,73 @@ def test_an_invalid_program_names_the_path_of_the_fault(settings: Settings) -> N
     assert result.returncode == 2
     assert result.stderr.startswith("shardflow: steps[1].until: invalid CEL: Failed to parse")
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("program", "error"),
+    [
+        ("[" * 100_000 + "]" * 100_000, "shardflow: program: nested deeper than 64 levels\n"),
+        (
+            '{"steps": [{"task": "a"}], "steps": [{"task": "b"}]}',
+            "shardflow: program: duplicate key 'steps'\n",
+        ),
+        (
+            '{"steps": [{"task": "a", "timeout_s": Infinity}]}',
+            "shardflow: program: Infinity is not JSON\n",
+        ),
+        (
+            json.dumps(
+                {
+                    "steps": [
+                        {
+                            "until": "prev == " + "1 + " * 2500 + "1",
+                            "max_iterations": 2,
+                            "steps": [{"task": "a"}],
+                        },
+                    ]
+                }
+            ),  # 10 KB of CEL, which used to be echoed in the error
+            "shardflow: steps[0].until: String should have at most 1000 characters\n",
+        ),
+    ],
+)
+def test_hostile_programs_get_one_short_line_and_exit_2(
+    settings: Settings, program: str, error: str
+) -> None:
+    result = shardflow("submit", "-", env=environment(settings), stdin=program)
+    assert (result.returncode, result.stderr) == (2, error)
+
+
+def test_a_long_invalid_condition_is_quoted_short(settings: Settings) -> None:
+    until = "prev.x == " + " + ".join(["1"] * 220) + " +"  # 889 characters, a syntax error
+    loop = {"until": until, "max_iterations": 2, "steps": [{"task": "a"}]}
+    result = shardflow(
+        "submit", "-", env=environment(settings), stdin=json.dumps({"steps": [loop]})
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith(
+        "shardflow: steps[0].until: invalid CEL: Failed to parse expression 'prev.x == 1 + 1"
+    )
+    assert "… (889 characters)" in result.stderr
+    assert len(result.stderr) < 400 and len(result.stderr.splitlines()) == 1
+
+
+def test_a_closed_stdout_ends_quietly_like_a_command_killed_by_sigpipe() -> None:
+    # `shardflow schema | head -1` used to say "cannot connect: [Errno 32] Broken pipe", exit 4.
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before anything is written
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "shardflow", "schema"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+    finally:
+        os.close(write_end)
+    assert (result.returncode, result.stderr) == (141, "")
 
 
 def test_status_of_an_unknown_program_exits_1(settings: Settings) -> None:

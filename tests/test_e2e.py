@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from orchestrator.connections import connected
+from orchestrator.program import ProgramError
 from orchestrator.settings import Settings
 from router.client import Router
 from tests.app import Trace
@@ -147,8 +148,10 @@ async def test_submitting_an_existing_id_returns_it_and_never_runs_it_twice(
     first = await cluster.submit(program, trace.as_input(), workflow_id="once")
     assert first.created
     await cluster.wait("once", timeout_s=30)
-    again = await cluster.submit({"steps": [{"task": "boom"}]}, None, workflow_id="once")
+    again = await cluster.submit(program, trace.as_input(), workflow_id="once")
     assert (again.created, again.status, again.shard) == (False, "completed", first.shard)
+    with pytest.raises(ProgramError, match="exists with another program or input"):
+        await cluster.submit({"steps": [{"task": "boom"}]}, None, workflow_id="once")
     await asyncio.sleep(0.2)
     assert len([e for e in trace.events() if e["event"] == "start"]) == 1
     assert (await cluster.status("once"))["result"] == 5  # type: ignore[index]

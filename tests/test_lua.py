@@ -10,23 +10,30 @@ PLAN = json.dumps({"program": {"steps": [{"task": "a"}]}, "input": None, "owner"
 
 
 async def started(store: RedisStore, wf: str = "wf-1", cursor: str = "0") -> str:
-    await store.submit(wf, PLAN, 1, "demo")
+    await store.submit(wf, PLAN, 1, "demo", "d")
     await store.advance(wf, "", cursor, "running")
     return wf
 
 
 async def test_submit_records_once_and_reports_what_exists(store: RedisStore) -> None:
-    first = await store.submit("wf-1", PLAN, 3, "demo")
+    first = await store.submit("wf-1", PLAN, 3, "demo", "d")
     assert (first.created, first.status, first.owner) == (True, "pending", 3)
-    again = await store.submit("wf-1", '{"other": true}', 0, "other")
-    assert (again.created, again.status, again.owner) == (False, "pending", 3)
+    again = await store.submit("wf-1", '{"other": true}', 0, "other", "d")
+    assert (again.created, again.status, again.owner, again.conflict) == (
+        False,
+        "pending",
+        3,
+        False,
+    )
+    other = await store.submit("wf-1", '{"other": true}', 0, "other", "e")
+    assert (other.created, other.conflict) == (False, True)
     assert await store.plan("wf-1") == json.loads(PLAN)
     state = await store.state("wf-1")
     assert state["name"] == "demo" and state["cursor"] == "" and int(state["created_ms"]) > 0
 
 
 async def test_advance_applies_once_then_replays_then_is_stale(store: RedisStore) -> None:
-    await store.submit("wf-1", PLAN, 1, "demo")
+    await store.submit("wf-1", PLAN, 1, "demo", "d")
     applied = await store.advance("wf-1", "", "0", "running")
     assert (applied.verdict, applied.status, applied.cursor) == ("applied", "running", "0")
     # The same start again: already done, from the same cursor.
@@ -123,3 +130,27 @@ async def test_a_failed_attempt_is_recorded_once_and_the_last_returns_every_erro
     assert (last.verdict, last.outputs) == ("exhausted", ["first", "second", "third"])
     assert (await store.fail(wf, "1", 2, 2, "dup", 3)).outputs == ["first", "second", "third"]
     assert (await store.fail(wf, "0", 0, 0, "late", 3)).verdict == "stale"
+
+
+async def test_reports_that_do_not_fit_the_leaf_are_refused_before_anything_is_written(
+    store: RedisStore,
+) -> None:
+    wf = "wf-h"
+    await store.submit(wf, PLAN, 1, "demo", "d")
+    await store.advance(wf, "", "2", "running", leaf="bag:3")
+    before = await store.state(wf)
+    # A negative index once wrote KEYS[3 + index]: the state hash itself.
+    for index in (-2, -1, 3, 10**9):
+        refused = await store.record(wf, "2", 3, {index: '"forged"'})
+        assert refused.verdict == "invalid", index
+    assert (await store.record(wf, "2", 5, {0: "1"})).verdict == "invalid"  # not a bag of 5
+    assert (await store.record(wf, "2", 1, {None: "1"})).verdict == "invalid"  # not a task
+    assert await store.state(wf) == before
+    # attempt 10**7 once looped for 20 s inside Redis; now it is refused at once.
+    huge = await store.fail(wf, "2", 0, 10**7, "boom", 10**7 + 1)
+    assert huge.verdict == "invalid"
+    assert (await store.fail(wf, "2", 0, 5, "boom", 3)).verdict == "invalid"
+    assert (await store.fail(wf, "2", 7, 0, "boom", 3)).verdict == "invalid"
+    assert not await store.client.exists(store.keys.failures(wf, "2"))
+    assert (await store.record("nope", "0", 1, {None: "1"})).verdict == "missing"
+    assert (await store.fail("nope", "0", 0, 0, "x", 1)).verdict == "missing"

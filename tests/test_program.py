@@ -1,11 +1,23 @@
 """The program format: what it accepts, and the paths its errors name."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
-from orchestrator.program import Bag, ProgramError, Task, Untiloop, parse_input, parse_program
+from orchestrator.program import (
+    Bag,
+    Program,
+    ProgramError,
+    Retry,
+    Task,
+    Untiloop,
+    parse_input,
+    parse_program,
+    program_schema,
+)
 from orchestrator.program import program_schema as schema
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "thumbnails.json"
@@ -143,3 +155,87 @@ def test_the_schema_describes_every_step_kind() -> None:
     document = schema()
     assert {"Task", "Bag", "Untiloop", "Member", "Retry"} <= set(document["$defs"])
     assert document["$defs"]["Untiloop"]["required"] == ["until", "max_iterations", "steps"]
+
+
+# --- Hostile documents: depth, duplicate keys, NaN, bad Unicode, oversized conditions ----------
+
+
+def deep(levels: int, leaf: object = 1) -> object:
+    """A list nested `levels` deep, built without recursion."""
+    for _ in range(levels):
+        leaf = [leaf]
+    return leaf
+
+
+def test_deep_nesting_is_refused_not_a_recursion_error() -> None:
+    text = "[" * 100_000 + "]" * 100_000
+    for parse, what in [(parse_input, "input"), (parse_program, "program")]:
+        with pytest.raises(ProgramError, match=rf"^{what}: nested deeper than 64 levels$"):
+            parse(text)
+    program = {"steps": [{"task": "a", "args": {"x": deep(100_000)}}]}
+    with pytest.raises(ProgramError, match=r"^program: nested deeper than 64 levels$"):
+        parse_program(program)
+    assert parse_input(json.dumps(deep(64))) == deep(64)
+    with pytest.raises(ProgramError, match="nested deeper than 64 levels"):
+        parse_input(json.dumps(deep(65)))
+    looped: dict[str, object] = {}
+    looped["self"] = looped
+    with pytest.raises(ProgramError, match="nested deeper than 64 levels"):
+        parse_program({"steps": [{"task": "a", "args": looped}]})
+
+
+@pytest.mark.parametrize(
+    ("text", "fault"),
+    [
+        ('{"a": 1, "a": 2}', "duplicate key 'a'"),
+        ('{"x": [{"b": 1, "c": 2, "b": 3}]}', "duplicate key 'b'"),
+        ("NaN", "NaN is not JSON"),
+        ('{"x": Infinity}', "Infinity is not JSON"),
+        ("[-Infinity]", "-Infinity is not JSON"),
+        ("[1e400]", "number '1e400' is out of range"),
+        ("1" * 5000, "number '1111111111111111111111111111111111111111'… has too many digits"),
+        ('"\udcff"', "not UTF-8 text: a lone surrogate '\\udcff'"),
+        ('"\\udcff"', "not UTF-8 text: a lone surrogate '\\udcff'"),
+    ],
+)
+def test_inputs_are_strict_json(text: str, fault: str) -> None:
+    with pytest.raises(ProgramError) as caught:
+        parse_input(text)
+    assert str(caught.value) == f"input: {fault}"
+
+
+def test_programs_are_strict_json_whether_text_or_dict() -> None:
+    with pytest.raises(ProgramError, match=r"^program: duplicate key 'steps'$"):
+        parse_program('{"steps": [{"task": "a"}], "steps": [{"task": "b"}]}')
+    with pytest.raises(ProgramError, match=r"^program: duplicate key 'task'$"):
+        parse_program('{"steps": [{"task": "a", "task": "b"}]}')
+    with pytest.raises(ProgramError, match=r"^program: NaN is not JSON$"):
+        parse_program('{"steps": [{"task": "a", "args": {"x": NaN}}]}')
+    with pytest.raises(ProgramError, match=r"^program: not UTF-8 text: a lone surrogate"):
+        parse_program('{"steps": [{"task": "a", "args": {"x": "\\udcff"}}]}')
+    for program in [
+        {"steps": [{"task": "a", "timeout_s": math.nan}]},
+        {"steps": [{"task": "a", "args": {"x": math.inf}}]},
+        {"steps": [{"task": "a", "retry": {"backoff_s": math.nan}}]},
+    ]:
+        with pytest.raises(ProgramError, match=r"^program: NaN and infinities are not JSON$"):
+            parse_program(program)
+    with pytest.raises(ValidationError, match="finite number"):
+        Retry(backoff_s=math.nan)
+    with pytest.raises(ValidationError, match="finite number"):
+        Program.model_validate({"steps": [{"task": "a"}], "deadline_s": math.inf})
+
+
+def test_conditions_are_bounded_when_a_program_is_validated() -> None:
+    def loop(until: str) -> dict[str, object]:
+        return {"steps": [{"until": until, "max_iterations": 2, "steps": [{"task": "a"}]}]}
+
+    with pytest.raises(ProgramError) as caught:
+        parse_program(loop("prev == " + "1 + " * 2500 + "1"))  # 10 KB
+    assert str(caught.value) == "steps[0].until: String should have at most 1000 characters"
+    with pytest.raises(ProgramError, match=r"^steps\[0\].until: invalid CEL: comprehensions"):
+        parse_program(loop("prev.all(a, a.all(b, b.all(c, c.all(d, d))))"))
+    with pytest.raises(ProgramError, match=r"^steps\[0\].until: invalid CEL: unknown function"):
+        parse_program(loop('bool("true")'))
+    assert parse_program(loop("prev.all(a, a.all(b, b.all(c, c > 0)))"))
+    assert program_schema()["$defs"]["Untiloop"]["properties"]["until"]["maxLength"] == 1000

@@ -56,12 +56,15 @@ class Envelope:
     kind: str  # "shard" or "task"
     body: bytes
     redelivered: bool = False
+    shard: int = -1  # the queue a shard message was published to
 
 
 class FakeDelivery:
     def __init__(self, envelope: Envelope) -> None:
         self.body = envelope.body
         self.redelivered = envelope.redelivered
+        self.headers: dict[str, Any] = {}
+        self.priority = None
         self.acked = False
         self.nacked = False
 
@@ -89,7 +92,7 @@ class Transport:
 
     async def publish_to_shard(self, owner: int, body: bytes, priority: int = 1) -> None:
         self._count()
-        self.in_flight.append(Envelope("shard", body))
+        self.in_flight.append(Envelope("shard", body, shard=owner))
 
     async def publish_all(self, pool: str, bodies: list[bytes], priority: int = 1) -> None:
         for body in bodies:
@@ -99,6 +102,9 @@ class Transport:
 
     async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:
         self.dead.append(reason)
+
+    async def requeue(self, queue: str, body: bytes, headers: Any, priority: Any) -> None:
+        raise AssertionError(f"a handler failed on a good message: {headers}")
 
 
 class RecordingStore:
@@ -129,9 +135,9 @@ class RecordingStore:
         return completion
 
     async def advance(
-        self, wf: str, expected: str, cursor: str, status: str, *args: str
+        self, wf: str, expected: str, cursor: str, status: str, *args: str, **kwargs: str
     ) -> Verdict:
-        verdict = await self.inner.advance(wf, expected, cursor, status, *args)
+        verdict = await self.inner.advance(wf, expected, cursor, status, *args, **kwargs)
         if verdict.verdict == "applied" and status in TERMINAL:
             self.ended[wf] += 1
         return verdict
@@ -254,7 +260,9 @@ class Cluster(RuleBasedStateMachine):
         self.transport.crash_after = crash_after
         try:
             if envelope.kind == "shard":
-                coroutine = handle_shard_message(delivery, self.transitions, self.transport, "s")
+                coroutine = handle_shard_message(
+                    delivery, self.transitions, self.transport, envelope.shard, "s"
+                )
             else:
                 coroutine = self.worker.handle(delivery, "tasks")
             self.run(coroutine)

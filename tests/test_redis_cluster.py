@@ -47,7 +47,7 @@ async def test_a_programs_keys_spread_over_the_cluster_but_each_stays_in_one_slo
     owners = set()
     for n in range(30):
         wf = f"slot-{n}"
-        await store.submit(wf, '{"program": {"steps": [{"task": "a"}]}, "input": null}', 0, "")
+        await store.submit(wf, '{"program": {"steps": [{"task": "a"}]}, "input": null}', 0, "", "d")
         node = store.client.get_node_from_key(store.keys.state(wf))
         assert store.client.get_node_from_key(store.keys.plan(wf)) == node
         owners.add(node.port)

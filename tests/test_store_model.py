@@ -33,7 +33,9 @@ OUTPUTS = st.sampled_from(['"x"', "1", "[1, 2]", '{"v": 3}'])
 
 def _outputs(size: int) -> st.SearchStrategy[dict[int | None, str]]:
     single = st.builds(lambda output: {None: output}, OUTPUTS)
-    members = st.dictionaries(st.integers(0, size - 1), OUTPUTS, min_size=1, max_size=size)
+    # mostly members of the bag; sometimes a hostile index outside it
+    index = st.integers(0, size - 1) | st.sampled_from([-1, size])
+    members = st.dictionaries(index, OUTPUTS, min_size=1, max_size=size)
     return single | members
 
 
@@ -54,22 +56,24 @@ def calls(cursors: dict[str, str]) -> st.SearchStrategy[Call]:
 
     def advance(wf: str) -> st.SearchStrategy[Call]:
         return st.builds(
-            lambda expected, cursor, status, payload: (
+            lambda expected, cursor, status, payload, leaf: (
                 "advance",
-                (wf, expected, cursor, status, *payload),
+                (wf, expected, cursor, status, *payload, leaf),
             ),
             at(wf, ["", *PATHS]),
             st.sampled_from(["", *PATHS]),
             st.sampled_from(["running"] * 4 + ["completed", "failed"]),
             st.sampled_from([("", ""), ("result", "7"), ("error", "boom")]),
+            st.sampled_from(["", "task", "bag:1", "bag:2", "bag:3"]),
         )
 
     def per_workflow(wf: str) -> st.SearchStrategy[Call]:
         submit = st.builds(
-            lambda plan, owner, name: ("submit", (wf, plan, owner, name)),
+            lambda plan, owner, name, digest: ("submit", (wf, plan, owner, name, digest)),
             st.sampled_from(PLANS),
             st.integers(0, 3),
             st.sampled_from("xy"),
+            st.sampled_from(["d1", "d2"]),
         )
         fail = st.builds(
             lambda path, index, attempt, error, most: (
@@ -77,10 +81,10 @@ def calls(cursors: dict[str, str]) -> st.SearchStrategy[Call]:
                 (wf, path, index, attempt, error, most),
             ),
             at(wf, PATHS),
-            st.sampled_from([None, 0, 1]),
-            st.integers(0, 2),
+            st.sampled_from([None, 0, 1, 2, -1]),  # -1, and 2 past a bag of 2: hostile
+            st.integers(-1, 3),
             st.sampled_from(["e1", "e2"]),
-            st.integers(1, 3),
+            st.sampled_from([1, 2, 3, 0, 101]),  # 0 and 101: out of range
         )
         cancel = st.builds(
             lambda status: ("cancel", (wf, status, "r")), st.sampled_from(["cancelled", "failed"])
@@ -142,7 +146,7 @@ def test_the_model_and_the_lua_give_the_same_verdicts_and_state(
         keys = Keys(f"{base}-{uuid.uuid4().hex[:8]}")
         real: Store = RedisStore(client, keys)
         model = MemoryStore(keys)
-        prelude = [("submit", (wf, PLANS[0], 1, "x")) for wf in WORKFLOWS[:2]]
+        prelude = [("submit", (wf, PLANS[0], 1, "x", "d1")) for wf in WORKFLOWS[:2]]
         for n in range(data.draw(st.integers(1, 30), label="calls")):
             cursors = {
                 wf: (model.data.get(keys.state(wf)) or {}).get("cursor", "") for wf in WORKFLOWS
@@ -166,8 +170,10 @@ def test_the_model_can_stand_in_for_redis_in_a_whole_run() -> None:
 
     async def run() -> None:
         store = MemoryStore(Keys("m"))
-        assert (await store.submit("w", PLANS[0], 2, "demo")).created
-        assert (await store.advance("w", "", "0", "running")).verdict == "applied"
+        assert (await store.submit("w", PLANS[0], 2, "demo", "d")).created
+        assert (await store.submit("w", PLANS[1], 2, "demo", "e")).conflict
+        assert (await store.advance("w", "", "0", "running", leaf="bag:2")).verdict == "applied"
+        assert (await store.record("w", "0", 2, {2: '"c"'})).verdict == "invalid"
         assert (await store.record("w", "0", 2, {1: '"b"'})).verdict == "wait"
         fired = await store.record("w", "0", 2, {0: '"a"', 1: '"late"'})
         assert (fired.verdict, fired.outputs) == ("fire", ['"a"', '"b"'])

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from orchestrator.bus import Transport
-from orchestrator.delivery import Delivery, process
+from orchestrator.delivery import Delivery, Poison, process, redelivered
 from orchestrator.lifecycle import Service, format_counts
 from orchestrator.messages import Cancelled, Failed, Next, TaskMessage, decode_task, encode
 from orchestrator.settings import Settings
@@ -87,9 +87,9 @@ class Worker(Service):
 
     async def handle(self, delivery: Delivery, source: str) -> None:
         """Run one task message; ack only after the report to the owner is confirmed."""
-        async with process(delivery, self.bus, source):
+        async with process(delivery, self.bus, source, limit=self.settings.delivery_limit):
             task = decode_task(delivery.body)
-            reports = await self.run_tasks(task.split(), redelivered=bool(delivery.redelivered))
+            reports = await self.run_tasks(task.split(), redelivered=redelivered(delivery))
             for report in reports:
                 await self.bus.publish_to_shard(task.owner, encode(report))
 
@@ -108,6 +108,8 @@ class Worker(Service):
             return reports
         task = tasks[0]  # a message's tasks share program, step and bag
         completion = await self.store.record(task.wf, task.path, task.size, outputs)
+        if completion.verdict in ("missing", "invalid"):
+            raise Poison(f"{task.wf}: {', '.join(completion.outputs) or 'no such program'}")
         self.counts[completion.verdict] += len(outputs)
         # Only a redelivered task may be the one whose report a crash cut short.
         if completion.verdict == "fire" or (completion.verdict == "again" and redelivered):
@@ -151,7 +153,7 @@ class Worker(Service):
 
     async def _output(self, task: TaskMessage, ctx: TaskContext) -> str:
         # The handler runs in a task of its own, so a cancelled program can stop just it.
-        handler = asyncio.create_task(self.registry.run(task.task, ctx))
+        handler = asyncio.create_task(_guarded(self.registry.run(task.task, ctx)))
         running = self._running.setdefault(task.wf, set())
         running.add(handler)
         try:
@@ -178,6 +180,18 @@ class Worker(Service):
                 f"{self.settings.max_output_bytes} (SHARDFLOW_MAX_OUTPUT_BYTES)"
             )
         return text
+
+
+async def _guarded(run: Coroutine[Any, Any, Any]) -> Any:
+    """A handler's outcome, where any exception but cancellation fails the task: SystemExit or
+    KeyboardInterrupt raised by a handler must not stop the worker (asyncio would re-raise them
+    out of the event loop)."""
+    try:
+        return await run
+    except (asyncio.CancelledError, Exception):
+        raise
+    except BaseException as exc:
+        raise _TaskError(f"{type(exc).__name__}: {exc}") from None
 
 
 class _TaskError(Exception):

@@ -1,0 +1,200 @@
+"""Hostile and unlucky messages on a real cluster: each ends in the dead-letter queue with its
+reason (or is absorbed by idempotency), and the good programs around it are untouched."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aio_pika
+import pytest
+
+from orchestrator.bus import ladder_ms
+from orchestrator.connections import connected
+from orchestrator.keys import Names
+from orchestrator.messages import Next, encode
+from orchestrator.owner import Orchestrator
+from orchestrator.program import ProgramError
+from orchestrator.settings import Settings
+from router.client import Router
+from router.hashing import shard_for
+from router.ingress import derived_id
+from tests.test_ingress import ask, ingress  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.e2e
+
+SLOW = {"steps": [{"task": "echo", "args": {"sleep_s": 1.0}}, {"task": "echo"}]}
+
+
+async def publish(
+    settings: Settings,
+    routing_key: str,
+    body: bytes,
+    exchange: str = "",
+    message: aio_pika.Message | None = None,
+) -> None:
+    async with await aio_pika.connect(settings.amqp_url) as connection:
+        channel = await connection.channel()
+        target = (
+            channel.default_exchange
+            if not exchange
+            else await channel.get_exchange(exchange, ensure=False)
+        )
+        await target.publish(message or aio_pika.Message(body), routing_key=routing_key)
+
+
+async def dead_reasons(settings: Settings, count: int, timeout_s: float = 20) -> list[str]:
+    """The reasons of the dead-lettered messages, once there are `count` of them."""
+    async with connected(settings, "test-dead") as (_, bus):
+        for _ in range(int(timeout_s / 0.1)):
+            parked = await bus.peek_dead(100)
+            if len(parked) >= count:
+                return [str(headers.get("x-shardflow-reason")) for headers, _ in parked]
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"expected {count} dead letters, found {len(parked)}")
+
+
+async def test_a_forged_next_to_a_shard_that_does_not_own_the_program_is_refused(
+    cluster: Router, settings: Settings
+) -> None:
+    submitted = await cluster.submit(SLOW, None, "owned-elsewhere")
+    other = (submitted.shard + 1) % settings.shards
+    forged = encode(Next(wf="owned-elsewhere", path="0", output="forged"))
+    await publish(
+        settings, str(other), forged, exchange=Names(settings.prefix).orchestrator_exchange
+    )
+    status = await cluster.wait("owned-elsewhere", timeout_s=30)
+    assert status["status"] == "completed"
+    assert status["result"] != "forged"
+    reasons = await dead_reasons(settings, 1)
+    assert reasons == [f"owned-elsewhere: owned by shard {submitted.shard}, not by shard {other}"]
+
+
+async def test_messages_for_unknown_programs_are_dead_lettered_not_dropped(
+    cluster: Router, settings: Settings
+) -> None:
+    exchange = Names(settings.prefix).orchestrator_exchange
+    bodies = [
+        b'{"kind": "start", "wf": "ghost-1"}',
+        b'{"kind": "failed", "wf": "ghost-2", "path": "0", "error": "x"}',
+        b'{"kind": "deadline", "wf": "ghost-3", "deadline_s": 1}',
+    ]
+    for body in bodies:
+        await publish(settings, "0", body, exchange=exchange)
+    task = {"wf": "ghost-4", "path": "0", "task": "add", "owner": 0}
+    await publish(settings, f"{settings.prefix}.tasks.parallel", json.dumps(task).encode())
+    reasons = sorted(await dead_reasons(settings, 4))
+    assert reasons == [f"ghost-{n}: no such program" for n in range(1, 5)]
+
+
+@pytest.fixture
+def settings_limit(settings: Settings) -> Settings:
+    return settings.model_copy(update={"delivery_limit": 3})
+
+
+async def test_a_message_that_keeps_failing_is_dead_lettered_after_the_limit(
+    settings_limit: Settings, registry: Any
+) -> None:
+    """A task message naming an owner shard that does not exist can never be reported: on
+    classic queues it was requeued ~1000 times a second, forever."""
+    from shardflow.dev import Dev
+
+    settings = settings_limit
+    async with connected(settings, "test-limit") as (store, bus):
+        dev = Dev(settings, registry, store=store, bus=bus, concurrency=4)
+        running = asyncio.create_task(dev.run())
+        try:
+            # A program at its first step, whose task claims an owner shard nobody consumes.
+            plan = json.dumps({"program": {"steps": [{"task": "add"}]}, "input": 1, "owner": 0})
+            await store.submit("lost-owner", plan, 0, "", "digest")
+            await store.advance("lost-owner", "", "0", "running", leaf="task")
+            task = {"wf": "lost-owner", "path": "0", "task": "add", "owner": 999}
+            await publish(settings, f"{settings.prefix}.tasks.parallel", json.dumps(task).encode())
+            reasons = await dead_reasons(settings, 1)
+        finally:
+            dev.shutdown()
+            await running
+    assert len(reasons) == 1 and reasons[0].startswith("failed 3 times, the limit; last:")
+
+
+async def test_an_ingress_request_delivered_twice_starts_one_program(
+    ingress: Router,  # noqa: F811
+    settings: Settings,
+) -> None:
+    """A router that dies after publishing `start` and before acking gets the request again:
+    an id-less request's id comes from its message_id, so the second delivery finds the first
+    program (a probe once made 972 programs of one message)."""
+    body = json.dumps({"program": {"steps": [{"task": "add", "args": {"n": 2}}]}}).encode()
+    for _ in range(2):
+        message = aio_pika.Message(body, message_id="request-7")
+        await publish(settings, f"{settings.prefix}.ingress", message.body, message=message)
+    wf = derived_id("request-7", body)
+    assert (await ingress.wait(wf, timeout_s=30))["result"] == 2
+    await asyncio.sleep(0.3)  # the second delivery has been handled too
+    async with connected(settings, "test-count") as (store, _):
+        assert sum([await store.in_flight(shard) for shard in range(settings.shards)]) == 0
+        keys = [key async for key in store.client.scan_iter(match=f"{settings.prefix}:*:state")]
+    assert keys == [store.keys.state(wf)]
+
+
+async def test_resubmitting_an_id_with_another_program_or_input_is_refused(
+    cluster: Router,
+) -> None:
+    await cluster.submit({"steps": [{"task": "add"}]}, 1, "same-id")
+    assert (await cluster.submit({"steps": [{"task": "add"}]}, 1, "same-id")).created is False
+    with pytest.raises(ProgramError, match="'same-id' exists with another program or input"):
+        await cluster.submit({"steps": [{"task": "add"}]}, 2, "same-id")
+    with pytest.raises(ProgramError, match="exists with another program"):
+        await cluster.submit({"steps": [{"task": "echo"}]}, 1, "same-id")
+
+
+async def test_a_program_recorded_but_never_started_is_started_by_its_owner(
+    settings: Settings, registry: Any
+) -> None:
+    from worker.pool import Worker
+
+    settings = settings.model_copy(update={"sweep_s": 0.2})
+    wf = "orphan-1"
+    owner = shard_for(wf, settings.shards)
+    async with connected(settings, "test-orphans") as (store, bus):
+        # What a router that died between recording and starting leaves behind.
+        plan = json.dumps({"program": {"steps": [{"task": "add"}]}, "input": 4, "owner": owner})
+        await store.track(wf, owner)
+        await store.submit(wf, plan, owner, "", "digest")
+        await asyncio.sleep(0.3)  # older than one sweep
+        parts = [
+            Orchestrator(settings, range(settings.shards), store=store, bus=bus),
+            Worker(settings, registry, pool="serial", store=store, bus=bus),
+        ]
+        running = [asyncio.create_task(part.run()) for part in parts]
+        try:
+            status = await Router(settings, store=store).wait(wf, timeout_s=30)
+        finally:
+            for part in parts:
+                part.shutdown()
+            await asyncio.gather(*running)
+        assert (status["status"], status["result"]) == ("completed", 1)
+        assert await store.in_flight(owner) == 0
+
+
+async def test_a_handler_calling_sys_exit_fails_its_task_and_the_worker_goes_on(
+    cluster: Router,
+) -> None:
+    failed = await cluster.submit({"steps": [{"task": "exits", "args": {"code": 3}}]})
+    status = await cluster.wait(failed.workflow_id, timeout_s=30)
+    assert status["status"] == "failed"
+    assert status["error"].endswith("SystemExit: 3")
+    after = await cluster.submit({"steps": [{"task": "add"}]})
+    assert (await cluster.wait(after.workflow_id, timeout_s=30))["result"] == 1
+
+
+def test_delays_are_rounded_up_to_a_bounded_ladder() -> None:
+    asked = [n / 1000 for n in range(1, 100_000, 7)] + [3600.5, 86400 * 29.9, 1e12]
+    rounded = [ladder_ms(delay) for delay in asked]
+    assert all(r >= min(d * 1000, 30 * 86400 * 1000) for d, r in zip(asked, rounded, strict=True))
+    assert all(
+        r <= max(1.25 * d * 1000, 1) + 1 for d, r in zip(asked[:-1], rounded[:-1], strict=True)
+    )
+    every_delay = {ladder_ms(10 ** (e / 50) / 1000) for e in range(0, 500)}
+    assert len(every_delay) <= 120  # a few queues per target, whatever the delays asked
