@@ -36,18 +36,18 @@ for k = 2, #ARGV, 2 do
     verdict = "fire"
   end
 end
-if redis.call("SCARD", KEYS[2]) < #KEYS - 2 then
+if redis.call("SCARD", KEYS[2]) < size then
   return {"wait"}
 end""",
         """for k = 2, #ARGV, 2 do
   redis.call("SET", KEYS[3 + tonumber(ARGV[k])], ARGV[k + 1])
 end
 local count = redis.call("INCRBY", KEYS[2], (#ARGV - 1) / 2)
-if count < #KEYS - 2 then
+if count < size then
   return {"wait"}
 end
 local verdict = "again"
-if count - (#ARGV - 1) / 2 < #KEYS - 2 then
+if count - (#ARGV - 1) / 2 < size then
   verdict = "fire"
 end""",
         (MACHINE, DIFFERENTIAL),
@@ -67,9 +67,9 @@ end""",
     ),
     "ack-before-publish": (
         "orchestrator/owner.py",
-        "    async with process(delivery, bus, source, poison=SHARD_POISON):",
+        "    async with process(delivery, bus, source, poison=SHARD_POISON, limit=limit):",
         "    await delivery.ack()\n"
-        "    async with process(delivery, bus, source, poison=SHARD_POISON):",
+        "    async with process(delivery, bus, source, poison=SHARD_POISON, limit=limit):",
         (MACHINE,),
     ),
     "no-republish-on-redelivery": (
