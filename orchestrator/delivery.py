@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 # recover quickly once it is back.
 RETRY_PAUSE_S = 0.5
 FAILURES = "x-shardflow-failures"
+MAX_REASON = 1000
 # The services being away: not the message's fault, so never counted against it. (aiormq's
 # connection errors are OSErrors; a refused publish, DeliveryError, is not one of these.)
 UNREACHABLE = (OSError, RedisConnectionError, RedisTimeoutError, ChannelInvalidStateError)
@@ -125,7 +126,7 @@ async def _count_failure(
     failures = _int(headers.get(FAILURES)) + 1
     try:
         if failures >= limit:
-            reason = f"failed {failures} times, the limit; last: {describe(exc)[:500]}"
+            reason = f"failed {failures} times, the limit; last: {describe(exc)}"
             await bus.dead_letter(delivery.body, reason=reason, source=source)
         else:
             log.warning("%s: failure %d of %d, message requeued: %r", source, failures, limit, exc)
@@ -169,10 +170,10 @@ async def settle(delivery: Delivery, *, ok: bool) -> None:
 
 
 def describe(exc: BaseException) -> str:
-    """One line for a refusal: a validation error's first fault with where it is, else str()."""
-    if isinstance(exc, ValidationError):
-        return first_error(exc)
-    return str(exc)
+    """One line for a refusal: a validation error's first fault with where it is, else str();
+    at most MAX_REASON characters, since it travels in a message header."""
+    text = first_error(exc) if isinstance(exc, ValidationError) else str(exc)
+    return text if len(text) <= MAX_REASON else text[: MAX_REASON - 10] + " ... (cut)"
 
 
 def first_error(

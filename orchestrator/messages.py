@@ -8,10 +8,14 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from orchestrator.delivery import Poison, first_error
 from orchestrator.keys import WORKFLOW_ID
-from orchestrator.program import MAX_BAG
+from orchestrator.program import MAX_BAG, TASK_NAME
+from orchestrator.settings import MAX_SHARDS
 from orchestrator.store import MAX_ATTEMPTS
 
 WorkflowId = Annotated[str, Field(pattern=WORKFLOW_ID.pattern)]
+TaskName = Annotated[str, Field(pattern=TASK_NAME)]
+# A failed attempt's error is recorded in Redis: long texts are cut by the worker to this.
+MAX_ERROR = 16 * 1024
 Path = Annotated[str, Field(pattern=r"^\d+(/(iter:\d+/)?\d+)*$", max_length=1000)]
 
 
@@ -47,8 +51,8 @@ class Failed(_Message):
     path: Path
     index: int | None = Field(default=None, ge=0, lt=MAX_BAG)
     attempt: int = Field(default=0, ge=0, lt=MAX_ATTEMPTS)
-    task: str = ""
-    error: str
+    task: TaskName | Literal[""] = ""
+    error: str = Field(max_length=MAX_ERROR)
     # What a retry needs to send the task again.
     prev: Any = None
     iteration: int = 0
@@ -75,7 +79,7 @@ class Slot(_Message):
     """One more bag member carried by a task message (a bag's `chunk`)."""
 
     index: int = Field(ge=0, lt=MAX_BAG)
-    task: str
+    task: TaskName
     args: dict[str, Any] = Field(default_factory=dict)
     timeout_s: float | None = Field(default=None, gt=0, le=86400)
 
@@ -87,13 +91,13 @@ class TaskMessage(_Message):
     path: Path
     index: int | None = Field(default=None, ge=0, lt=MAX_BAG)
     size: int = Field(default=1, ge=1, le=MAX_BAG)
-    task: str
+    task: TaskName
     args: dict[str, Any] = Field(default_factory=dict)
     input: Any = None
     prev: Any = None
     iteration: int = Field(default=0, ge=0)
     attempt: int = Field(default=0, ge=0, lt=MAX_ATTEMPTS)
-    owner: int = Field(ge=0, lt=1024)  # the most shards settings allow
+    owner: int = Field(ge=0, lt=MAX_SHARDS)
     timeout_s: float | None = Field(default=None, gt=0, le=86400)
     batch: list[Slot] = Field(default_factory=list, max_length=MAX_BAG)
 

@@ -93,6 +93,7 @@ class Orchestrator(Service):
         return [*(self._consume(shard) for shard in self.owned), self._sweep_every()]
 
     async def _sweep_every(self) -> None:
+        this = asyncio.current_task()
         while True:
             try:
                 started = await self.sweep()
@@ -100,17 +101,26 @@ class Orchestrator(Service):
                     log.warning("orchestrator: started %d program(s) that never started", started)
             except UNREACHABLE as exc:
                 log.warning("orchestrator: sweep skipped: %r", exc)
+            # A stop cancels this loop; aio-pika may swallow that cancellation (a channel
+            # closing as it is cancelled), and a loop that went on would hold the stop forever.
+            if this is not None and this.cancelling():
+                raise asyncio.CancelledError
             await asyncio.sleep(self.settings.sweep_s)
 
     async def sweep(self) -> int:
         """Start the programs of the owned shards that were recorded but never started (their
-        client or router died in between), and stop counting ids that were never recorded
-        (seen twice: a submit may be between its two writes). Idempotent: starting twice is
-        a stale compare-and-advance. Returns how many it started."""
+        client or router died in between) once their shard's queue is empty, and stop
+        counting ids that were never recorded (seen twice: a submit may be between its two
+        writes). Idempotent: starting twice is a stale compare-and-advance. Returns how many
+        it started."""
         started = 0
         old_ms = (time.time() - self.settings.sweep_s) * 1000
         unrecorded: set[str] = set()
         for shard in self.owned:
+            # A pending program's start may still wait in a busy queue: under a backlog, a
+            # sweep would only double the starts. An empty queue holds no start for anyone.
+            queue = await self.bus.shard_queue_state(shard)
+            waiting = bool(queue and queue[0])
             async for wf in self.store.live(shard):
                 state = await self.store.state(wf)
                 if not state:
@@ -120,6 +130,8 @@ class Orchestrator(Service):
                         unrecorded.add(wf)
                 elif state["status"] in TERMINAL or int(state["owner"]) != shard:
                     await self.store.untrack(wf, shard)
+                elif waiting:
+                    continue
                 elif state["status"] == "pending" and int(state.get("created_ms") or 0) < old_ms:
                     await self.bus.publish_to_shard(shard, encode(Start(wf=wf)), NEW)
                     started += 1

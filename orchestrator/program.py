@@ -178,6 +178,12 @@ def parse_input(text: str | bytes, *, max_bytes: int = 256 * 1024) -> Any:
     return _load(text, "input", max_bytes)
 
 
+def check_input(value: Any, *, max_bytes: int = 256 * 1024) -> None:
+    """Refuse an input given as a value (the Python API, the ingress) that JSON text could not
+    carry: NaN, lone surrogates, more than MAX_DEPTH levels, more than `max_bytes`."""
+    _check_value(value, "input", max_bytes)
+
+
 class _NotAllowed(ValueError):
     """Valid for Python's json module, refused here (its message names the fault)."""
 

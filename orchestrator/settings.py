@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# Shards a cluster may have; task messages name their owner shard within it.
+MAX_SHARDS = 1024
 _PREFIX = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 
 
@@ -19,7 +21,7 @@ class Settings(BaseSettings):
     amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_cluster: bool = False
-    shards: int = Field(default=4, ge=1, le=1024)
+    shards: int = Field(default=4, ge=1, le=MAX_SHARDS)
     prefix: str = "sf"
     queue_type: Literal["classic", "quorum"] = "classic"
     # A message that fails this often (a lost connection aside) is dead-lettered, on every

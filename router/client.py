@@ -14,7 +14,7 @@ from orchestrator.bus import NEW, Publisher
 from orchestrator.ending import end_program
 from orchestrator.keys import check_workflow_id
 from orchestrator.messages import Start, encode
-from orchestrator.program import Program, ProgramError, parse_program
+from orchestrator.program import Program, ProgramError, check_input, parse_program
 from orchestrator.settings import Settings
 from orchestrator.store import TERMINAL, Store
 from router.hashing import shard_for
@@ -71,6 +71,7 @@ class Router:
             wf = check_workflow_id(workflow_id) if workflow_id is not None else uuid.uuid4().hex
         except ValueError as exc:
             raise ProgramError([f"id: {exc}"]) from None
+        check_input(input, max_bytes=self.settings.max_program_bytes)
         owner = shard_for(wf, self.settings.shards)
         try:
             program_json = checked.model_dump(mode="json", exclude_defaults=True)

@@ -13,7 +13,14 @@ import pytest
 from orchestrator.bus import ladder_ms
 from orchestrator.connections import connected
 from orchestrator.keys import Names
-from orchestrator.messages import Next, encode
+from orchestrator.messages import (
+    MAX_ERROR,
+    MessageError,
+    Next,
+    decode_shard_message,
+    decode_task,
+    encode,
+)
 from orchestrator.owner import Orchestrator
 from orchestrator.program import ProgramError
 from orchestrator.settings import Settings
@@ -198,3 +205,32 @@ def test_delays_are_rounded_up_to_a_bounded_ladder() -> None:
     )
     every_delay = {ladder_ms(10 ** (e / 50) / 1000) for e in range(0, 500)}
     assert len(every_delay) <= 120  # a few queues per target, whatever the delays asked
+
+
+def test_names_and_errors_that_reach_redis_are_bounded_by_the_schema() -> None:
+    base = {"kind": "failed", "wf": "w", "path": "0", "task": "t"}
+    with pytest.raises(MessageError, match="error"):
+        decode_shard_message(json.dumps({**base, "error": "x" * (MAX_ERROR + 1)}).encode())
+    with pytest.raises(MessageError, match="task"):
+        decode_shard_message(json.dumps({**base, "task": "x" * 5000, "error": "e"}).encode())
+    task = {"wf": "w", "path": "0", "task": "t" * 129, "owner": 0}
+    with pytest.raises(MessageError, match="task"):
+        decode_task(json.dumps(task).encode())
+    with pytest.raises(MessageError, match="owner"):
+        decode_task(json.dumps({**task, "task": "t", "owner": 1024}).encode())
+
+
+async def test_a_long_error_is_cut_before_it_is_reported(cluster: Router) -> None:
+    program = {"steps": [{"task": "boom", "args": {"message": "x" * (MAX_ERROR * 2)}}]}
+    status = await cluster.wait((await cluster.submit(program)).workflow_id, timeout_s=30)
+    assert status["status"] == "failed"
+    assert status["error"].endswith(" ... (cut)") and len(status["error"]) < MAX_ERROR + 200
+
+
+async def test_inputs_given_as_values_are_as_strict_as_json_text(cluster: Router) -> None:
+    deep: list[Any] = []
+    for _ in range(100):
+        deep = [deep]
+    for bad, fault in [(float("nan"), "NaN"), (deep, "nested deeper than 64")]:
+        with pytest.raises(ProgramError, match=fault):
+            await cluster.submit({"steps": [{"task": "add"}]}, bad)

@@ -14,7 +14,15 @@ from pydantic import ValidationError
 from orchestrator.bus import Transport
 from orchestrator.delivery import Delivery, Poison, process, redelivered
 from orchestrator.lifecycle import Service, format_counts
-from orchestrator.messages import Cancelled, Failed, Next, TaskMessage, decode_task, encode
+from orchestrator.messages import (
+    MAX_ERROR,
+    Cancelled,
+    Failed,
+    Next,
+    TaskMessage,
+    decode_task,
+    encode,
+)
 from orchestrator.settings import Settings
 from orchestrator.store import Store
 from worker.context import TaskContext
@@ -146,7 +154,7 @@ class Worker(Service):
                 index=task.index,
                 attempt=task.attempt,
                 task=task.task,
-                error=str(exc) if plain else f"{type(exc).__name__}: {exc}",
+                error=_cut(str(exc) if plain else f"{type(exc).__name__}: {exc}"),
                 prev=task.prev,
                 iteration=task.iteration,
             )
@@ -192,6 +200,11 @@ async def _guarded(run: Coroutine[Any, Any, Any]) -> Any:
         raise
     except BaseException as exc:
         raise _TaskError(f"{type(exc).__name__}: {exc}") from None
+
+
+def _cut(error: str) -> str:
+    """An error text short enough for the failure report (and Redis)."""
+    return error if len(error) <= MAX_ERROR else error[: MAX_ERROR - 20] + " ... (cut)"
 
 
 class _TaskError(Exception):
