@@ -153,7 +153,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         for name in names:
             copy = Path(scratch) / name
-            shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".venv", ".git", "*cache*"))
+            shutil.copytree(
+                ROOT, copy, ignore=shutil.ignore_patterns(".venv", ".git", "*cache*", ".tools")
+            )
             print(run(name, copy), flush=True)
 
 
