@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from orchestrator import conditions
+from orchestrator import conditions, evaluator
 from orchestrator.conditions import (
     ConditionError,
     compile_condition,
@@ -97,7 +97,7 @@ def test_a_runaway_condition_fails_within_its_budget_and_the_evaluator_comes_bac
 
 def test_a_runaway_is_killed_not_left_burning_cpu() -> None:
     evaluate("true", input=None, prev=None, iteration=0)
-    process = conditions._EVALUATOR._process
+    process = evaluator.EVALUATOR._process
     assert process is not None
     with pytest.raises(ConditionError, match="exceeded its time budget"):
         evaluate(RUNAWAY, input=None, prev=list(range(300)), iteration=0)
@@ -145,7 +145,7 @@ def test_converting_large_values_is_not_charged_to_the_budget() -> None:
 
 def test_an_evaluator_that_died_between_calls_is_replaced() -> None:
     evaluate("true", input=None, prev=None, iteration=0)
-    process = conditions._EVALUATOR._process
+    process = evaluator.EVALUATOR._process
     assert process is not None
     process.kill()
     process.wait()
@@ -154,7 +154,7 @@ def test_an_evaluator_that_died_between_calls_is_replaced() -> None:
 
 def test_an_evaluator_that_dies_mid_evaluation_fails_that_condition_only() -> None:
     evaluate("true", input=None, prev=None, iteration=0)
-    process = conditions._EVALUATOR._process
+    process = evaluator.EVALUATOR._process
     assert process is not None
     killer = threading.Timer(0.3, process.kill)  # as the kernel's OOM killer would
     killer.start()
