@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -27,7 +25,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.services import drop_vhost, vhost  # noqa: E402
+from bench.services import drop_keys, drop_vhost, machine, vhost  # noqa: E402
 from orchestrator.connections import connected  # noqa: E402
 from orchestrator.settings import Settings  # noqa: E402
 from router.client import Router  # noqa: E402
@@ -91,9 +89,7 @@ async def main() -> None:
             print(f"{name}: done in {time.monotonic() - started:.1f}s", file=sys.stderr)
         dev.shutdown()
         await running
-        keys = [key async for key in store.client.scan_iter(match=f"{settings.prefix}*")]
-        for start in range(0, len(keys), 500):
-            await store.client.delete(*keys[start : start + 500])
+        await drop_keys(store.client, settings.prefix)
     await asyncio.to_thread(drop_vhost, "shardflow-isolation")
     base = results["no burst"]
     ratios = {
@@ -105,8 +101,7 @@ async def main() -> None:
     }  # fmt: skip
     report = {
         "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}",
+        "machine": machine(),
         "command": "python bench/isolation.py " + " ".join(sys.argv[1:]),
         "parallel_concurrency": args.concurrency,
         "fast_programs": args.fast,

@@ -1,6 +1,7 @@
 """A fresh RabbitMQ vhost for a benchmark run, dropped after it."""
 
 import subprocess
+from typing import Any
 
 AMQP = "amqp://guest:guest@127.0.0.1:5672/"
 
@@ -18,3 +19,18 @@ def vhost(name: str) -> str:
 
 def drop_vhost(name: str) -> None:
     subprocess.run(["rabbitmqctl", "-q", "delete_vhost", name], capture_output=True)
+
+
+def machine() -> str:
+    """The machine a figure was measured on, as the reports name it."""
+    import os
+    import platform
+
+    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+async def drop_keys(client: Any, prefix: str) -> None:
+    """Delete every Redis key a run left under its prefix."""
+    keys = [key async for key in client.scan_iter(match=f"{prefix}*", count=1000)]
+    for start in range(0, len(keys), 500):
+        await client.delete(*keys[start : start + 500])

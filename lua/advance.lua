@@ -7,6 +7,13 @@
 -- ARGV[5]  payload JSON
 -- ARGV[6]  the new leaf's shape: "task", "bag:<size>", or "" when the program ends; complete
 --          and fail refuse reports that do not fit it
+-- ARGV[7]  retention in ms: when the program ends, every key it owns expires after this
+--          ("0" or absent: kept forever)
+-- ARGV[8]  a loop iteration to drop, as a path prefix ("3/iter:4/"), or "": the new leaf
+--          starts a new iteration and the loop keeps only its last ones (its keys, and its
+--          fields in <prefix>:{<wf>}:attempts)
+-- The program's other keys are named in its registry <prefix>:{<wf>}:keys; all share the
+-- program's hash tag, so they live in KEYS[1]'s cluster slot.
 -- returns  {verdict, status, cursor} where verdict is
 --   applied  the transition happened now: publish what it produces
 --   replay   it already happened (cursor moved from ARGV[1]): a redelivery publishes again
@@ -28,6 +35,35 @@ if live and cursor == ARGV[1] then
   end
   if ARGV[4] ~= "" then
     redis.call("HSET", KEYS[1], ARGV[4], ARGV[5], "ended_ms", now)
+  end
+  local base = string.sub(KEYS[1], 1, -6)  -- "<prefix>:{<wf>}:" without "state"
+  local registry = base .. "keys"
+  local drop = ARGV[8] or ""
+  if drop ~= "" then
+    for _, key in ipairs(redis.call("SMEMBERS", registry)) do
+      local name = string.sub(key, #base + 1)
+      local path = string.match(name, "^%a+:(.*)$") or ""
+      if string.sub(path, 1, #drop) == drop then
+        redis.call("DEL", key)
+        redis.call("SREM", registry, key)
+      end
+    end
+    -- the owner's marks of failed attempts (orchestrator/marks.py) go with their iteration
+    local marks = base .. "attempts"
+    for _, name in ipairs(redis.call("HKEYS", marks)) do
+      if string.sub(name, 1, #drop) == drop then
+        redis.call("HDEL", marks, name)
+      end
+    end
+  end
+  local keep_ms = tonumber(ARGV[7] or "0") or 0
+  if ARGV[3] ~= "running" and keep_ms > 0 then
+    for _, key in ipairs(redis.call("SMEMBERS", registry)) do
+      redis.call("PEXPIRE", key, keep_ms)
+    end
+    redis.call("PEXPIRE", registry, keep_ms)
+    redis.call("PEXPIRE", base .. "plan", keep_ms)
+    redis.call("PEXPIRE", KEYS[1], keep_ms)
   end
   return {"applied", ARGV[3], ARGV[2]}
 end

@@ -3,6 +3,8 @@
 -- KEYS[1]  state hash   <prefix>:{<wf>}:state
 -- ARGV[1]  end status: cancelled | failed
 -- ARGV[2]  reason, recorded as the program's error
+-- ARGV[3]  retention in ms: every key of the program expires after this ("0": kept forever;
+--          see advance.lua)
 -- returns  {"applied", status, owner}  ended now
 --          {"ended", status, owner}    it had already ended: nothing changes
 --          {"missing", "", ""}         no such program
@@ -18,4 +20,14 @@ local t = redis.call("TIME")
 local now = string.format("%d", t[1] * 1000 + math.floor(t[2] / 1000))
 redis.call("HSET", KEYS[1], "status", ARGV[1], "error", ARGV[2], "cursor", "", "from", cursor,
   "updated_ms", now, "ended_ms", now)
+local keep_ms = tonumber(ARGV[3] or "0") or 0
+if keep_ms > 0 then
+  local base = string.sub(KEYS[1], 1, -6)
+  for _, key in ipairs(redis.call("SMEMBERS", base .. "keys")) do
+    redis.call("PEXPIRE", key, keep_ms)
+  end
+  redis.call("PEXPIRE", base .. "keys", keep_ms)
+  redis.call("PEXPIRE", base .. "plan", keep_ms)
+  redis.call("PEXPIRE", KEYS[1], keep_ms)
+end
 return {"applied", ARGV[1], owner}

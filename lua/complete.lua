@@ -21,6 +21,12 @@
 --          {"missing"}           no such program
 --          {"invalid", reason}   the report does not fit the leaf (its shape recorded by
 --                                advance.lua, or an index out of range): nothing recorded
+-- "fire" and "again" carry no outputs when together they exceed INLINE bytes: the owner reads
+-- them from Redis then (orchestrator/messages.py INLINE_BYTES is the same number).
+-- Every key written is named in the program's registry (see advance.lua).
+local INLINE = 65536
+local base = string.sub(KEYS[1], 1, -6)
+local registry = base .. "keys"
 local s = redis.call("HMGET", KEYS[1], "status", "cursor", "leaf")
 if not s[1] then
   return {"missing"}
@@ -36,6 +42,10 @@ if #KEYS == 2 then
   local verdict = "again"
   if redis.call("SET", KEYS[2], ARGV[2], "NX") then
     verdict = "fire"
+    redis.call("SADD", registry, KEYS[2])
+  end
+  if redis.call("STRLEN", KEYS[2]) > INLINE then
+    return {verdict}
   end
   return {verdict, redis.call("GET", KEYS[2])}
 end
@@ -53,11 +63,19 @@ local verdict = "again"
 for k = 2, #ARGV, 2 do
   if redis.call("SADD", KEYS[2], ARGV[k]) == 1 then
     redis.call("SET", KEYS[3 + tonumber(ARGV[k])], ARGV[k + 1])
+    redis.call("SADD", registry, KEYS[2], KEYS[3 + tonumber(ARGV[k])])
     verdict = "fire"
   end
 end
 if redis.call("SCARD", KEYS[2]) < size then
   return {"wait"}
+end
+local total = 0
+for k = 3, #KEYS do
+  total = total + redis.call("STRLEN", KEYS[k])
+end
+if total > INLINE then
+  return {verdict}
 end
 local outputs = redis.call("MGET", unpack(KEYS, 3, #KEYS))
 return {verdict, unpack(outputs)}

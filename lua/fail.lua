@@ -38,6 +38,8 @@ if not index or index ~= math.floor(index) or index < 0 or index >= size then
   return {"invalid", "member " .. ARGV[2] .. ": step " .. ARGV[1] .. " has 0.." .. (size - 1)}
 end
 local first = redis.call("HSETNX", KEYS[2], ARGV[2] .. ":" .. ARGV[3], ARGV[4]) == 1
+-- named in the program's registry, so it expires with the program (see advance.lua)
+redis.call("SADD", string.sub(KEYS[1], 1, -6) .. "keys", KEYS[2])
 local verdict = "again"
 if attempt + 1 < most then
   if first then verdict = "retry" end

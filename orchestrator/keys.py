@@ -47,9 +47,38 @@ class Keys:
     def barrier(self, wf: str, path: str) -> str:
         return f"{self.prefix}:{{{wf}}}:bar:{path}"
 
+    def blob(self, wf: str, name: str) -> str:
+        """A large value a task message refers to: `input`, or the `prev` of the leaf at a path."""
+        return f"{self.prefix}:{{{wf}}}:blob:{name}"
+
+    def registry(self, wf: str) -> str:
+        """The set of the program's keys beyond state and plan, written by the scripts that
+        create them, so ending a program can expire them all and a loop can prune old
+        iterations without SCAN."""
+        return f"{self.prefix}:{{{wf}}}:keys"
+
     def live(self, shard: int) -> str:
         """The set of programs a shard owns that have not ended (not per program: no hash tag)."""
         return f"{self.prefix}:live:{shard}"
+
+    def attempts(self, wf: str) -> str:
+        """Failed attempts the owner saw, for inspection: `<path>[/bag:<i>]` -> JSON
+        `{"attempt", "due_ms"}` (when the retry is due; null when none follows)."""
+        return f"{self.prefix}:{{{wf}}}:attempts"
+
+    @property
+    def index_created(self) -> str:
+        """Every program by creation time (sorted set, score ms; one key, never in a script)."""
+        return f"{self.prefix}:index:created"
+
+    @property
+    def serial_lane(self) -> str:
+        """`<wf> <path> <task> <ms>` of the serial task started last (for `explain`)."""
+        return f"{self.prefix}:lane:serial"
+
+    def shard_owner(self, shard: int) -> str:
+        """`<host>/<pid> <ms>` of the process that last handled a message of the shard."""
+        return f"{self.prefix}:owner:{shard}"
 
     @property
     def shards_used(self) -> str:

@@ -14,6 +14,15 @@ from aio_pika.abc import AbstractQueueIterator
 log = logging.getLogger(__name__)
 
 
+def raise_if_cancelled() -> None:
+    """For a loop that calls clients between its sleeps: a stop cancels the loop, a client may
+    swallow that cancellation (aio-pika, redis-py while a connection closes), and a loop that
+    went on would hold the stop forever."""
+    this = asyncio.current_task()
+    if this is not None and this.cancelling():
+        raise asyncio.CancelledError
+
+
 def format_counts(counts: Counter[str]) -> str:
     """`applied 5, stale 1`: what a part handled, for its stop log."""
     return ", ".join(f"{name} {counts[name]}" for name in sorted(counts))
@@ -51,6 +60,11 @@ class Service:
         self._in_flight.add(task)
         task.add_done_callback(self._in_flight.discard)
         return task
+
+    @property
+    def consuming(self) -> bool:
+        """Whether this part consumes now: its consumers started and it is not stopping."""
+        return bool(self._iterators) and not self._stop.is_set()
 
     def summary(self) -> str:
         """One line of what this part handled, logged when it stops."""

@@ -74,6 +74,25 @@ def leaf_at(program: Program, path: str) -> Task | Bag:
         steps, parts = step.steps, parts[1:]
 
 
+def dropped(program: Program, finished: str, path: str) -> str:
+    """The loop iteration whose keys may go once the leaf at `path` follows `finished`, as a
+    path prefix (`3/iter:4/`), or "": a loop that starts iteration k keeps its last
+    `keep_iterations` finished ones (k - keep .. k - 1), so k - keep - 1 goes."""
+    steps: list[Step] = program.steps
+    parts, prefix = _split(path), ""
+    while len(parts) >= 2:
+        index, parts = _index(parts, len(steps), path)
+        step = steps[index]
+        if not isinstance(step, Untiloop) or not parts[0].startswith("iter:"):
+            return ""
+        here = f"{prefix}{index}/{parts[0]}/"
+        if not finished.startswith(here):  # this loop just started a new iteration
+            gone = int(parts[0].removeprefix("iter:")) - step.keep_iterations - 1
+            return f"{prefix}{index}/iter:{gone}/" if gone >= 0 else ""
+        steps, parts, prefix = step.steps, parts[1:], here
+    return ""
+
+
 def _after(
     steps: list[Step], parts: list[str], output: Any, input: Any, *, prefix: str, iteration: int
 ) -> Outcome:

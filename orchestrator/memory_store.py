@@ -15,9 +15,11 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from orchestrator.keys import Keys
-from orchestrator.store import MAX_ATTEMPTS, Completion, Ended, Recorded, Verdict
+from orchestrator.store import MAX_ATTEMPTS, Completion, Ended, Recorded, Stored, Verdict
 
 Value = str | dict[str, str] | set[str]
+# complete.lua's INLINE: outputs over it are read back by the owner, not carried.
+INLINE = 65536
 
 
 def _now_ms() -> str:
@@ -27,9 +29,14 @@ def _now_ms() -> str:
 class MemoryStore:
     """Program state in a dict: key -> string, hash (dict) or set, as Redis would hold it."""
 
-    def __init__(self, keys: Keys, clock: Callable[[], str] = _now_ms) -> None:
+    def __init__(
+        self, keys: Keys, clock: Callable[[], str] = _now_ms, retention_ms: int = 0
+    ) -> None:
         self.keys = keys
         self.data: dict[str, Value] = {}
+        # key -> retention set on it (the model does not expire keys: it records the PEXPIRE)
+        self.ttl: dict[str, int] = {}
+        self.retention_ms = retention_ms
         self._clock = clock
 
     async def load_scripts(self) -> None:
@@ -59,6 +66,25 @@ class MemoryStore:
         # Redis deletes a hash or set whose last member went.
         if self.data.get(key) in ({}, set()):
             del self.data[key]
+
+    def _register(self, wf: str, *keys: str) -> None:
+        self._set(self.keys.registry(wf)).update(keys)
+
+    def _expire_all(self, wf: str) -> None:
+        """Every key of an ended program gets the retention (advance.lua, cancel.lua)."""
+        if self.retention_ms <= 0:
+            return
+        owned = self.data.get(self.keys.registry(wf))
+        names = set(owned) if isinstance(owned, set) else set()
+        names |= {self.keys.registry(wf), self.keys.plan(wf), self.keys.state(wf)}
+        for name in names:
+            if name in self.data:
+                self.ttl[name] = self.retention_ms
+
+    def _delete(self, *names: str) -> None:
+        for name in names:
+            self.data.pop(name, None)
+            self.ttl.pop(name, None)
 
     def _hmget(self, key: str, *fields: str) -> list[str | None]:
         found = self.data.get(key)
@@ -90,6 +116,7 @@ class MemoryStore:
         field: str = "",
         payload: str = "",
         leaf: str = "",
+        drop: str = "",
     ) -> Verdict:
         """lua/advance.lua"""
         key = self.keys.state(wf)
@@ -107,6 +134,22 @@ class MemoryStore:
             if field:
                 state[field] = payload
                 state["ended_ms"] = now
+            registry = self.keys.registry(wf)
+            base = self.keys.state(wf).removesuffix("state")
+            if drop:
+                for name in sorted(self._set(registry)):
+                    path = name.removeprefix(base).partition(":")[2]
+                    if path.startswith(drop):
+                        self._delete(name)
+                        self._set(registry).discard(name)
+                self._drop_if_empty(registry)
+                marks = self.data.get(base + "attempts")
+                if isinstance(marks, dict):
+                    for name in [name for name in marks if name.startswith(drop)]:
+                        del marks[name]
+                    self._drop_if_empty(base + "attempts")
+            if status != "running":
+                self._expire_all(wf)
             return Verdict("applied", status, cursor)
         if came_from == expected:
             return Verdict("replay", now_status, now_cursor or "")
@@ -135,7 +178,9 @@ class MemoryStore:
             fired = self._get(key) is None
             if fired:
                 self.data[key] = outputs[None]
-            return Completion("fire" if fired else "again", [self._get(key) or ""])
+                self._register(wf, key)
+            value = self._get(key) or ""
+            return Completion("fire" if fired else "again", [] if len(value) > INLINE else [value])
         if leaf not in ("", f"bag:{size}"):
             return Completion("invalid", [f"step {path} is a {leaf}, not a bag of {size}"])
         for index in outputs:
@@ -148,12 +193,14 @@ class MemoryStore:
             if str(index) not in barrier:
                 barrier.add(str(index))
                 self.data[self.keys.output(wf, path, index)] = output
+                self._register(wf, self.keys.barrier(wf, path), self.keys.output(wf, path, index))
                 fired = True
         self._drop_if_empty(self.keys.barrier(wf, path))
         if len(barrier) < size:
             return Completion("wait", [])
-        members = [self._get(self.keys.output(wf, path, i)) for i in range(size)]
-        return Completion("fire" if fired else "again", [member or "" for member in members])
+        members = [self._get(self.keys.output(wf, path, i)) or "" for i in range(size)]
+        inline = sum(map(len, members)) <= INLINE
+        return Completion("fire" if fired else "again", members if inline else [])
 
     async def fail(
         self, wf: str, path: str, index: int | None, attempt: int, error: str, max_attempts: int
@@ -181,6 +228,7 @@ class MemoryStore:
         failures = self._hash(self.keys.failures(wf, path))
         first = f"{member}:{attempt}" not in failures
         failures.setdefault(f"{member}:{attempt}", error)
+        self._register(wf, self.keys.failures(wf, path))
         if attempt + 1 < max_attempts:
             return Completion("retry" if first else "again", [])
         errors = [failures.get(f"{member}:{a}", "?") for a in range(attempt + 1)]
@@ -198,9 +246,53 @@ class MemoryStore:
         state = self._hash(key)
         state.update(status=status, error=reason, cursor="", updated_ms=now, ended_ms=now)
         state["from"] = cursor or ""
+        self._expire_all(wf)
         return Ended(True, status, int(owner or 0))
 
+    async def stash(self, wf: str, blobs: Mapping[str, str]) -> bool:
+        """lua/stash.lua"""
+        (status,) = self._hmget(self.keys.state(wf), "status")
+        if status not in ("pending", "running"):
+            return False
+        for name, value in blobs.items():
+            self.data.setdefault(self.keys.blob(wf, name), value)
+            self._register(wf, self.keys.blob(wf, name))
+        return True
+
+    async def purge(self, wf: str, statuses: str, ended_before_ms: int) -> str:
+        """lua/purge.lua"""
+        status, ended = self._hmget(self.keys.state(wf), "status", "ended_ms")
+        if status is None:
+            return "missing"
+        if status in ("pending", "running"):
+            return "live"
+        if status not in statuses.split(",") or not ended or int(ended) > ended_before_ms:
+            return "kept"
+        owned = self.data.get(self.keys.registry(wf))
+        self._delete(*(owned if isinstance(owned, set) else ()))
+        self._delete(self.keys.registry(wf), self.keys.plan(wf), self.keys.state(wf))
+        return "purged"
+
     # --- shard membership and plain reads ---------------------------------------------------
+
+    async def blobs(self, wf: str, names: list[str]) -> list[str | None]:
+        return [self._get(self.keys.blob(wf, name)) for name in names]
+
+    async def outputs(self, wf: str, path: str, size: int | None, limit: int) -> Stored:
+        if size is None:
+            found = [self._get(self.keys.output(wf, path))]
+        else:
+            found = [self._get(self.keys.output(wf, path, i)) for i in range(size)]
+        total = sum(len(value or "") for value in found)
+        if total > limit or None in found:
+            return Stored(None, total)
+        return Stored([value or "" for value in found], total)
+
+    async def programs(self) -> AsyncIterator[str]:
+        start, end = len(self.keys.prefix) + 2, -len("}:state")
+        for key in sorted(self.data):
+            if key.startswith(f"{self.keys.prefix}:{{") and key.endswith("}:state"):
+                yield key[start:end]
 
     async def track(self, wf: str, owner: int) -> None:
         self._set(self.keys.live(owner)).add(wf)

@@ -17,10 +17,22 @@ TaskName = Annotated[str, Field(pattern=TASK_NAME)]
 # A failed attempt's error is recorded in Redis: long texts are cut by the worker to this.
 MAX_ERROR = 16 * 1024
 Path = Annotated[str, Field(pattern=r"^\d+(/(iter:\d+/)?\d+)*$", max_length=1000)]
+# An input, prev or step output over this many bytes of JSON travels by reference: it is kept
+# in Redis under the program (lua/stash.lua, or where complete.lua recorded it) and read there.
+# lua/complete.lua has the same number.
+INLINE_BYTES = 65536
+# No message is published or accepted above this: a task message's args come from a program
+# (at most 8 MiB, settings.py), and everything else large travels by reference.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
 class MessageError(Poison, ValueError):
     """A message that cannot be decoded; it goes to the dead-letter queue with this reason."""
+
+
+def _one_way(value: Any, ref: bool, name: str) -> None:
+    if ref and value is not None:
+        raise ValueError(f"{name}: carried and referred to at once")
 
 
 class _Message(BaseModel):
@@ -41,6 +53,13 @@ class Next(_Message):
     wf: WorkflowId
     path: Path
     output: Any = None
+    # The output was too large to carry: the owner reads it where complete.lua recorded it.
+    stored: bool = False
+
+    @model_validator(mode="after")
+    def _output_once(self) -> Next:
+        _one_way(self.output, self.stored, "output")
+        return self
 
 
 class Failed(_Message):
@@ -55,7 +74,13 @@ class Failed(_Message):
     error: str = Field(max_length=MAX_ERROR)
     # What a retry needs to send the task again.
     prev: Any = None
+    prev_ref: bool = False
     iteration: int = 0
+
+    @model_validator(mode="after")
+    def _prev_once(self) -> Failed:
+        _one_way(self.prev, self.prev_ref, "prev")
+        return self
 
 
 class Deadline(_Message):
@@ -95,6 +120,9 @@ class TaskMessage(_Message):
     args: dict[str, Any] = Field(default_factory=dict)
     input: Any = None
     prev: Any = None
+    # Large values stay in Redis: the input under `input`, the prev under the task's path.
+    input_ref: bool = False
+    prev_ref: bool = False
     iteration: int = Field(default=0, ge=0)
     attempt: int = Field(default=0, ge=0, lt=MAX_ATTEMPTS)
     owner: int = Field(ge=0, lt=MAX_SHARDS)
@@ -110,6 +138,8 @@ class TaskMessage(_Message):
             raise ValueError("size: a single task has size 1")
         if any(i is not None and i >= self.size for i in indices):
             raise ValueError(f"index: a bag of {self.size} has members 0..{self.size - 1}")
+        _one_way(self.input, self.input_ref, "input")
+        _one_way(self.prev, self.prev_ref, "prev")
         return self
 
     def split(self) -> list[TaskMessage]:
@@ -124,8 +154,18 @@ _SHARD = TypeAdapter(ShardMessage)
 _TASK = TypeAdapter(TaskMessage)
 
 
+class MessageTooLarge(ValueError):
+    """A message over MAX_MESSAGE_BYTES: large values should have travelled by reference."""
+
+
+def _fits(body: bytes) -> None:
+    if len(body) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"a message of {len(body)} bytes, over {MAX_MESSAGE_BYTES}")
+
+
 def decode_shard_message(body: bytes) -> Start | Next | Failed | Deadline:
     """Parse a shard queue message, or raise MessageError naming the fault."""
+    _fits(body)
     try:
         return _SHARD.validate_json(body)
     except ValidationError as exc:
@@ -134,6 +174,7 @@ def decode_shard_message(body: bytes) -> Start | Next | Failed | Deadline:
 
 def decode_task(body: bytes) -> TaskMessage:
     """Parse a task message, or raise MessageError naming the fault."""
+    _fits(body)
     try:
         return _TASK.validate_json(body)
     except ValidationError as exc:
@@ -141,4 +182,9 @@ def decode_task(body: bytes) -> TaskMessage:
 
 
 def encode(message: _Message) -> bytes:
-    return message.model_dump_json().encode()
+    """The message's body; MessageTooLarge (a bug: every large value has a reference) when
+    over MAX_MESSAGE_BYTES."""
+    body = message.model_dump_json().encode()
+    if len(body) > MAX_MESSAGE_BYTES:
+        raise MessageTooLarge(f"{type(message).__name__} of {len(body)} bytes")
+    return body

@@ -87,6 +87,13 @@ class Untiloop(_Model):
 
     until: str = Field(min_length=1, max_length=MAX_SOURCE_CHARS)
     max_iterations: int = Field(ge=1, le=100_000)
+    # Finished iterations whose outputs stay in Redis; older ones go as the loop moves on.
+    keep_iterations: int = Field(
+        default=1,
+        ge=1,
+        le=1000,
+        description="finished iterations whose recorded outputs stay in Redis (older ones go)",
+    )
     steps: list[Step] = Field(min_length=1)
 
     @field_validator("until")

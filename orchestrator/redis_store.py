@@ -13,7 +13,7 @@ from redis.commands.core import AsyncScript
 
 from orchestrator.keys import Keys
 from orchestrator.settings import Settings
-from orchestrator.store import Completion, Ended, Recorded, Verdict
+from orchestrator.store import Completion, Ended, Recorded, Stored, Verdict
 
 
 def _carried(reply: list[str], verdicts: tuple[str, ...]) -> list[str]:
@@ -29,14 +29,20 @@ def _script(client: Redis | RedisCluster, name: str) -> AsyncScript:
 class RedisStore:
     """Redis state of programs (a `Store`). The client is owned by the caller of `connect`."""
 
-    def __init__(self, client: Redis | RedisCluster, keys: Keys) -> None:
+    def __init__(self, client: Redis | RedisCluster, keys: Keys, retention_ms: int = 0) -> None:
         self.client = client
         self.keys = keys
+        # How long an ended program's keys stay (0: forever); set by the scripts that end it.
+        self.retention_ms = retention_ms
         self._submit = _script(client, "submit")
         self._advance = _script(client, "advance")
         self._complete = _script(client, "complete")
         self._fail = _script(client, "fail")
         self._cancel = _script(client, "cancel")
+        self._stash = _script(client, "stash")
+        self._purge = _script(client, "purge")
+        self._scripts: tuple[AsyncScript, ...] = (self._submit, self._advance, self._complete)
+        self._scripts += (self._fail, self._cancel, self._stash, self._purge)
 
     @classmethod
     def connect(cls, settings: Settings) -> RedisStore:
@@ -46,11 +52,11 @@ class RedisStore:
             client = RedisCluster.from_url(settings.redis_url, decode_responses=True)
         else:
             client = Redis.from_url(settings.redis_url, decode_responses=True)
-        return cls(client, Keys(settings.prefix))
+        return cls(client, Keys(settings.prefix), int(settings.retention_s * 1000))
 
     async def load_scripts(self) -> None:
         """SCRIPT LOAD every transition up front; calls still reload on NOSCRIPT."""
-        for script in (self._submit, self._advance, self._complete, self._fail, self._cancel):
+        for script in self._scripts:
             await self.client.script_load(script.script)
 
     async def close(self) -> None:
@@ -73,11 +79,12 @@ class RedisStore:
         field: str = "",
         payload: str = "",
         leaf: str = "",
+        drop: str = "",
     ) -> Verdict:
         """Compare-and-advance the cursor (see lua/advance.lua)."""
-        verdict, now_status, now_cursor = await self._advance(
-            keys=[self.keys.state(wf)], args=[expected, cursor, status, field, payload, leaf]
-        )
+        args: list[str | int] = [expected, cursor, status, field, payload, leaf]
+        args += [self.retention_ms, drop]
+        verdict, now_status, now_cursor = await self._advance(keys=[self.keys.state(wf)], args=args)
         return Verdict(verdict, now_status, now_cursor)
 
     async def complete(
@@ -117,11 +124,51 @@ class RedisStore:
     async def cancel(self, wf: str, status: str, reason: str) -> Ended | None:
         """End a live program now (see lua/cancel.lua); None when there is no such program."""
         verdict, now_status, owner = await self._cancel(
-            keys=[self.keys.state(wf)], args=[status, reason]
+            keys=[self.keys.state(wf)], args=[status, reason, self.retention_ms]
         )
         if verdict == "missing":
             return None
         return Ended(verdict == "applied", now_status, int(owner))
+
+    async def stash(self, wf: str, blobs: Mapping[str, str]) -> bool:
+        """Keep large values under the program (see lua/stash.lua)."""
+        keys = [self.keys.state(wf), *(self.keys.blob(wf, name) for name in blobs)]
+        return await self._stash(keys=keys, args=list(blobs.values())) == "ok"
+
+    async def blobs(self, wf: str, names: list[str]) -> list[str | None]:
+        if not names:
+            return []
+        found = await self.client.mget([self.keys.blob(wf, name) for name in names])
+        return [None if value is None else str(value) for value in found]
+
+    async def outputs(self, wf: str, path: str, size: int | None, limit: int) -> Stored:
+        """A step's recorded outputs: their sizes first, so a step over `limit` is never read."""
+        if size is None:
+            names = [self.keys.output(wf, path)]
+        else:
+            names = [self.keys.output(wf, path, i) for i in range(size)]
+        async with self.client.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.strlen(name)
+            lengths = await pipe.execute()
+        total = sum(lengths)
+        if total > limit or 0 in lengths:  # outputs are JSON: never empty once recorded
+            return Stored(None, total)
+        values = await self.client.mget(names)
+        if any(value is None for value in values):
+            return Stored(None, total)
+        return Stored([str(value) for value in values], total)
+
+    async def purge(self, wf: str, statuses: str, ended_before_ms: int) -> str:
+        """Delete an ended program now (see lua/purge.lua)."""
+        reply: str = await self._purge(keys=[self.keys.state(wf)], args=[statuses, ended_before_ms])
+        return reply
+
+    async def programs(self) -> AsyncIterator[str]:
+        pattern = self.keys.state("*")
+        start = len(self.keys.prefix) + 2
+        async for key in self.client.scan_iter(match=pattern, count=1000, _type="HASH"):
+            yield key[start : -len("}:state")]
 
     async def track(self, wf: str, owner: int) -> None:
         """Count a program as in flight on its owner shard (before it is recorded)."""

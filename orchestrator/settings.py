@@ -30,8 +30,14 @@ class Settings(BaseSettings):
     prefetch: int = Field(default=1, ge=1, le=1000)
     serial_concurrency: Literal[1] = 1
     parallel_concurrency: int = Field(default=16, ge=1, le=1000)
-    max_program_bytes: int = Field(default=256 * 1024, ge=1024)
-    max_output_bytes: int = Field(default=1024 * 1024, ge=64)
+    # A task message carries its step's args, so a program fits in a message (messages.py).
+    max_program_bytes: int = Field(default=256 * 1024, ge=1024, le=8 * 1024 * 1024)
+    max_output_bytes: int = Field(default=1024 * 1024, ge=64, le=64 * 1024 * 1024)
+    # A step's whole output (a bag's: every member's) the owner will load; over it, the
+    # program fails naming the step.
+    max_join_bytes: int = Field(default=64 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024)
+    # How long an ended program's keys stay in Redis (0: forever); `shardflow purge` for now.
+    retention_s: float = Field(default=7 * 86400, ge=0, le=10 * 365 * 86400)
     plan_cache_size: int = Field(default=1024, ge=1)
     grace_s: float = Field(default=10.0, ge=0)
     # How long a starting orchestrator or worker waits for RabbitMQ and Redis.
@@ -39,6 +45,10 @@ class Settings(BaseSettings):
     wait_poll_s: float = Field(default=0.05, gt=0)
     # How often an orchestrator looks for programs recorded but never started (and starts them).
     sweep_s: float = Field(default=30.0, ge=0.1, le=86400)
+    # /metrics, /healthz and /readyz of a long-running process (docs/observability.md); 0: none.
+    metrics_port: int = Field(default=9464, ge=0, le=65535)
+    metrics_addr: str = "0.0.0.0"
+    log_format: Literal["text", "json"] = "text"
 
     @field_validator("prefix")
     @classmethod

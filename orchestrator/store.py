@@ -58,6 +58,15 @@ class Completion:
     outputs: list[str]
 
 
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """A step's recorded outputs read back: `values` in bag order (None when one is missing or
+    together they are over the reader's limit), and their size in bytes."""
+
+    values: list[str] | None
+    total: int
+
+
 class Store(Protocol):
     """Program state: five compare-and-advance transitions, plus plain reads and the shard sets.
 
@@ -85,9 +94,12 @@ class Store(Protocol):
         field: str = "",
         payload: str = "",
         leaf: str = "",
+        drop: str = "",
     ) -> Verdict:
         """Compare-and-advance the cursor: applied, replay, stale or missing (lua/advance.lua).
-        `leaf` is the new leaf's shape (`task`, `bag:<size>`, "" at the end)."""
+        `leaf` is the new leaf's shape (`task`, `bag:<size>`, "" at the end); `drop` a loop
+        iteration whose keys go (a path prefix such as `3/iter:4/`). When the program ends,
+        every key it owns gets the store's retention."""
         ...
 
     async def record(
@@ -106,6 +118,27 @@ class Store(Protocol):
 
     async def cancel(self, wf: str, status: str, reason: str) -> Ended | None:
         """End a live program now; None when there is no such program (lua/cancel.lua)."""
+        ...
+
+    async def stash(self, wf: str, blobs: Mapping[str, str]) -> bool:
+        """Keep large values under the program (names: `input`, or a leaf's path for its prev);
+        False when the program has ended or does not exist (lua/stash.lua)."""
+        ...
+
+    async def blobs(self, wf: str, names: list[str]) -> list[str | None]:
+        """The stashed values, None where one is missing."""
+        ...
+
+    async def outputs(self, wf: str, path: str, size: int | None, limit: int) -> Stored:
+        """A step's recorded outputs (a single task: size None), unless over `limit` bytes."""
+        ...
+
+    async def purge(self, wf: str, statuses: str, ended_before_ms: int) -> str:
+        """Delete an ended program now: purged, live, kept or missing (lua/purge.lua)."""
+        ...
+
+    def programs(self) -> AsyncIterator[str]:
+        """The id of every program in the store (SCAN: for maintenance, not a hot path)."""
         ...
 
     async def track(self, wf: str, owner: int) -> None:

@@ -13,11 +13,13 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator import machine
+from orchestrator import machine, metrics
 from orchestrator.bus import GOING_ON, NEW, Publisher
 from orchestrator.delivery import Poison
 from orchestrator.ending import end_program
+from orchestrator.marks import Marks
 from orchestrator.messages import (
+    INLINE_BYTES,
     Deadline,
     Failed,
     Next,
@@ -39,6 +41,8 @@ class Plan:
     program: Program
     input: Any
     owner: int
+    # The input as JSON when it is too large to carry in task messages (they refer to it).
+    big_input: str | None = None
 
 
 class Plans:
@@ -57,7 +61,10 @@ class Plans:
         raw = await self._store.plan(wf)
         if raw is None:
             return None
-        plan = Plan(parse_program(raw["program"], max_bytes=1 << 30), raw["input"], raw["owner"])
+        program = parse_program(raw["program"], max_bytes=1 << 30)
+        text = json.dumps(raw["input"])
+        big = text if len(text) > INLINE_BYTES else None
+        plan = Plan(program, raw["input"], raw["owner"], big)
         self._cache[wf] = plan
         if len(self._cache) > self._size:
             self._cache.popitem(last=False)
@@ -68,9 +75,17 @@ class Plans:
 
 
 def task_messages(
-    wf: str, plan: Plan, leaf: machine.Leaf, attempt: int = 0, only: int | None = None
+    wf: str,
+    plan: Plan,
+    leaf: machine.Leaf,
+    attempt: int = 0,
+    only: int | None = None,
+    *,
+    prev_ref: bool = False,
 ) -> tuple[str, list[bytes]]:
-    """The pool and the task messages that run one leaf (or only its member `only`)."""
+    """The pool and the task messages that run one leaf (or only its member `only`). A large
+    input is referred to (the plan says so), and the prev when `prev_ref`: both must be
+    stashed first (`Transitions._stash`)."""
     step = leaf.step
     members: list[Member] = step.bag if isinstance(step, Bag) else [step]
     indices = list(range(len(members))) if only is None else [only]
@@ -85,8 +100,10 @@ def task_messages(
             size=len(members),
             task=members[first].task,
             args=members[first].args,
-            input=plan.input,
-            prev=leaf.prev,
+            input=None if plan.big_input else plan.input,
+            prev=None if prev_ref else leaf.prev,
+            input_ref=plan.big_input is not None,
+            prev_ref=prev_ref,
             iteration=leaf.iteration,
             attempt=attempt,
             owner=plan.owner,
@@ -118,11 +135,15 @@ def _failure(message: Failed, errors: list[str]) -> machine.Failed:
 class Transitions:
     """Applies start / next / failed messages of the shards this process owns."""
 
-    def __init__(self, store: Store, bus: Publisher, plans: Plans) -> None:
+    def __init__(
+        self, store: Store, bus: Publisher, plans: Plans, max_join_bytes: int = 64 << 20
+    ) -> None:
         self.store = store
         self.bus = bus
         self.plans = plans
+        self.max_join_bytes = max_join_bytes
         self.counts: Counter[str] = Counter()
+        self.marks = Marks(store)  # what `explain` and `status` show of failed attempts
 
     async def apply(
         self, message: Start | Next | Failed | Deadline, *, redelivered: bool, shard: int
@@ -142,28 +163,32 @@ class Transitions:
             expected, outcome = "", machine.first(plan.program)
         elif isinstance(message, Next):
             expected = message.path
-            args = (plan.program, message.path, message.output, plan.input)
-            # Inside an untiloop, `after` may evaluate `until` (up to its time budget): wait
-            # in a thread, which only waits on the evaluator's pipe, so the shard keeps serving.
-            outcome = (
-                await asyncio.to_thread(machine.after, *args)
-                if "iter:" in message.path
-                else machine.after(*args)
-            )
+            following = await self._following(message, plan)
+            if isinstance(following, str):  # a stored output of a step long gone
+                self.counts[following] += 1
+                return following
+            outcome = following
         else:
             failure = await self._record_failure(message, plan, redelivered=redelivered)
             if isinstance(failure, str):  # retried, or a stale report
                 self.counts[failure] += 1
+                metrics.failure_verdict(failure)
                 return failure
             expected, outcome = message.path, failure
-        verdict = await self._advance(message.wf, expected, outcome)
+        verdict = await self._advance(message.wf, plan, expected, outcome)
         if verdict.verdict == "missing":
             raise Poison(f"{message.wf}: no such program")
         # stale: a duplicate or late message, acked and ignored
         self.counts[verdict.verdict] += 1
+        metrics.advanced(
+            message.wf, expected, outcome, verdict.verdict, verdict.status, redelivered=redelivered
+        )
         ended = verdict.status in TERMINAL
-        # A redelivered message may be the one whose publishing a crash cut short.
-        if verdict.verdict == "applied" or (verdict.verdict == "replay" and redelivered):
+        # A redelivered message may be the one whose publishing a crash cut short; once the
+        # program ended (a cancel answers `replay` to its cursor's report) nothing is owed.
+        if verdict.verdict == "applied" or (
+            verdict.verdict == "replay" and redelivered and not ended
+        ):
             if isinstance(message, Start) and plan.program.deadline_s is not None:
                 await self._publish_deadline(message.wf, plan)
             await self._publish(message.wf, plan, outcome, NEW if expected == "" else GOING_ON)
@@ -184,6 +209,45 @@ class Transitions:
             self.plans.forget(message.wf)
             await self.store.untrack(message.wf, plan.owner)
         return verdict.verdict
+
+    async def _following(self, message: Next, plan: Plan) -> machine.Outcome | str:
+        """What follows a finished leaf; "stale" when its output was left in Redis (too large
+        to carry) and the step is no longer the program's (gone with its loop iteration)."""
+        output = message.output
+        if message.stored:
+            step = machine.leaf_at(plan.program, message.path)
+            size = len(step.bag) if isinstance(step, Bag) else None
+            limit = self.max_join_bytes
+            read = await self.store.outputs(message.wf, message.path, size, limit)
+            if read.values is None and read.total > limit:
+                return machine.Failed(
+                    f"step {message.path}: its output of {read.total} bytes is over the limit "
+                    f"of {limit} (SHARDFLOW_MAX_JOIN_BYTES)"
+                )
+            if read.values is None:
+                state = await self.store.state(message.wf)
+                if state.get("status") != "running" or state.get("cursor") != message.path:
+                    return "stale"
+                raise Poison(f"{message.wf}: step {message.path} has no recorded output to read")
+            values = [json.loads(value) for value in read.values]
+            output = values if size is not None else values[0]
+        args = (plan.program, message.path, output, plan.input)
+        # Inside an untiloop, `after` may evaluate `until` (up to its time budget): wait in a
+        # thread, which only waits on the evaluator's pipe, so the shard keeps serving.
+        if "iter:" in message.path:
+            return await asyncio.to_thread(machine.after, *args)
+        return machine.after(*args)
+
+    async def _stash(self, wf: str, plan: Plan, leaf: machine.Leaf) -> bool | None:
+        """Keep what the leaf's task messages refer to; whether the prev is referred to, or
+        None when the program has ended (nothing to run)."""
+        blobs = {"input": plan.big_input} if plan.big_input else {}
+        text = json.dumps(leaf.prev)
+        if len(text) > INLINE_BYTES:
+            blobs[leaf.path] = text
+        if blobs and not await self.store.stash(wf, blobs):
+            return None
+        return leaf.path in blobs
 
     async def _publish_deadline(self, wf: str, plan: Plan) -> None:
         """The deadline counts from submission: what is left of it when the program starts."""
@@ -218,22 +282,36 @@ class Transitions:
         if reply.verdict == "stale":
             return "stale"
         if policy is None or message.attempt + 1 >= attempts:
+            await self.marks.failed(message, None)
             return _failure(message, reply.outputs or [message.error])
         # A redelivered report may be the one whose retry a crash cut short.
         if reply.verdict == "retry" or redelivered:
             leaf = machine.Leaf(message.path, step, message.prev, message.iteration)
+            prev_ref = message.prev_ref  # stashed when the first attempt was sent
+            if not prev_ref and (await self._stash(message.wf, plan, leaf)) is None:
+                return "stale"
             pool, bodies = task_messages(
-                message.wf, plan, leaf, attempt=message.attempt + 1, only=message.index
+                message.wf,
+                plan,
+                leaf,
+                attempt=message.attempt + 1,
+                only=message.index,
+                prev_ref=prev_ref,
             )
-            await self.bus.publish_later(pool, bodies[0], policy.delay_s(message.attempt))
+            delay_s = policy.delay_s(message.attempt)
+            await self.marks.failed(message, delay_s)
+            await self.bus.publish_later(pool, bodies[0], delay_s)
             return "retried"
         return "stale"
 
-    async def _advance(self, wf: str, expected: str, outcome: machine.Outcome) -> Any:
+    async def _advance(self, wf: str, plan: Plan, expected: str, outcome: machine.Outcome) -> Any:
         if isinstance(outcome, machine.Leaf):
             step = outcome.step
             leaf = f"bag:{len(step.bag)}" if isinstance(step, Bag) else "task"
-            return await self.store.advance(wf, expected, outcome.path, "running", leaf=leaf)
+            drop = machine.dropped(plan.program, expected, outcome.path)
+            return await self.store.advance(
+                wf, expected, outcome.path, "running", leaf=leaf, drop=drop
+            )
         if isinstance(outcome, machine.Done):
             return await self.store.advance(
                 wf, expected, "", "completed", "result", json.dumps(outcome.result)
@@ -242,5 +320,8 @@ class Transitions:
 
     async def _publish(self, wf: str, plan: Plan, outcome: machine.Outcome, priority: int) -> None:
         if isinstance(outcome, machine.Leaf):
-            pool, bodies = task_messages(wf, plan, outcome)
+            prev_ref = await self._stash(wf, plan, outcome)
+            if prev_ref is None:
+                return  # ended meanwhile (cancelled): nothing to run
+            pool, bodies = task_messages(wf, plan, outcome, prev_ref=prev_ref)
             await self.bus.publish_all(pool, bodies, priority)

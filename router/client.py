@@ -7,17 +7,23 @@ import hashlib
 import json
 import time
 import uuid
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.bus import NEW, Publisher
+from orchestrator.bus import NEW, Bus, Publisher
 from orchestrator.ending import end_program
 from orchestrator.keys import check_workflow_id
+from orchestrator.marks import Marks, now_ms
 from orchestrator.messages import Start, encode
 from orchestrator.program import Program, ProgramError, check_input, parse_program
 from orchestrator.settings import Settings
 from orchestrator.store import TERMINAL, Store
+from router import explain as explaining
+from router import listing
 from router.hashing import shard_for
+
+Progress = Callable[[dict[str, Any]], Awaitable[None] | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +54,8 @@ class Router:
         self.store = store
         self.bus = bus
         self.known_tasks = known_tasks
+        self._marks = Marks(store)
+        self._plans: dict[str, Any] = {}  # immutable once recorded: read once per program
 
     def validate(self, program: Program | str | bytes | dict[str, Any]) -> Program:
         """The program, validated; raises ProgramError naming each fault's path."""
@@ -84,13 +92,15 @@ class Router:
             raise ProgramError([f"input: not JSON: {exc}"]) from None
         if len(plan) > 2 * self.settings.max_program_bytes:
             raise ProgramError([f"input: {len(plan)} bytes with the program, over the limit"])
-        # Tracked first: a crash between the two leaves a program counted, never one uncounted.
+        # Tracked and indexed first: a crash between these and the record leaves a program
+        # counted and listed that does not exist (listings drop it), never one uncounted.
+        await self._marks.index({wf: now_ms()})
         await self.store.track(wf, owner)
         found = await self.store.submit(wf, plan, owner, checked.name, digest)
+        if found.owner != owner or found.status in TERMINAL:
+            await self.store.untrack(wf, owner)  # counted above, but not in flight here
         if found.conflict:
             raise ProgramError([f"id: {wf!r} exists with another program or input; use a new id"])
-        if found.owner != owner or found.status in TERMINAL:
-            await self.store.untrack(wf, owner)
         # A still-pending program may have missed its start (a crash right after recording):
         # starting it again is harmless, the first transition is compare-and-advance. Its
         # owner also sweeps for such programs (see Orchestrator), so none stays pending.
@@ -110,39 +120,105 @@ class Router:
         return status
 
     async def status(self, workflow_id: str) -> dict[str, Any] | None:
-        """The program's status as JSON-ready data, or None when there is no such program."""
+        """The program's status as JSON-ready data, or None when there is no such program:
+        also its current step (task names, loop iterations, bag members done), every failed
+        attempt (those of tasks that later succeeded too) and elapsed times."""
         state = await self.store.state(workflow_id)
         if not state:
             return None
-        return {
-            "workflow_id": workflow_id,
-            "name": state.get("name", ""),
-            "status": state["status"],
-            "owner": int(state["owner"]),
-            "cursor": state.get("cursor") or None,
-            "created_ms": _int(state.get("created_ms")),
-            "started_ms": _int(state.get("started_ms")),
-            "ended_ms": _int(state.get("ended_ms")),
-            "result": json.loads(state["result"]) if "result" in state else None,
-            "error": state.get("error"),
-        }
+        status = _basic(workflow_id, state)
+        found = await explaining.details(
+            self.store, workflow_id, state, await self._plan(workflow_id)
+        )
+        status.update(
+            updated_ms=_int(state.get("updated_ms")),
+            **explaining.elapsed(state),
+            steps=found.steps,
+            step=found.step,
+            attempts=found.attempts,
+        )
+        return status
 
-    async def wait(self, workflow_id: str, timeout_s: float | None = None) -> dict[str, Any]:
-        """Poll until the program ends; TimeoutError after `timeout_s` seconds."""
+    async def _plan(self, workflow_id: str) -> Any:
+        if workflow_id not in self._plans:
+            if len(self._plans) >= 256:
+                self._plans.clear()
+            self._plans[workflow_id] = await self.store.plan(workflow_id)
+        return self._plans[workflow_id]
+
+    async def list_programs(
+        self,
+        *,
+        statuses: Iterable[str] = (),
+        name: str | None = None,
+        since_ms: int | None = None,
+        before: str | None = None,
+        limit: int = listing.DEFAULT_LIMIT,
+    ) -> listing.Page:
+        """Programs newest first (router/listing.py: list_programs)."""
+        return await listing.list_programs(
+            self.settings,
+            self.store,
+            statuses=statuses,
+            name=name,
+            since_ms=since_ms,
+            before=before,
+            limit=limit,
+        )
+
+    async def explain(self, workflow_id: str) -> dict[str, Any] | None:
+        """Where the program stands and what it waits for (router/explain.py); with a `Bus`,
+        also its pool's and shard's queues."""
+        bus = self.bus if isinstance(self.bus, Bus) else None
+        return await explaining.explain(self.store, bus, workflow_id)
+
+    async def wait(
+        self,
+        workflow_id: str,
+        timeout_s: float | None = None,
+        *,
+        progress: Progress | None = None,
+    ) -> dict[str, Any]:
+        """Poll until the program ends; TimeoutError after `timeout_s` seconds. `progress`, if
+        given, is called with the full status at each poll."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         pause = self.settings.wait_poll_s
         while True:
-            status = await self.status(workflow_id)
-            if status is None:
+            state = await self.store.state(workflow_id)
+            if not state:
                 raise LookupError(f"no program {workflow_id!r}")
-            if status["status"] in TERMINAL:
-                return status
+            if progress is not None or state["status"] in TERMINAL:
+                status = await self.status(workflow_id)
+                if status is None:
+                    raise LookupError(f"no program {workflow_id!r}")
+                if progress is not None:
+                    shown = progress(status)
+                    if shown is not None:
+                        await shown
+                if status["status"] in TERMINAL:
+                    return status
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(
-                    f"program {workflow_id} still {status['status']} after {timeout_s}s"
+                    f"program {workflow_id} still {state['status']} after {timeout_s}s"
                 )
             await asyncio.sleep(pause)
             pause = min(pause * 1.5, 1.0)
+
+
+def _basic(workflow_id: str, state: dict[str, str]) -> dict[str, Any]:
+    """The status fields every version printed (the CLI is a contract: extend, never rename)."""
+    return {
+        "workflow_id": workflow_id,
+        "name": state.get("name", ""),
+        "status": state["status"],
+        "owner": int(state["owner"]),
+        "cursor": state.get("cursor") or None,
+        "created_ms": _int(state.get("created_ms")),
+        "started_ms": _int(state.get("started_ms")),
+        "ended_ms": _int(state.get("ended_ms")),
+        "result": json.loads(state["result"]) if "result" in state else None,
+        "error": state.get("error"),
+    }
 
 
 def _int(value: str | None) -> int | None:

@@ -234,3 +234,44 @@ async def test_inputs_given_as_values_are_as_strict_as_json_text(cluster: Router
     for bad, fault in [(float("nan"), "NaN"), (deep, "nested deeper than 64")]:
         with pytest.raises(ProgramError, match=fault):
             await cluster.submit({"steps": [{"task": "add"}]}, bad)
+
+
+async def test_a_refused_resubmission_of_an_ended_program_leaves_nothing_in_flight(
+    cluster: Router, settings: Settings
+) -> None:
+    submitted = await cluster.submit({"steps": [{"task": "add"}]}, 1, "ended-once")
+    assert (await cluster.wait("ended-once", timeout_s=30))["status"] == "completed"
+    with pytest.raises(ProgramError, match="exists with another program"):
+        await cluster.submit({"steps": [{"task": "add"}]}, 2, "ended-once")
+    assert await cluster.store.in_flight(submitted.shard) == 0
+
+
+async def test_a_forged_cancel_of_a_live_program_stops_nothing(
+    cluster: Router, settings: Settings
+) -> None:
+    await cluster.submit({"steps": [{"task": "echo", "args": {"sleep_s": 1.0}}]}, None, "victim")
+    await asyncio.sleep(0.3)  # its handler runs
+    control = Names(settings.prefix).control_exchange
+    await publish(settings, "", b'{"wf": "victim"}', exchange=control)
+    status = await cluster.wait("victim", timeout_s=30)
+    assert status["status"] == "completed", status
+
+
+async def test_no_handler_runs_for_an_unknown_program_or_a_step_its_program_left(
+    cluster: Router, settings: Settings, trace: Any
+) -> None:
+    program = {"steps": [{"task": "echo", "args": {"a": 1}}, {"task": "echo", "args": {"b": 2}}]}
+    await cluster.submit(program, trace.as_input(), "moved-on")
+    assert (await cluster.wait("moved-on", timeout_s=30))["status"] == "completed"
+    # Step 0's task once more, as a replay or a redelivery after a crash brings it back; and a
+    # task of a program nobody submitted, on the serial lane.
+    again = {"wf": "moved-on", "path": "0", "task": "echo", "args": {"a": 1}, "owner": 0}
+    again["input"] = trace.as_input()
+    ghost = {"wf": "nobody", "path": "0", "task": "echo", "args": {"sleep_s": 5}, "owner": 0}
+    ghost["input"] = trace.as_input()
+    serial = f"{settings.prefix}.tasks.serial"
+    await publish(settings, serial, json.dumps(again).encode())
+    await publish(settings, serial, json.dumps(ghost).encode())
+    assert await dead_reasons(settings, 1) == ["nobody: no such program"]
+    starts = [(e["wf"], e["path"]) for e in trace.events() if e["event"] == "start"]
+    assert starts == [("moved-on", "0"), ("moved-on", "1")]

@@ -114,7 +114,7 @@ async def test_every_key_of_a_program_shares_one_cluster_slot(store: RedisStore)
     wf = await started(store, cursor="2")
     await store.complete(wf, "2", 0, 2, "1")
     keys = [key async for key in store.client.scan_iter(match=store.keys.pattern(wf))]
-    assert len(keys) == 4  # state, plan, one output, the barrier
+    assert len(keys) == 5  # state, plan, one output, the barrier, the registry of keys
     slots = {key_slot(key.encode()) for key in keys}
     assert len(slots) == 1
 

@@ -95,3 +95,42 @@ def test_after_refuses_paths_that_are_not_in_the_program() -> None:
     for bad in ["7", "2/0", "0/iter:1/0", "2/iter:0/9"]:
         with pytest.raises(PathError):
             after(PROGRAM, bad, None, None)
+
+
+@pytest.mark.parametrize(
+    ("finished", "path", "gone"),
+    [
+        ("", "0", ""),  # no loop
+        ("1", "2/iter:0/0", ""),  # entering a loop: nothing behind it yet
+        ("2/iter:0/1/iter:1/0", "2/iter:1/0", ""),  # iteration 1 keeps iteration 0
+        ("2/iter:1/1/iter:0/0", "2/iter:2/0", "2/iter:0/"),  # iteration 2 drops 0
+        ("2/iter:2/0", "2/iter:2/1/iter:0/0", ""),  # the same iteration goes on
+        ("2/iter:2/1/iter:1/0", "2/iter:2/1/iter:2/0", "2/iter:2/1/iter:0/"),  # inner loop
+        ("2/iter:3/1/iter:1/0", "3", ""),  # leaving the loop keeps its last iterations
+    ],
+)
+def test_a_loop_drops_the_iteration_before_the_one_it_keeps(
+    finished: str, path: str, gone: str
+) -> None:
+    from orchestrator.machine import dropped
+
+    assert dropped(PROGRAM, finished, path) == gone
+
+
+def test_keep_iterations_keeps_more() -> None:
+    from orchestrator.machine import dropped
+
+    program = parse_program(
+        {
+            "steps": [
+                {
+                    "until": "true",
+                    "max_iterations": 9,
+                    "keep_iterations": 3,
+                    "steps": [{"task": "a"}],
+                }
+            ]
+        }
+    )
+    assert dropped(program, "0/iter:2/0", "0/iter:3/0") == ""
+    assert dropped(program, "0/iter:3/0", "0/iter:4/0") == "0/iter:0/"

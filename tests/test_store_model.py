@@ -28,7 +28,10 @@ PATHS = ["0", "1", "2/iter:0/0", "2/iter:1/0"]
 PLANS = [
     json.dumps({"program": {"steps": [{"task": "t"}]}, "input": n, "owner": 0}) for n in (1, 2)
 ]
-OUTPUTS = st.sampled_from(['"x"', "1", "[1, 2]", '{"v": 3}'])
+# Now and then an output over complete.lua's INLINE, which is then read back, not carried.
+BIG = json.dumps("b" * 65536)
+OUTPUTS = st.sampled_from(['"x"', "1", "[1, 2]", '{"v": 3}'] * 4 + [BIG])
+RETENTION_MS = 3_600_000
 
 
 def _outputs(size: int) -> st.SearchStrategy[dict[int | None, str]]:
@@ -56,15 +59,17 @@ def calls(cursors: dict[str, str]) -> st.SearchStrategy[Call]:
 
     def advance(wf: str) -> st.SearchStrategy[Call]:
         return st.builds(
-            lambda expected, cursor, status, payload, leaf: (
+            lambda expected, cursor, status, payload, leaf, drop: (
                 "advance",
-                (wf, expected, cursor, status, *payload, leaf),
+                (wf, expected, cursor, status, *payload, leaf, drop),
             ),
             at(wf, ["", *PATHS]),
             st.sampled_from(["", *PATHS]),
             st.sampled_from(["running"] * 4 + ["completed", "failed"]),
             st.sampled_from([("", ""), ("result", "7"), ("error", "boom")]),
             st.sampled_from(["", "task", "bag:1", "bag:2", "bag:3"]),
+            # a loop iteration dropped as the loop moves on (keys under 2/iter:0/ go)
+            st.sampled_from(["", "", "", "2/iter:0/", "2/iter:1/", "1"]),
         )
 
     def per_workflow(wf: str) -> st.SearchStrategy[Call]:
@@ -96,9 +101,20 @@ def calls(cursors: dict[str, str]) -> st.SearchStrategy[Call]:
             st.sampled_from(["track", "untrack"]),
             st.integers(0, 2),
         )
+        stash = st.builds(
+            lambda names, value: ("stash", (wf, dict.fromkeys(names, value))),
+            st.lists(st.sampled_from(["input", *PATHS]), min_size=1, max_size=2, unique=True),
+            st.sampled_from(['"s1"', '"s2"']),
+        )
+        purge = st.builds(
+            lambda statuses, before: ("purge", (wf, statuses, before)),
+            st.sampled_from(["completed,failed,cancelled", "cancelled", "completed"]),
+            st.sampled_from([0, 2**62]),
+        )
         # Weighted toward the moves that change a live program; a cancel ends it.
         moves = {"advance": advance(wf), "record": record(wf), "fail": fail}
         others = {"submit": submit, "track": track, "cancel": cancel}
+        others |= {"stash": stash, "purge": purge}
         kinds = [*moves] * 4 + [*others]
         return st.sampled_from(kinds).flatmap(lambda kind: {**moves, **others}[kind])
 
@@ -118,8 +134,9 @@ def again(call: Call) -> Call:
     return call
 
 
-async def dump(client: Redis, prefix: str) -> dict[str, Any]:
-    """Every key under the prefix, as the model holds it (hash, set or string)."""
+async def dump(client: Redis, prefix: str) -> tuple[dict[str, Any], set[str]]:
+    """Every key under the prefix, as the model holds it (hash, set or string), and the keys
+    that carry an expiry."""
     keys = [key async for key in client.scan_iter(match=f"{prefix}:*", count=1000)]
     async with client.pipeline(transaction=False) as pipe:
         for key in keys:
@@ -129,7 +146,11 @@ async def dump(client: Redis, prefix: str) -> dict[str, Any]:
         for key, kind in zip(keys, kinds, strict=True):
             read[kind](key)
         values = await pipe.execute()
-    return _normal(dict(zip(keys, values, strict=True)))
+        for key in keys:
+            pipe.pttl(key)
+        ttls = await pipe.execute()
+    expiring = {key for key, ttl in zip(keys, ttls, strict=True) if ttl > 0}
+    return _normal(dict(zip(keys, values, strict=True))), expiring
 
 
 def _normal(data: dict[str, Any]) -> dict[str, Any]:
@@ -159,8 +180,8 @@ def test_the_model_and_the_lua_give_the_same_verdicts_and_state(
     @given(data=st.data())
     def agree(data: st.DataObject) -> None:
         keys = Keys(f"{base}-{uuid.uuid4().hex[:8]}")
-        real: Store = RedisStore(client, keys)
-        model = MemoryStore(keys)
+        real: Store = RedisStore(client, keys, RETENTION_MS)
+        model = MemoryStore(keys, retention_ms=RETENTION_MS)
         # Two programs submitted and started, so that most drawn calls meet a live one.
         prelude: list[Call] = [
             ("submit", ("a", PLANS[0], 1, "x", "d1")),
@@ -186,8 +207,9 @@ def test_the_model_and_the_lua_give_the_same_verdicts_and_state(
             assert got == expected, f"call {n} {name}{args}: lua {got} != model {expected}"
             if getattr(got, "verdict", None) not in ("stale", "missing", "invalid"):
                 made.append((name, args))  # a call that changed something: worth repeating
-            state = loop.run_until_complete(dump(client, keys.prefix))
+            state, expiring = loop.run_until_complete(dump(client, keys.prefix))
             assert state == _normal(model.data), f"after call {n} {name}{args}"
+            assert expiring == set(model.ttl), f"expiry after call {n} {name}{args}"
 
     try:
         agree()

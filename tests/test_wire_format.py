@@ -87,3 +87,19 @@ def test_a_bag_goes_out_in_chunks_that_split_back_into_its_members(
     # A retry sends one member alone, whatever the chunk.
     _, alone = task_messages("wf-1", Plan(program, None, owner=2), leaf, attempt=1, only=5)
     assert [(t.index, t.attempt) for t in decode_task(alone[0]).split()] == [(5, 1)]
+
+
+def test_a_large_value_is_referred_to_or_carried_never_both() -> None:
+    from orchestrator.messages import MAX_MESSAGE_BYTES, Failed, MessageError, decode_shard_message
+
+    referred = TaskMessage(wf="w", path="1", task="t", owner=0, input_ref=True, prev_ref=True)
+    assert decode_task(encode(referred)) == referred
+    both = b'{"wf": "w", "path": "1", "task": "t", "owner": 0, "prev": 1, "prev_ref": true}'
+    with pytest.raises(MessageError, match="prev: carried and referred to at once"):
+        decode_task(both)
+    stored = b'{"kind": "next", "wf": "w", "path": "1", "output": 1, "stored": true}'
+    with pytest.raises(MessageError, match="output: carried and referred to at once"):
+        decode_shard_message(stored)
+    assert decode_shard_message(encode(Failed(wf="w", path="1", error="e", prev_ref=True)))
+    with pytest.raises(MessageError, match="over 16777216"):
+        decode_task(b" " * (MAX_MESSAGE_BYTES + 1))

@@ -5,15 +5,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections import Counter
 from collections.abc import Coroutine
 from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from orchestrator import logs, metrics
 from orchestrator.bus import Transport
 from orchestrator.delivery import Delivery, Poison, process, redelivered
 from orchestrator.lifecycle import Service, format_counts
+from orchestrator.marks import Marks
 from orchestrator.messages import (
     MAX_ERROR,
     Cancelled,
@@ -24,7 +27,7 @@ from orchestrator.messages import (
     encode,
 )
 from orchestrator.settings import Settings
-from orchestrator.store import Store
+from orchestrator.store import TERMINAL, Store
 from worker.context import TaskContext
 from worker.registry import Registry, UnknownTask
 
@@ -58,6 +61,7 @@ class Worker(Service):
         self.store = store
         self.bus = bus
         self.counts: Counter[str] = Counter()
+        self.marks = Marks(store)  # who holds the serial lane, for `explain`
         self._running: dict[str, set[asyncio.Task[Any]]] = {}
 
     def summary(self) -> str:
@@ -74,7 +78,11 @@ class Worker(Service):
             except ValidationError:
                 log.warning("%s: ignored a control message: %r", self.name, message.body[:200])
                 continue
-            self.cancel_program(wf)
+            # Anyone on the vhost can publish here: only a program that really ended stops.
+            if wf in self._running and (await self.store.state(wf)).get("status") in TERMINAL:
+                self.cancel_program(wf)
+            elif wf in self._running:
+                log.warning("%s: ignored a cancel of %s, which has not ended", self.name, wf)
 
     def cancel_program(self, wf: str) -> int:
         """Cancel this worker's running handlers of a program; how many there were."""
@@ -97,6 +105,8 @@ class Worker(Service):
         """Run one task message; ack only after the report to the owner is confirmed."""
         async with process(delivery, self.bus, source, limit=self.settings.delivery_limit):
             task = decode_task(delivery.body)
+            if self.pool == "serial":
+                await self.marks.lane(task.wf, task.path, task.task)
             reports = await self.run_tasks(task.split(), redelivered=redelivered(delivery))
             for report in reports:
                 await self.bus.publish_to_shard(task.owner, encode(report))
@@ -104,10 +114,19 @@ class Worker(Service):
     async def run_tasks(self, tasks: list[TaskMessage], *, redelivered: bool) -> list[Report]:
         """Run one message's tasks side by side and record their outputs in one call; the
         reports for the owner: failures, and `next` when this completed the step."""
+        # A step its program has left (a late copy from a replay, or a redelivery after a crash
+        # past the report) is not run again: nothing it could record would count.
+        state = await self.store.state(tasks[0].wf)
+        if not state:  # never run a handler for a program nobody submitted
+            raise Poison(f"{tasks[0].wf}: no such program")
+        if state.get("status") != "running" or state.get("cursor") != tasks[0].path:
+            self.counts["stale"] += len(tasks)
+            return []
+        values = await self._values(tasks[0])  # a message's tasks share input and prev
         if len(tasks) == 1:  # the common case, without gather's extra task
-            outcomes = [await self._attempt(tasks[0])]
+            outcomes = [await self._attempt(tasks[0], *values)]
         else:
-            outcomes = await asyncio.gather(*(self._attempt(task) for task in tasks))
+            outcomes = await asyncio.gather(*(self._attempt(task, *values) for task in tasks))
         reports: list[Report] = [outcome for outcome in outcomes if isinstance(outcome, Failed)]
         outputs = {
             t.index: out for t, out in zip(tasks, outcomes, strict=True) if isinstance(out, str)
@@ -119,34 +138,56 @@ class Worker(Service):
         if completion.verdict in ("missing", "invalid"):
             raise Poison(f"{task.wf}: {', '.join(completion.outputs) or 'no such program'}")
         self.counts[completion.verdict] += len(outputs)
+        metrics.recorded(completion.verdict, redelivered=redelivered)
         # Only a redelivered task may be the one whose report a crash cut short.
         if completion.verdict == "fire" or (completion.verdict == "again" and redelivered):
-            values = [json.loads(out) for out in completion.outputs]
-            output = values if task.index is not None else values[0]
+            if not completion.outputs:  # too large to carry: the owner reads them in Redis
+                reports.append(Next(wf=task.wf, path=task.path, stored=True))
+                return reports
+            joined = [json.loads(out) for out in completion.outputs]
+            output = joined if task.index is not None else joined[0]
             reports.append(Next(wf=task.wf, path=task.path, output=output))
         return reports
 
-    async def _attempt(self, task: TaskMessage) -> str | Failed | None:
+    async def _values(self, task: TaskMessage) -> tuple[Any, Any]:
+        """The task's input and prev: carried, or read once from where the owner kept them."""
+        names = ["input"] * task.input_ref + [task.path] * task.prev_ref
+        found: dict[str, Any] = {}
+        for name, text in zip(names, await self.store.blobs(task.wf, names), strict=True):
+            if text is None:
+                raise Poison(f"{task.wf}: {name} is no longer stored (did the program end?)")
+            found[name] = json.loads(text)
+        input = found["input"] if task.input_ref else task.input
+        prev = found[task.path] if task.prev_ref else task.prev
+        return input, prev
+
+    async def _attempt(self, task: TaskMessage, input: Any, prev: Any) -> str | Failed | None:
         """Run one handler: its output as JSON, its failure, or None when it was cancelled."""
         ctx = TaskContext(
-            input=task.input,
+            input=input,
             args=task.args,
-            prev=task.prev,
+            prev=prev,
             workflow_id=task.wf,
             step=task.path,
             iteration=task.iteration,
             index=task.index,
             attempt=task.attempt,
         )
+        logs.bind(workflow_id=task.wf, step=task.path, task=task.task, attempt=task.attempt)
+        started = time.monotonic()
         try:
-            return await self._output(task, ctx)
+            output = await self._output(task, ctx)
+            metrics.task_ended(self.pool, task.task, self.registry.handlers, "completed", started)
+            return output
         except asyncio.CancelledError:
             raise
         except _ProgramCancelled:
             self.counts["cancelled"] += 1
+            metrics.task_ended(self.pool, task.task, self.registry.handlers, "cancelled", started)
             return None
         except Exception as exc:
             self.counts["failed"] += 1
+            metrics.task_ended(self.pool, task.task, self.registry.handlers, "failed", started)
             plain = isinstance(exc, _TaskError | UnknownTask)
             return Failed(
                 wf=task.wf,
@@ -156,6 +197,7 @@ class Worker(Service):
                 task=task.task,
                 error=_cut(str(exc) if plain else f"{type(exc).__name__}: {exc}"),
                 prev=task.prev,
+                prev_ref=task.prev_ref,
                 iteration=task.iteration,
             )
 
@@ -164,6 +206,7 @@ class Worker(Service):
         handler = asyncio.create_task(_guarded(self.registry.run(task.task, ctx)))
         running = self._running.setdefault(task.wf, set())
         running.add(handler)
+        metrics.TASKS_RUNNING.labels(self.pool).inc()
         try:
             done, _ = await asyncio.wait({handler}, timeout=task.timeout_s)
         finally:
@@ -171,6 +214,7 @@ class Worker(Service):
                 handler.cancel()
                 await asyncio.gather(handler, return_exceptions=True)
             running.discard(handler)
+            metrics.TASKS_RUNNING.labels(self.pool).dec()
             if not running:
                 del self._running[task.wf]
         if not done:

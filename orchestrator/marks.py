@@ -1,0 +1,124 @@
+"""Facts written beside the transitions only so that programs can be listed and explained.
+
+None of them decides anything: the state hash stays the truth, and readers check each mark
+against it. Each is one plain Redis call outside the Lua transitions. The creation index is a
+key of its own, never in a script with a program's keys, so it works on Redis Cluster; the
+per-program marks carry the program's hash tag and are named in its key registry, so they
+expire with it. On a store without Redis (the model) marks are not kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from collections.abc import Mapping
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
+
+from orchestrator.bus import ladder_ms
+from orchestrator.messages import Failed
+from orchestrator.redis_store import RedisStore
+from orchestrator.store import Store
+
+# A process refreshes the record of a shard it owns at most this often, while messages arrive.
+OWNER_REFRESH_S = 5.0
+OWNER_TTL_S = 60
+LANE_TTL_S = 86400  # a mark outlives its task; readers check it against the holder's cursor
+# An index entry is written before its program is recorded: younger entries whose program is
+# not there yet are kept, older ones are dropped (the program expired, was purged, or its
+# submit died before recording it).
+INDEX_GRACE_MS = 60_000
+# Each sweep looks at this many of the oldest index entries, so the index of a cluster that
+# nobody lists still loses the programs that retention took.
+PRUNE_SCAN = 5000
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def redis_of(store: Store) -> Redis | RedisCluster | None:
+    """The Redis client behind a store, or None for a store that is not Redis."""
+    return store.client if isinstance(store, RedisStore) else None
+
+
+def attempt_field(path: str, index: int | None) -> str:
+    return path if index is None else f"{path}/bag:{index}"
+
+
+class Marks:
+    """Writes the marks; every method is a no-op on a store without Redis."""
+
+    def __init__(self, store: Store) -> None:
+        self.keys = store.keys
+        self._client = redis_of(store)
+        self._retention_ms = getattr(store, "retention_ms", 0)
+        self._owner_written: dict[int, float] = {}
+        self._me = f"{socket.gethostname()}/{os.getpid()}"
+
+    async def index(self, created: Mapping[str, int]) -> None:
+        """Add programs to the creation index; an entry that exists keeps its score."""
+        if self._client is not None and created:
+            await self._client.zadd(self.keys.index_created, dict(created), nx=True)
+
+    async def prune_index(self, scan: int = PRUNE_SCAN) -> int:
+        """Drop the entries among the `scan` oldest of the creation index whose program is
+        gone (expired, purged, never recorded, and older than the grace); how many."""
+        if self._client is None:
+            return 0
+        key = self.keys.index_created
+        rows: list[tuple[str, float]] = await self._client.zrange(key, 0, scan - 1, withscores=True)  # type: ignore[assignment]
+        async with self._client.pipeline(transaction=False) as pipe:
+            for wf, _ in rows:
+                pipe.exists(self.keys.state(wf))
+            found = await pipe.execute()
+        old = now_ms() - INDEX_GRACE_MS
+        gone = [
+            wf for (wf, score), there in zip(rows, found, strict=True) if not there and score < old
+        ]
+        if gone:
+            await self._client.zrem(key, *gone)
+        return len(gone)
+
+    async def failed(self, report: Failed, delay_s: float | None) -> None:
+        """A task's attempt failed; the next one is published in `delay_s` (None: none is)."""
+        if self._client is None:
+            return
+        wf = report.wf
+        key = self.keys.attempts(wf)
+        due_ms = None if delay_s is None else now_ms() + ladder_ms(delay_s)  # as the queue has it
+        value = json.dumps({"attempt": report.attempt, "due_ms": due_ms})
+        async with self._client.pipeline(transaction=False) as pipe:  # one slot: the wf's tag
+            pipe.hset(key, attempt_field(report.path, report.index), value)
+            pipe.sadd(self.keys.registry(wf), key)
+            await pipe.execute()
+        # Registered first, so a program that ends after this read expires the mark with its
+        # other keys; one that ended before it (a cancel just now) gets it expired here.
+        status = await self._client.hget(self.keys.state(wf), "status")  # type: ignore[misc]
+        if status not in ("pending", "running") and self._retention_ms > 0:
+            await self._client.pexpire(key, self._retention_ms)
+
+    async def lane(self, wf: str, path: str, task: str) -> None:
+        """The serial lane runs this task now (best effort: a mark never stops a task)."""
+        if self._client is not None:
+            mark = f"{wf} {path} {task} {now_ms()}"
+            with contextlib.suppress(RedisError, OSError):
+                await self._client.set(self.keys.serial_lane, mark, ex=LANE_TTL_S)
+
+    async def owner(self, shard: int) -> None:
+        """This process handles the shard's messages (written at most every few seconds; best
+        effort: a mark never stops a consumer)."""
+        if self._client is None:
+            return
+        last = self._owner_written.get(shard)
+        if last is not None and time.monotonic() - last < OWNER_REFRESH_S:
+            return
+        self._owner_written[shard] = time.monotonic()
+        mark = f"{self._me} {now_ms()}"
+        with contextlib.suppress(RedisError, OSError):
+            await self._client.set(self.keys.shard_owner(shard), mark, ex=OWNER_TTL_S)

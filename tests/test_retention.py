@@ -1,0 +1,185 @@
+"""Retention: an ended program's keys expire, a live program's never do, purge never takes a
+live one, and a long untiloop keeps a bounded number of keys (on a real cluster)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+
+from orchestrator.connections import connected
+from orchestrator.redis_store import RedisStore
+from orchestrator.settings import Settings
+from router.client import Router
+from router.purge import purge
+from shardflow.dev import Dev
+from worker.pool import Worker
+from worker.registry import Registry
+
+LIVE = ("pending", "running")
+
+
+async def _keys(store: RedisStore, wf: str) -> dict[str, int]:
+    """Every key of one program, with its PTTL (-1: no expiry)."""
+    names = [
+        key async for key in store.client.scan_iter(match=store.keys.pattern(wf), count=10_000)
+    ]
+    return {name: await store.client.pttl(name) for name in names}
+
+
+@pytest.fixture
+async def short(settings: Settings, registry: Registry) -> AsyncIterator[tuple[Router, Dev]]:
+    """A cluster whose ended programs stay 2 s, and whose bags may join at most 200 kB."""
+    settings = settings.model_copy(update={"retention_s": 2.0, "max_join_bytes": 200_000})
+    async with connected(settings, "retention-test") as (store, bus):
+        dev = Dev(settings, registry, store=store, bus=bus, concurrency=8)
+        running = asyncio.create_task(dev.run())
+        try:
+            yield Router(settings, store=store, bus=bus, known_tasks=None), dev
+        finally:
+            dev.shutdown()
+            await running
+
+
+LOOP = {
+    "steps": [
+        {"task": "add", "args": {"n": 1}},
+        {
+            "until": "iteration >= 3",
+            "max_iterations": 10,
+            "steps": [{"bag": [{"task": "counter"}] * 3}, {"task": "counter"}],
+        },
+    ]
+}
+
+
+async def test_an_ended_programs_keys_expire_and_a_live_ones_do_not(
+    short: tuple[Router, Dev], store: RedisStore
+) -> None:
+    router, _ = short
+    done = await router.submit(LOOP, None)
+    status = await router.wait(done.workflow_id, timeout_s=60)
+    assert status["status"] == "completed", status
+    ended = await _keys(store, done.workflow_id)
+    assert len(ended) >= 5 and all(0 < ttl <= 2000 for ttl in ended.values()), ended
+    # A program waiting on a task that sleeps: every key it owns so far has no expiry.
+    slow = await router.submit(
+        {"steps": [{"task": "add"}, {"task": "echo", "args": {"sleep_s": 30}}]}, None
+    )
+    await asyncio.sleep(1.0)
+    held = await _keys(store, slow.workflow_id)
+    assert held and all(ttl == -1 for ttl in held.values()), held
+    await asyncio.sleep(2.5)
+    assert await _keys(store, done.workflow_id) == {}  # gone after the retention
+    assert (await router.status(slow.workflow_id) or {}).get("status") == "running"
+    still = await _keys(store, slow.workflow_id)
+    assert all(ttl == -1 for ttl in still.values()), still
+    cancelled = await router.cancel(slow.workflow_id)
+    assert cancelled["status"] == "cancelled", cancelled
+    ended_now = await _keys(store, slow.workflow_id)
+    assert ended_now and all(0 < ttl <= 2000 for ttl in ended_now.values()), ended_now
+
+
+async def test_purge_takes_ended_programs_and_never_a_live_one(
+    settings: Settings, registry: Registry, store: RedisStore
+) -> None:
+    async with connected(settings, "purge-test") as (shared, bus):
+        router = Router(settings, store=shared, bus=bus, known_tasks=None)
+        parallel = Worker(settings, registry, pool="parallel", store=shared, bus=bus)
+        dev = Dev(settings, registry, store=shared, bus=bus)
+        dev._parts = [dev.orchestrator, parallel]  # no serial worker: serial tasks wait
+        running = asyncio.create_task(dev.run())
+        try:
+            ended = await router.submit({"steps": [{"bag": [{"task": "add"}]}]}, None)
+            assert (await router.wait(ended.workflow_id, timeout_s=30))["status"] == "completed"
+            waiting = await router.submit({"steps": [{"task": "add"}]}, None)
+            cancelled = await router.submit({"steps": [{"task": "add"}]}, None)
+            await router.cancel(cancelled.workflow_id)
+            before = await _keys(store, waiting.workflow_id)
+
+            kept = await purge(store, statuses=["cancelled"], older_than_s=3600)
+            assert kept["purged"] == 0 and kept["kept"] >= 2, kept
+            counts = await purge(store)
+            assert counts["purged"] == 2 and counts["live"] == 1, counts
+            assert await _keys(store, ended.workflow_id) == {}
+            assert await _keys(store, cancelled.workflow_id) == {}
+            assert await _keys(store, waiting.workflow_id) == before
+            assert await router.status(ended.workflow_id) is None
+            with pytest.raises(ValueError, match="choose among"):
+                await purge(store, statuses=["running"])
+        finally:
+            dev.shutdown()
+            await running
+
+
+async def test_a_long_untiloop_keeps_a_bounded_number_of_keys(
+    short: tuple[Router, Dev], store: RedisStore
+) -> None:
+    router, _ = short
+    program = {
+        "steps": [
+            {
+                "until": "iteration >= 59",
+                "max_iterations": 100,
+                "steps": [{"bag": [{"task": "counter"}] * 3}, {"task": "counter"}],
+            }
+        ]
+    }
+    submitted = await router.submit(program, None)
+    wf, most = submitted.workflow_id, 0
+    while (await router.status(wf) or {}).get("status") in LIVE:
+        # The registry names every key the program owns beyond state and plan, read in one
+        # call (a SCAN would see keys over a window of many iterations).
+        most = max(most, await store.client.scard(store.keys.registry(wf)))
+        await asyncio.sleep(0.01)
+    status = await router.wait(wf, timeout_s=60)
+    assert status["status"] == "completed" and status["result"] == {"iteration": 59}
+    # Two iterations (the last finished and the current one) of a bag of 3 (3 outputs and
+    # its barrier) and a task: 2 * 5 = 10, whatever the number of iterations.
+    assert 0 < most <= 10, most
+    owned = await _keys(store, wf)  # quiet now: a SCAN sees every key there is
+    registered = await store.client.smembers(store.keys.registry(wf))
+    assert set(owned) == {*registered, *(store.keys.registry(wf), store.keys.plan(wf))} | {
+        store.keys.state(wf)
+    }
+    assert len(owned) <= 13, sorted(owned)
+
+
+async def test_large_values_travel_by_reference_and_an_oversized_join_fails_clearly(
+    short: tuple[Router, Dev], store: RedisStore
+) -> None:
+    router, _ = short
+    big_input = {"rows": ["r" * 100] * 1000}  # ~100 kB: over the 64 kB carried inline
+    program = {
+        "steps": [
+            {"task": "blob", "args": {"n": 150_000}},  # a 150 kB output: read back by the owner
+            {"task": "echo"},  # its prev (150 kB) is referred to
+            {"bag": [{"task": "blob", "args": {"n": 90_000}}] * 3},  # 270 kB > 200 kB joined
+        ]
+    }
+    submitted = await router.submit(program, big_input)
+    wf = submitted.workflow_id
+    status = await router.wait(wf, timeout_s=60)
+    assert status["status"] == "failed", status
+    assert "step 2: its output of 270006 bytes is over the limit of 200000" in status["error"]
+    names = {name.rsplit(":", 1)[-1] for name in await _keys(store, wf)}
+    assert {"input", "1"} <= names  # the stashed input and step 1's prev
+    echoed = json.loads(await store.client.get(store.keys.output(wf, "1")))
+    assert echoed["prev"] == "x" * 150_000  # the worker read the prev it was referred to
+
+
+def test_the_purge_command_prints_its_counts_and_refuses_a_live_status(
+    settings: Settings,
+) -> None:
+    from tests.test_cli import environment, shardflow
+
+    done = shardflow(
+        "purge", "--status", "completed", "--older-than", "1h", env=environment(settings)
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"purged": 0, "live": 0, "kept": 0, "missing": 0}
+    refused = shardflow("purge", "--status", "running", env=environment(settings))
+    assert refused.returncode == 2 and "invalid choice: 'running'" in refused.stderr
+    assert "never a live one" in shardflow("purge", "--help").stdout
