@@ -115,6 +115,11 @@ class Bus:
                 "SHARDFLOW_QUEUE_TYPE); drain and delete it, or use a new SHARDFLOW_PREFIX"
             ) from None
 
+    @property
+    def is_connected(self) -> bool:
+        """Whether the connection to RabbitMQ is up now (a robust one reconnects by itself)."""
+        return self._connection is not None and self._connection.connected.is_set()
+
     async def close(self) -> None:
         if self._connection is not None:
             await self._connection.close()
@@ -163,6 +168,18 @@ class Bus:
         channel = await self._consumer_channel()
         try:
             queue = await channel.declare_queue(self.names.shard_queue(shard), passive=True)
+        except aio_pika.exceptions.ChannelClosed:
+            return None
+        result = queue.declaration_result
+        with contextlib.suppress(Exception):
+            await channel.close()
+        return result.message_count or 0, result.consumer_count or 0
+
+    async def queue_state(self, name: str) -> tuple[int, int] | None:
+        """(messages ready, consumers) of any queue, or None when it does not exist."""
+        channel = await self._consumer_channel()
+        try:
+            queue = await channel.declare_queue(name, passive=True)
         except aio_pika.exceptions.ChannelClosed:
             return None
         result = queue.declaration_result

@@ -30,6 +30,8 @@ from pydantic import ValidationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from orchestrator import metrics
+
 log = logging.getLogger(__name__)
 
 # After a transient failure: long enough not to spin on a dead dependency, short enough to
@@ -90,6 +92,8 @@ async def process(
 
     `on_poison(reason)` runs after a poison message was parked (e.g. to answer its sender).
     """
+    if redelivered(delivery):
+        metrics.REDELIVERIES.labels(source).inc()
     try:
         yield
     except asyncio.CancelledError:
@@ -104,6 +108,7 @@ async def process(
         reason = describe(exc)
         try:
             await bus.dead_letter(delivery.body, reason=reason, source=source)
+            metrics.DEAD_LETTERS.labels(source, "refused").inc()
             if on_poison is not None:
                 await on_poison(reason)
         except Exception as failure:  # the broker went away: keep the message, try later
@@ -128,10 +133,12 @@ async def _count_failure(
         if failures >= limit:
             reason = f"failed {failures} times, the limit; last: {describe(exc)}"
             await bus.dead_letter(delivery.body, reason=reason, source=source)
+            metrics.DEAD_LETTERS.labels(source, "limit").inc()
         else:
             log.warning("%s: failure %d of %d, message requeued: %r", source, failures, limit, exc)
             headers[FAILURES] = failures
             await bus.requeue(source, delivery.body, headers, delivery.priority)
+            metrics.REQUEUED.labels(source, "failed").inc()
     except Exception as failure:  # could not publish: hand it back as it is
         await _requeue(delivery, source, failure)
         return
@@ -149,6 +156,7 @@ def _int(value: Any) -> int:
 
 async def _requeue(delivery: Delivery, source: str, exc: Exception) -> None:
     log.warning("%s: message requeued after %r", source, exc)
+    metrics.REQUEUED.labels(source, "unreachable").inc()
     await settle(delivery, ok=False)
     await asyncio.sleep(RETRY_PAUSE_S)
 

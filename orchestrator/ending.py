@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+from orchestrator import metrics
 from orchestrator.bus import Publisher
 from orchestrator.messages import Cancelled, encode
 from orchestrator.store import Store
@@ -25,6 +26,7 @@ async def end_program(store: Store, bus: Publisher, wf: str, status: str, reason
     await store.untrack(wf, ended.owner)
     if ended.now:
         log.info("%s: ended %s: %s", wf, status, reason)
+        metrics.program_ended(wf, status)
     # Told again on a redelivery too: a crash may have cut the first notice short.
     if ended.now or ended.status == status:
         await bus.publish_control(encode(Cancelled(wf=wf)))

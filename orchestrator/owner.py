@@ -9,10 +9,12 @@ import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from orchestrator import logs, metrics
 from orchestrator.bus import NEW, Bus, Publisher
 from orchestrator.delivery import UNREACHABLE, Delivery, process, redelivered
-from orchestrator.lifecycle import Service, format_counts
+from orchestrator.lifecycle import Service, format_counts, raise_if_cancelled
 from orchestrator.machine import PathError
+from orchestrator.marks import Marks
 from orchestrator.messages import Start, decode_shard_message, encode
 from orchestrator.program import ProgramError
 from orchestrator.settings import Settings
@@ -36,6 +38,7 @@ async def handle_shard_message(
     """Apply one message of `shard`; ack only after what it publishes is confirmed."""
     async with process(delivery, bus, source, poison=SHARD_POISON, limit=limit):
         decoded = decode_shard_message(delivery.body)
+        logs.bind(workflow_id=decoded.wf, step=getattr(decoded, "path", None), shard=shard)
         await transitions.apply(decoded, redelivered=redelivered(delivery), shard=shard)
 
 
@@ -69,7 +72,9 @@ class Orchestrator(Service):
         self.drain = drain
         self.limit = settings.delivery_limit
         self._unrecorded: set[str] = set()
-        self.transitions = Transitions(store, bus, Plans(store, settings.plan_cache_size))
+        self.marks = Marks(store)  # for `list` and `explain` only
+        plans = Plans(store, settings.plan_cache_size)
+        self.transitions = Transitions(store, bus, plans, settings.max_join_bytes)
 
     def summary(self) -> str:
         return format_counts(self.transitions.counts)
@@ -83,17 +88,27 @@ class Orchestrator(Service):
         if outside:
             # After the shard count went down, old shards are drained, never invented.
             used = await self.store.shards_used()
-            unknown = [shard for shard in outside if shard not in used]
+            empty = [shard for shard in outside if shard not in used]
+            # No process ever declared its queue: it was in no ring, a typo.
+            unknown = [shard for shard in empty if await self.bus.shard_queue_state(shard) is None]
             if unknown:
                 raise ShardError(
                     f"shards {unknown} are outside the ring 0..{ring - 1} "
                     f"(SHARDFLOW_SHARDS={ring}) and never owned a program"
                 )
+            if empty:
+                # Nothing to drain, but exiting would crash-loop a Deployment, and a router on
+                # the old count may still send here: stay up and consume, ready.
+                log.warning(
+                    "orchestrator: shards %s left the ring and never held a program: nothing "
+                    "to drain; remove them from drainShards (or --shards)",
+                    empty,
+                )
             log.info("orchestrator: draining shards %s, outside the ring 0..%d", outside, ring - 1)
-        return [*(self._consume(shard) for shard in self.owned), self._sweep_every()]
+        counting = metrics.count_in_flight(self.store, self.owned)
+        return [*(self._consume(shard) for shard in self.owned), self._sweep_every(), counting]
 
     async def _sweep_every(self) -> None:
-        this = asyncio.current_task()
         while True:
             try:
                 started = await self.sweep()
@@ -101,10 +116,7 @@ class Orchestrator(Service):
                     log.warning("orchestrator: started %d program(s) that never started", started)
             except UNREACHABLE as exc:
                 log.warning("orchestrator: sweep skipped: %r", exc)
-            # A stop cancels this loop; aio-pika may swallow that cancellation (a channel
-            # closing as it is cancelled), and a loop that went on would hold the stop forever.
-            if this is not None and this.cancelling():
-                raise asyncio.CancelledError
+            raise_if_cancelled()
             await asyncio.sleep(self.settings.sweep_s)
 
     async def sweep(self) -> int:
@@ -116,6 +128,7 @@ class Orchestrator(Service):
         started = 0
         old_ms = (time.time() - self.settings.sweep_s) * 1000
         unrecorded: set[str] = set()
+        indexed: dict[str, int] = {}  # repairs the creation index (router/listing.py)
         for shard in self.owned:
             # A pending program's start may still wait in a busy queue: under a backlog, a
             # sweep would only double the starts. An empty queue holds no start for anyone.
@@ -123,6 +136,8 @@ class Orchestrator(Service):
             waiting = bool(queue and queue[0])
             async for wf in self.store.live(shard):
                 state = await self.store.state(wf)
+                if state:
+                    indexed[wf] = int(state.get("created_ms") or 0)
                 if not state:
                     if wf in self._unrecorded:
                         await self.store.untrack(wf, shard)
@@ -136,6 +151,8 @@ class Orchestrator(Service):
                     await self.bus.publish_to_shard(shard, encode(Start(wf=wf)), NEW)
                     started += 1
         self._unrecorded = unrecorded
+        await self.marks.index(indexed)
+        await self.marks.prune_index()
         return started
 
     async def _consume(self, shard: int) -> None:
@@ -143,6 +160,7 @@ class Orchestrator(Service):
         iterator = self._track(await self.bus.consume_shard(shard, self.settings.prefetch))
         log.info("orchestrator: consuming %s", queue)
         async for message in iterator:
+            await self.marks.owner(shard)  # who owns the shard, for `explain`
             # One message at a time, in delivery order; shielded so a stop lets it finish.
             await asyncio.shield(
                 self._spawn(

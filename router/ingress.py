@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from orchestrator import logs, metrics
 from orchestrator.bus import Bus
 from orchestrator.delivery import Delivery, Poison, first_error, process
 from orchestrator.lifecycle import Service, format_counts
@@ -85,6 +86,7 @@ class Ingress(Service):
 
         async def refused(reason: str) -> None:
             self.counts["refused"] += 1
+            metrics.SUBMITTED.labels("refused").inc()
             await answer({"error": reason})
 
         source = self.bus.names.ingress_queue
@@ -97,8 +99,10 @@ class Ingress(Service):
             except ValidationError as exc:
                 raise Poison(first_error(exc, root="request")) from None
             workflow_id = request.workflow_id or derived_id(message_id, delivery.body)
+            logs.bind(workflow_id=workflow_id)
             submitted = await self.router.submit(request.program, request.input, workflow_id)
             self.counts["created" if submitted.created else "existing"] += 1
+            metrics.SUBMITTED.labels("created" if submitted.created else "existing").inc()
             await answer(
                 {
                     "workflow_id": submitted.workflow_id,

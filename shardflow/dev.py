@@ -47,6 +47,10 @@ class Dev:
             if not task.cancelled() and task.exception() is not None:
                 raise task.exception()  # type: ignore[misc]
 
+    @property
+    def consuming(self) -> bool:
+        return all(part.consuming for part in self._parts)
+
     def shutdown(self) -> None:
         for part in self._parts:
             part.shutdown()

@@ -142,7 +142,6 @@ def test_draining_shards_keep_orchestrators_outside_the_ring() -> None:
     [
         # refused by the chart's templates
         (["shards=4", "drainShards={1}"], "drainShards: 1 is inside the ring 0..3"),
-        (["probes.enabled=true"], "probes.enabled: the health endpoints"),
         (
             [
                 "workers.parallel.autoscaling.enabled=true",
@@ -267,7 +266,6 @@ def test_every_pod_meets_pod_security_restricted() -> None:
         resources = only["resources"]
         for kind in ("requests", "limits"):
             assert set(resources[kind]) == {"cpu", "memory"}, (name, kind)
-        assert "livenessProbe" not in only and "readinessProbe" not in only  # not yet
 
 
 def test_a_shards_owner_and_standby_prefer_different_nodes() -> None:
@@ -386,7 +384,7 @@ def test_keda_and_the_service_monitor_are_optional() -> None:
         monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     )
     assert container(deployments(documents)["demo-router"])["ports"] == [
-        {"name": "metrics", "containerPort": 9100}
+        {"name": "metrics", "containerPort": 9464}
     ]
 
 
@@ -676,3 +674,139 @@ def test_every_value_is_in_the_schema_and_the_readme_table() -> None:
              if line.startswith("| `")]  # fmt: skip
     undescribed = [line for line in table if line.rstrip().endswith("|  |")]
     assert not undescribed, f"values without a '# -- ' description in values.yaml: {undescribed}"
+
+
+# --- health probes, the metrics port and the dashboard
+
+
+def test_every_process_serves_metrics_and_health_on_one_port_and_is_probed_there() -> None:
+    documents = manifests()
+    assert config(documents)["SHARDFLOW_METRICS_PORT"] == "9464"
+    found = deployments(documents)
+    assert len(found) == 7  # 4 shards, 2 pools, the router
+    for name, deployment in found.items():
+        only = container(deployment)
+        assert only["ports"] == [{"name": "metrics", "containerPort": 9464}], name
+        for probe, path in (("startupProbe", "/healthz"), ("livenessProbe", "/healthz"),
+                            ("readinessProbe", "/readyz")):  # fmt: skip
+            assert only[probe]["httpGet"] == {"path": path, "port": "metrics"}, (name, probe)
+        assert only["livenessProbe"]["failureThreshold"] == 6
+        # The startup probe outlasts the process's own wait for RabbitMQ and Redis.
+        startup = only["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] > Settings().startup_wait_s
+    (test_pod,) = of_kind(documents, "Pod").values()
+    assert "livenessProbe" not in test_pod["spec"]["containers"][0]  # it runs once and exits
+
+    found = deployments(
+        manifests(
+            "metrics.port=9999",
+            "probes.periodSeconds=20",
+            "probes.livenessFailureThreshold=3",
+            "probes.readinessFailureThreshold=4",
+            "probes.startupSeconds=61",
+        )
+    )
+    only = container(found["demo-worker-serial"])
+    assert only["ports"] == [{"name": "metrics", "containerPort": 9999}]
+    assert only["livenessProbe"]["periodSeconds"] == only["readinessProbe"]["periodSeconds"] == 20
+    assert only["livenessProbe"]["failureThreshold"] == 3
+    assert only["readinessProbe"]["failureThreshold"] == 4
+    assert only["startupProbe"]["failureThreshold"] == 13  # 61 s in probes 5 s apart
+
+
+def test_the_port_the_chart_sets_is_the_one_shardflow_serves_on() -> None:
+    data = config(manifests("metrics.port=9999"))
+    settings = Settings.model_validate({"metrics_port": data["SHARDFLOW_METRICS_PORT"]})
+    assert settings.metrics_port == 9999
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["metrics"]["port"] == Settings().metrics_port  # the same default
+
+
+def test_probes_can_be_turned_off_and_the_policy_skips_then_say_why() -> None:
+    found = deployments(manifests("probes.enabled=false"))
+    for name, deployment in found.items():
+        only = container(deployment)
+        assert not {"startupProbe", "livenessProbe", "readinessProbe"} & set(only), name
+        assert only["ports"] == [{"name": "metrics", "containerPort": 9464}], name
+        skips = deployment["metadata"]["annotations"]
+        assert skips["checkov.io/skip1"].startswith("CKV_K8S_8=no liveness probe"), name
+    for name, deployment in deployments(manifests()).items():
+        assert "checkov.io/skip1" not in deployment["metadata"]["annotations"], name
+
+
+@pytest.mark.parametrize(
+    ("values", "fault"),
+    [
+        (["metrics.port=0"], "at '/metrics/port': minimum: got 0, want 1"),
+        (["probes.periodSeconds=0"], "at '/probes/periodSeconds': minimum: got 0, want 1"),
+        (["probes.startupSeconds=4"], "at '/probes/startupSeconds': minimum: got 4, want 5"),
+        (["probes.enabled=yes"], "at '/probes/enabled': got string, want boolean"),
+        (["probes.httpPath=/x"], "additional properties 'httpPath' not allowed"),
+        (["dashboard.enabled=1"], "at '/dashboard/enabled': got number, want boolean"),
+    ],
+)
+def test_bad_probe_metrics_and_dashboard_values_are_refused(values: list[str], fault: str) -> None:
+    result = render(*values)
+    assert result.returncode != 0
+    assert fault in result.stderr
+
+
+def test_the_service_monitor_scrapes_the_pods_metrics_port() -> None:
+    documents = manifests("metrics.serviceMonitor.enabled=true", "metrics.port=9500")
+    (monitor,) = of_kind(documents, "ServiceMonitor").values()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    (service,) = of_kind(documents, "Service").values()
+    assert service["spec"]["ports"] == [{"name": "metrics", "port": 9500, "targetPort": "metrics"}]
+    for name, deployment in deployments(documents).items():
+        assert container(deployment)["ports"] == [{"name": "metrics", "containerPort": 9500}]
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert service["spec"]["selector"].items() <= labels.items(), name
+
+
+def test_the_grafana_dashboard_is_an_optional_config_map_of_the_shipped_json() -> None:
+    assert "demo-dashboard" not in of_kind(manifests(), "ConfigMap")
+    shipped = json.loads((CHART / "files" / "dashboard.json").read_text())
+    (dashboard,) = [
+        d for name, d in of_kind(manifests("dashboard.enabled=true"), "ConfigMap").items()
+        if name == "demo-dashboard"
+    ]  # fmt: skip
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"]["shardflow.json"]) == shipped
+    relabelled = of_kind(
+        manifests(
+            "dashboard.enabled=true",
+            "dashboard.labels.team=flows",
+            "dashboard.annotations.grafana_folder=Shop",
+        ),
+        "ConfigMap",
+    )["demo-dashboard"]
+    assert relabelled["metadata"]["labels"]["team"] == "flows"
+    assert relabelled["metadata"]["annotations"]["grafana_folder"] == "Shop"
+
+
+def test_the_policy_scan_with_the_dashboard_monitor_and_no_probes_is_clean(
+    checkov: Path, tmp_path: Path
+) -> None:
+    rendered = render(
+        "dashboard.enabled=true", "metrics.serviceMonitor.enabled=true", "probes.enabled=false"
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    (tmp_path / "optional.yaml").write_text(rendered.stdout)
+    dead = "http://127.0.0.1:9"  # offline, as the default render's scan
+    env = {**os.environ, "HTTPS_PROXY": dead, "HTTP_PROXY": dead, "https_proxy": dead}
+    scan = subprocess.run(
+        [str(checkov), "--file", str(tmp_path / "optional.yaml"), "--framework", "kubernetes",
+         "--skip-download", "--compact", "--output", "json"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    results = json.loads(scan.stdout)["results"]
+    failed = [f"{c['check_id']}: {c['resource']}" for c in results["failed_checks"]]
+    assert not failed, "\n".join(failed)
+    skipped = {(c["check_id"], c["resource"]) for c in results["skipped_checks"]}
+    assert {check for check, _ in skipped} == EXPLAINED
+    # Without probes every Deployment says so, not only the helm test pod.
+    probe_skips = {resource for check, resource in skipped if check == "CKV_K8S_8"}
+    assert "Deployment.default.demo-router" in probe_skips
+    scanned = {c["resource"] for c in results["passed_checks"]} | {r for _, r in skipped}
+    assert {"ConfigMap.default.demo-dashboard", "Service.default.demo-metrics"} <= scanned

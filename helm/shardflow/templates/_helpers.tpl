@@ -45,8 +45,10 @@ most, the limit shardflow's settings accept).
 
 {{/* checkov skips, with the reasons that hold for every shardflow pod (no '=' in a reason). */}}
 {{- define "shardflow.checkovSkips" -}}
-checkov.io/skip1: CKV_K8S_8=no liveness probe yet, the health endpoints come with the metrics work (values probes.enabled)
-checkov.io/skip2: CKV_K8S_9=no readiness probe yet, the health endpoints come with the metrics work (values probes.enabled)
+{{- if not .Values.probes.enabled }}
+checkov.io/skip1: CKV_K8S_8=no liveness probe, the chart was installed with probes.enabled false
+checkov.io/skip2: CKV_K8S_9=no readiness probe, the chart was installed with probes.enabled false
+{{- end }}
 checkov.io/skip3: CKV_K8S_35=shardflow reads its connection URLs from SHARDFLOW_* environment variables only, taken from a Secret by secretKeyRef
 checkov.io/skip4: CKV_K8S_43=the image is set by tag, pin one by giving image.tag as TAG@sha256:DIGEST
 checkov.io/skip5: CKV_K8S_15=IfNotPresent with immutable release tags, set image.pullPolicy to Always for moving tags
@@ -121,10 +123,31 @@ spec:
         {{- with $.Values.extraEnv }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
-      {{- if $.Values.metrics.serviceMonitor.enabled }}
+      # /metrics, /healthz and /readyz (SHARDFLOW_METRICS_PORT, from the ConfigMap).
       ports:
         - name: metrics
           containerPort: {{ $.Values.metrics.port }}
+      {{- with $.Values.probes }}
+      {{- if .enabled }}
+      # Startup: until the process reached RabbitMQ and Redis. Liveness: restart a process
+      # whose event loop stopped turning or that lost RabbitMQ or Redis for good. Readiness:
+      # healthy and consuming (not while it stops and finishes what it holds).
+      startupProbe:
+        httpGet: {path: /healthz, port: metrics}
+        periodSeconds: 5
+        timeoutSeconds: {{ .timeoutSeconds }}
+        failureThreshold: {{ div (add .startupSeconds 4) 5 }}
+      livenessProbe:
+        httpGet: {path: /healthz, port: metrics}
+        periodSeconds: {{ .periodSeconds }}
+        timeoutSeconds: {{ .timeoutSeconds }}
+        failureThreshold: {{ .livenessFailureThreshold }}
+      readinessProbe:
+        httpGet: {path: /readyz, port: metrics}
+        periodSeconds: {{ .periodSeconds }}
+        timeoutSeconds: {{ .timeoutSeconds }}
+        failureThreshold: {{ .readinessFailureThreshold }}
+      {{- end }}
       {{- end }}
       {{- with $spec.resources }}
       resources:

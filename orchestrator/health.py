@@ -1,0 +1,205 @@
+"""The HTTP endpoint of a long-running process: /metrics, /healthz and /readyz.
+
+Served by the standard library's WSGI server (`wsgiref`) in a thread of its own, with
+prometheus_client's WSGI app for /metrics: a scrape or a probe never waits on the event loop,
+so a blocked loop is reported (503, "no heartbeat"), not hidden behind a probe's timeout.
+What the answers say is sampled in the loop: a heartbeat coroutine measures the loop's lag and
+reads RabbitMQ's connection state, a probe coroutine pings Redis with a timeout; the HTTP
+thread only reads their latest results and how old they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from socketserver import ThreadingMixIn
+from typing import Any, Protocol
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import make_wsgi_app
+
+from orchestrator.lifecycle import raise_if_cancelled
+from orchestrator.metrics import DEPENDENCY_UP, LOOP_LAG
+from orchestrator.settings import Settings
+
+log = logging.getLogger(__name__)
+
+BEAT_S = 0.25  # how often the heartbeat runs
+PROBE_S = 1.0  # how often Redis is pinged
+PING_TIMEOUT_S = 2.0
+# No heartbeat (or Redis answer) for this long: the loop is stuck, or Redis is.
+STALE_S = 5.0
+
+StartResponse = Callable[[str, list[tuple[str, str]]], Any]
+
+
+class Consuming(Protocol):
+    """A running part (a Service, or dev's group of them)."""
+
+    @property
+    def consuming(self) -> bool: ...
+
+
+class Health:
+    """The process's health, sampled in its event loop and read from any thread."""
+
+    def __init__(
+        self,
+        ping: Callable[[], Awaitable[Any]],
+        rabbitmq_up: Callable[[], bool],
+        consuming: Callable[[], bool],
+        *,
+        stale_s: float = STALE_S,
+    ) -> None:
+        self._ping = ping
+        self._rabbitmq_up = rabbitmq_up
+        self._consuming = consuming
+        self.stale_s = stale_s
+        started = time.monotonic()
+        # Plain attributes written by the loop and read by the HTTP threads: each is replaced
+        # whole, so a reader sees an old value or a new one, never half of one.
+        self._beat = started
+        self._rabbitmq: bool | None = None  # not checked yet
+        self._ready = False
+        self._redis: tuple[float, str] = (started, "not checked yet")  # (when, fault or "")
+
+    async def run(self) -> None:
+        """Heartbeat and Redis probe, until cancelled."""
+        await asyncio.gather(self._heartbeat(), self._probe())
+
+    async def _heartbeat(self) -> None:
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(BEAT_S)
+            now = time.monotonic()
+            LOOP_LAG.set(max(0.0, now - before - BEAT_S))
+            self._rabbitmq = bool(self._rabbitmq_up())
+            DEPENDENCY_UP.labels("rabbitmq").set(self._rabbitmq)
+            self._ready = bool(self._consuming())
+            self._beat = now
+
+    async def _probe(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._ping(), PING_TIMEOUT_S)
+                fault = ""
+            except TimeoutError:
+                fault = f"no answer in {PING_TIMEOUT_S}s"
+            except Exception as exc:  # any failure to answer is the fault reported
+                fault = f"{type(exc).__name__}: {exc}"[:300]
+            self._redis = (time.monotonic(), fault)
+            DEPENDENCY_UP.labels("redis").set(not fault)
+            raise_if_cancelled()
+            await asyncio.sleep(PROBE_S)
+
+    def faults(self) -> list[str]:
+        """Why the process is not healthy; empty when it is."""
+        now = time.monotonic()
+        found = []
+        if now - self._beat > self.stale_s:
+            found.append(f"event loop: no heartbeat for {now - self._beat:.1f}s")
+        else:  # a stuck loop samples nothing: what it last saw is not news
+            if not self._rabbitmq:
+                state = "not checked yet" if self._rabbitmq is None else "not connected"
+                found.append(f"rabbitmq: {state}")
+            checked, fault = self._redis
+            if fault:
+                found.append(f"redis: {fault}")
+            elif now - checked > self.stale_s + PING_TIMEOUT_S:
+                found.append(f"redis: no answer for {now - checked:.1f}s")
+        return found
+
+    def not_ready(self) -> list[str]:
+        """Why the process should get no work; empty when it consumes and is healthy."""
+        return self.faults() + ([] if self._ready else ["not consuming"])
+
+
+def application(health: Health, registry: Any = None) -> Callable[..., Iterable[bytes]]:
+    """The WSGI app: /metrics (Prometheus text format), /healthz, /readyz (JSON), else 404."""
+    metrics = make_wsgi_app(registry) if registry is not None else make_wsgi_app()
+
+    def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
+            return _answer(start_response, "405 Method Not Allowed", {"error": "GET only"})
+        if path == "/metrics":
+            return metrics(environ, start_response)  # type: ignore[no-any-return]
+        if path in ("/healthz", "/readyz"):
+            faults = health.faults() if path == "/healthz" else health.not_ready()
+            status = "503 Service Unavailable" if faults else "200 OK"
+            body = {"status": "unhealthy" if faults else "ok", "faults": faults}
+            return _answer(start_response, status, body)
+        return _answer(start_response, "404 Not Found", {"error": "no such path"})
+
+    return app
+
+
+def _answer(start_response: StartResponse, status: str, body: dict[str, Any]) -> list[bytes]:
+    payload = json.dumps(body).encode()
+    start_response(
+        status,
+        [("Content-Type", "application/json"), ("Content-Length", str(len(payload))),
+         ("Cache-Control", "no-store")],
+    )  # fmt: skip
+    return [payload]
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a hanging client never holds the process at exit
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # a probe every few seconds is not news
+
+
+def serve(app: Callable[..., Iterable[bytes]], addr: str, port: int) -> WSGIServer:
+    """Serve `app` on addr:port from a daemon thread; the server is returned for shutdown."""
+    family = socket.getaddrinfo(addr or None, port, type=socket.SOCK_STREAM,
+                                flags=socket.AI_PASSIVE)[0][0]  # fmt: skip
+
+    class Server(_Server):
+        address_family = family
+
+    server = make_server(addr, port, app, server_class=Server, handler_class=_Quiet)
+    threading.Thread(target=server.serve_forever, name="shardflow-http", daemon=True).start()
+    return server
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    settings: Settings, store: Any, bus: Any, service: Consuming
+) -> AsyncIterator[Health | None]:
+    """Serve /metrics, /healthz and /readyz on SHARDFLOW_METRICS_PORT while the block runs
+    (port 0: nothing). `store` is a RedisStore (its client is pinged), `bus` a Bus."""
+    if not settings.metrics_port:
+        yield None
+        return
+    health = Health(store.client.ping, lambda: bus.is_connected, lambda: service.consuming)
+    try:
+        server = serve(application(health), settings.metrics_addr, settings.metrics_port)
+    except OSError as exc:
+        # Not fatal: the work goes on; the probes of a pod (or a scrape) will say so.
+        log.error(
+            "cannot serve metrics and health on %s:%d: %s",
+            settings.metrics_addr,
+            settings.metrics_port,
+            exc,
+        )
+        yield None
+        return
+    log.info("serving /metrics, /healthz, /readyz on port %d", server.server_port)
+    sampling = asyncio.create_task(health.run())
+    try:
+        yield health
+    finally:
+        sampling.cancel()
+        await asyncio.gather(sampling, return_exceptions=True)
+        await asyncio.to_thread(server.shutdown)
+        server.server_close()

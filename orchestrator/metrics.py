@@ -1,0 +1,194 @@
+"""Prometheus metrics of every shardflow process, and the small helpers that record them.
+
+One registry per process (prometheus_client's default, with its process and GC collectors), so
+`shardflow dev` serves every part's metrics on one port. docs/observability.md lists each
+metric with its labels. Label values come only from bounded sets: pools, shards, statuses,
+queue names of this cluster, and task names this worker registered (any other is `unknown`:
+a task name in a message is untrusted and must not mint series).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Container, Iterable
+from typing import Any
+
+from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
+
+from orchestrator import machine
+from orchestrator.lifecycle import raise_if_cancelled
+from orchestrator.program import Bag
+from orchestrator.store import TERMINAL, Store
+
+log = logging.getLogger(__name__)
+
+# No `_created` series beside every counter and histogram: a scrape's noise, no dashboard's need.
+disable_created_metrics()
+
+# From a few milliseconds to an hour: tasks range from a cache lookup to a video encode.
+DURATION_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600,
+)  # fmt: skip
+# How often an owner counts its shards' programs in flight (one SCARD per shard).
+IN_FLIGHT_EVERY_S = 5.0
+# Steps dispatched whose end this process waits to time; the oldest are forgotten past this.
+MAX_OPEN_STEPS = 100_000
+
+PROGRAMS_STARTED = Counter(
+    "shardflow_programs_started_total", "Programs whose first step was dispatched by an owner."
+)
+PROGRAMS_ENDED = Counter(
+    "shardflow_programs_ended_total",
+    "Programs that ended, by status (completed, failed, cancelled).",
+    ["status"],
+)
+STEP_DURATION = Histogram(
+    "shardflow_step_duration_seconds",
+    "From dispatching a step (a task or a whole bag) to the owner advancing past it.",
+    ["pool", "kind"],
+    buckets=DURATION_BUCKETS,
+)
+TASK_DURATION = Histogram(
+    "shardflow_task_duration_seconds",
+    "One run of a task handler in a worker, by outcome (completed, failed, cancelled).",
+    ["pool", "task", "outcome"],
+    buckets=DURATION_BUCKETS,
+)
+TASKS_RUNNING = Gauge("shardflow_tasks_running", "Task handlers running now.", ["pool"])
+RETRIES = Counter("shardflow_retries_total", "Failed tasks scheduled to run again.")
+DEAD_LETTERS = Counter(
+    "shardflow_dead_letters_total",
+    "Messages parked in the dead-letter queue: refused (poison) or over the failure limit.",
+    ["queue", "cause"],
+)
+REDELIVERIES = Counter(
+    "shardflow_redeliveries_total",
+    "Messages received that an earlier try may have cut short (redelivered or requeued).",
+    ["queue"],
+)
+REQUEUED = Counter(
+    "shardflow_requeued_total",
+    "Messages handed back for another try: RabbitMQ or Redis away (unreachable), or an error.",
+    ["queue", "cause"],
+)
+DUPLICATES = Counter(
+    "shardflow_duplicates_ignored_total",
+    "Duplicate or late messages acked and ignored, by the part that ignored them.",
+    ["part"],
+)
+REPUBLISHED = Counter(
+    "shardflow_republished_total",
+    "What a redelivered message produces, published again (a crash may have cut it short).",
+)
+SUBMITTED = Counter(
+    "shardflow_ingress_requests_total",
+    "Submit requests on the ingress queue: created, existing (resubmitted) or refused.",
+    ["outcome"],
+)
+IN_FLIGHT = Gauge(
+    "shardflow_programs_in_flight",
+    "Programs recorded on a shard and not ended, as counted by the shard's orchestrators.",
+    ["shard"],
+)
+LOOP_LAG = Gauge(
+    "shardflow_event_loop_lag_seconds", "How late the event loop ran the last heartbeat."
+)
+DEPENDENCY_UP = Gauge(
+    "shardflow_dependency_up",
+    "1 while a dependency answers (redis: a PING; rabbitmq: the connection is open).",
+    ["dependency"],
+)
+
+# wf -> (path of the step dispatched, its pool, its kind, when) for the owner's step timings.
+_open_steps: OrderedDict[str, tuple[str, str, str, float]] = OrderedDict()
+
+
+def advanced(
+    wf: str,
+    expected: str,
+    outcome: machine.Outcome,
+    verdict: str,
+    status: str,
+    *,
+    redelivered: bool,
+) -> None:
+    """Record what one compare-and-advance of the owner did (see Transitions.apply)."""
+    if verdict == "applied":
+        now = time.monotonic()
+        if expected == "":
+            PROGRAMS_STARTED.inc()
+        step = _open_steps.pop(wf, None)
+        if step is not None and step[0] == expected:
+            STEP_DURATION.labels(step[1], step[2]).observe(now - step[3])
+        if isinstance(outcome, machine.Leaf):
+            bag = isinstance(outcome.step, Bag)
+            pool = "parallel" if bag else outcome.step.pool  # type: ignore[union-attr]
+            _open_steps[wf] = (outcome.path, pool, "bag" if bag else "task", now)
+            if len(_open_steps) > MAX_OPEN_STEPS:
+                _open_steps.popitem(last=False)
+        if status in TERMINAL:
+            PROGRAMS_ENDED.labels(status).inc()
+    elif verdict == "replay" and redelivered:
+        REPUBLISHED.inc()
+    else:
+        DUPLICATES.labels("orchestrator").inc()
+
+
+def failure_verdict(verdict: str) -> None:
+    """A failed-task report that did not end its step: retried, or a stale duplicate."""
+    if verdict == "retried":
+        RETRIES.inc()
+    else:
+        DUPLICATES.labels("orchestrator").inc()
+
+
+def program_ended(wf: str, status: str) -> None:
+    """A program ended from outside its step order (a cancel or a deadline)."""
+    _open_steps.pop(wf, None)
+    PROGRAMS_ENDED.labels(status).inc()
+
+
+def recorded(verdict: str, *, redelivered: bool) -> None:
+    """A worker recorded outputs; `again` or `stale` outside a redelivery was a duplicate."""
+    if verdict == "stale" or (verdict == "again" and not redelivered):
+        DUPLICATES.labels("worker").inc()
+    elif verdict == "again":
+        REPUBLISHED.inc()
+
+
+def task_ended(pool: str, task: str, known: Container[str], outcome: str, started: float) -> None:
+    """One handler run ended; `started` is its time.monotonic() at the start."""
+    name = task if task in known else "unknown"
+    TASK_DURATION.labels(pool, name, outcome).observe(time.monotonic() - started)
+
+
+async def count_in_flight(store: Store, shards: Iterable[int]) -> None:
+    """Keep `shardflow_programs_in_flight` of these shards current, until cancelled."""
+    shards = list(shards)
+    while True:
+        for shard in shards:
+            try:
+                IN_FLIGHT.labels(str(shard)).set(await store.in_flight(shard))
+            except Exception as exc:  # Redis away: the health check says so; keep counting
+                log.debug("in-flight count of shard %d skipped: %r", shard, exc)
+        raise_if_cancelled()
+        await asyncio.sleep(IN_FLIGHT_EVERY_S)
+
+
+def names(registry: Any = None) -> set[str]:
+    """Every sample name the registry exports (counters with `_total`, histograms with
+    `_bucket`, `_sum`, `_count`): what a dashboard query may name."""
+    from prometheus_client import REGISTRY
+
+    found: set[str] = set()
+    for family in (registry or REGISTRY).collect():
+        found.add(family.name)
+        found.update(sample.name for sample in family.samples)
+        if family.type == "counter":
+            found.add(family.name + "_total")
+        elif family.type == "histogram":
+            found.update(family.name + end for end in ("_bucket", "_sum", "_count"))
+    return found
