@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, NoReturn
@@ -16,17 +17,24 @@ from typing import Any, NoReturn
 import uvloop
 from pydantic import ValidationError
 
+from orchestrator import logs
 from orchestrator.bus import TopologyError
 from orchestrator.connections import UNREACHABLE, connected
 from orchestrator.delivery import first_error
+from orchestrator.health import serving
 from orchestrator.keys import check_workflow_id
 from orchestrator.owner import Orchestrator, ShardError
 from orchestrator.program import ProgramError, parse_input, program_schema
 from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
+from orchestrator.store import TERMINAL
 from router.client import Router
+from router.explain import explain_text
 from router.ingress import Ingress
+from router.listing import DEFAULT_LIMIT, SCAN_MAX, STATUSES, ListError, parse_duration
+from router.purge import purge
 from shardflow.dev import Dev
+from shardflow.views import LiveProgress, list_table
 from worker.pool import Worker
 from worker.registry import Registry
 
@@ -84,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
         help="task messages at once (parallel pool only; a chunked bag message counts once)",
     )
 
+    for long_running in (dev, orch, router, work):
+        _metrics_argument(long_running)
+
     submit = commands.add_parser("submit", help="submit a program; prints its workflow id")
     submit.add_argument("program", type=Path, help="program JSON file ('-' for stdin)")
     submit.add_argument("--input", default="null", help="the program's input, as JSON")
@@ -96,12 +107,34 @@ def _parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", help="print a program's status as JSON")
     status.add_argument("id")
+    _inspection_commands(commands)
 
     cancel = commands.add_parser(
         "cancel", help="cancel a program: no further step runs, running tasks are stopped"
     )
     cancel.add_argument("id")
     cancel.add_argument("--reason", default="cancelled", help="recorded as the program's error")
+
+    purge = commands.add_parser(
+        "purge",
+        help="delete ended programs now; never a live one",
+        description="Delete ended programs now, with every key they own; never a live one. "
+        "Ended programs expire by themselves after SHARDFLOW_RETENTION_S (default 7 days). "
+        'Prints the counts as JSON: {"purged", "live", "kept", "missing"}.',
+    )
+    purge.add_argument(
+        "--status",
+        action="append",
+        choices=sorted(TERMINAL),
+        help="only programs that ended so (repeatable; default: every ended program)",
+    )
+    purge.add_argument(
+        "--older-than",
+        type=_duration,
+        default=0.0,
+        metavar="DURATION",
+        help="only programs that ended at least this long ago, e.g. 90s, 30m, 12h, 7d",
+    )
 
     dead = commands.add_parser(
         "dead", help="list dead-lettered messages with the reason each was refused"
@@ -129,6 +162,53 @@ def _app_argument(parser: argparse.ArgumentParser, help: str, required: bool = F
     )
 
 
+def _metrics_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metrics-port",
+        type=_port,
+        help="serve /metrics, /healthz, /readyz on this port; 0: none "
+        "(default: SHARDFLOW_METRICS_PORT, else 9464)",
+    )
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: a port from 0 to 65535")
+    return int(text)
+
+
+def _inspection_commands(commands: Any) -> None:
+    listing = commands.add_parser("list", help="programs newest first, filtered")
+    listing.add_argument(
+        "--status", action="append", default=[], choices=STATUSES, help="(repeatable)"
+    )
+    listing.add_argument("--name", help="only programs of this name")
+    listing.add_argument(
+        "--since", type=_duration, metavar="DURATION", help="created in the last 90s, 15m, 2h, 7d"
+    )
+    listing.add_argument("--limit", type=_limit, default=DEFAULT_LIMIT, help="at most N (50)")
+    listing.add_argument("--before", metavar="CURSOR", help="the next page, as printed on stderr")
+    listing.add_argument("--json", action="store_true", help="one JSON object per line")
+    explain = commands.add_parser(
+        "explain", help="where a program stands and what it waits for, in plain words"
+    )
+    explain.add_argument("id")
+    explain.add_argument("--json", action="store_true", help="the same facts as JSON")
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ListError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _limit(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= SCAN_MAX:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number from 1 to {SCAN_MAX}")
+    return int(text)
+
+
 def _shard_list(text: str) -> list[int]:
     try:
         shards = sorted({int(part) for part in text.split(",") if part.strip()})
@@ -142,14 +222,14 @@ def _shard_list(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> NoReturn:
     """Entry point of the `shardflow` console script."""
     args = _parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logs.configure(args.log_level, os.environ.get("SHARDFLOW_LOG_FORMAT", "text"))
     try:
         _check_text(args)
         settings = Settings()
         if getattr(args, "shards", None) is not None and args.command == "dev":
             settings = settings.model_copy(update={"shards": args.shards})
+        if getattr(args, "metrics_port", None) is not None:
+            settings = settings.model_copy(update={"metrics_port": args.metrics_port})
         code = uvloop.run(_COMMANDS[args.command](settings, args))
     except ValidationError as exc:
         code = _fail(f"settings: {_settings_fault(exc)}", EXIT_USAGE)
@@ -217,7 +297,8 @@ async def _serve(make: Callable[..., Any], settings: Settings, name: str) -> int
             service = make(store, bus)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, service.shutdown)
-            await service.run()
+            async with serving(settings, store, bus, service):
+                await service.run()
     except asyncio.CancelledError:
         logging.getLogger(name).info("stopped before it started")
     return 0
@@ -298,7 +379,12 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
             return 0
         print(submitted.workflow_id, file=sys.stderr)
         try:
-            status = await router.wait(submitted.workflow_id, args.timeout)
+            if sys.stderr.isatty():  # live progress for a person; nothing extra for a script
+                with LiveProgress(sys.stderr) as view:
+                    wf = submitted.workflow_id
+                    status = await router.wait(wf, args.timeout, progress=view.update)
+            else:
+                status = await router.wait(submitted.workflow_id, args.timeout)
         except TimeoutError as exc:
             raise CliError(str(exc), EXIT_TIMEOUT) from None
     if status["status"] == "completed":
@@ -334,6 +420,46 @@ async def _status(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+async def _list(settings: Settings, args: argparse.Namespace) -> int:
+
+    since_ms = None if args.since is None else int((time.time() - args.since) * 1000)
+    store = RedisStore.connect(settings)
+    try:
+        page = await Router(settings, store=store).list_programs(
+            statuses=args.status,
+            name=args.name,
+            since_ms=since_ms,
+            before=args.before,
+            limit=args.limit,
+        )
+    except ListError as exc:
+        raise CliError(str(exc)) from None
+    finally:
+        await store.close()
+    if args.json:
+        for program in page.programs:
+            _print(json.dumps(program))
+    else:
+        _print(list_table(page.programs))
+    if page.more:
+        print(f"shardflow: more may match: --before {page.more}", file=sys.stderr)
+    return 0
+
+
+async def _explain(settings: Settings, args: argparse.Namespace) -> int:
+
+    try:
+        check_workflow_id(args.id)
+    except ValueError as exc:
+        raise CliError(f"id: {exc}") from None
+    async with connected(settings, "shardflow-explain") as (store, bus):
+        report = await Router(settings, store=store, bus=bus).explain(args.id)
+    if report is None:
+        raise CliError(f"no program {args.id!r}", EXIT_FAILED)
+    _print(json.dumps(report, indent=2) if args.json else explain_text(report))
+    return 0
+
+
 async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
 
     try:
@@ -346,6 +472,16 @@ async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
         except LookupError as exc:
             raise CliError(str(exc), EXIT_FAILED) from None
     _print(json.dumps(status, indent=2))
+    return 0
+
+
+async def _purge(settings: Settings, args: argparse.Namespace) -> int:
+    store = RedisStore.connect(settings)
+    try:
+        counts = await purge(store, statuses=args.status or TERMINAL, older_than_s=args.older_than)
+    finally:
+        await store.close()
+    _print(json.dumps({name: counts[name] for name in ("purged", "live", "kept", "missing")}))
     return 0
 
 
@@ -407,7 +543,10 @@ _COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Coroutine[Any, Any
     "router": _router,
     "submit": _submit,
     "status": _status,
+    "list": _list,
+    "explain": _explain,
     "cancel": _cancel,
+    "purge": _purge,
     "dead": _dead,
     "shards": _shards,
     "schema": _schema,

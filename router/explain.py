@@ -1,0 +1,536 @@
+"""Explaining programs: the details `status` shows, and `shardflow explain`.
+
+Everything read is checked: Redis holds what any process (or person) wrote. The state hash and
+the plan are the truth; the marks of orchestrator/marks.py (when a retry is due, who holds the
+serial lane, who owns a shard) are checked against them before they are believed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from orchestrator.bus import Bus, ladder_ms
+from orchestrator.marks import attempt_field, redis_of
+from orchestrator.program import Bag, Program, ProgramError, Task, Untiloop, parse_program
+from orchestrator.store import TERMINAL, Store
+from router.listing import as_int, clean
+
+
+def _plan_program(raw: Any) -> Program | None:
+    if not isinstance(raw, dict):
+        return None
+    try:
+        return parse_program(raw.get("program"), max_bytes=1 << 30)  # type: ignore[arg-type]
+    except (ProgramError, TypeError, ValueError):
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Loop:
+    path: str
+    iteration: int
+    max_iterations: int
+
+
+@dataclass(frozen=True, slots=True)
+class Where:
+    """The step a cursor names: the task or bag, and the loops around it (outermost first)."""
+
+    step: Task | Bag
+    loops: list[Loop]
+    top: int  # the top-level step it belongs to, from 0
+
+
+def locate(program: Program, path: str) -> Where | None:
+    """What `path` names in the program, or None when it names no leaf of it."""
+    steps: list[Task | Bag | Untiloop] = program.steps
+    parts = path.split("/") if path else []
+    loops: list[Loop] = []
+    walked: list[str] = []
+    top = None
+    while parts:
+        head, parts = parts[0], parts[1:]
+        if not head.isdigit() or int(head) >= len(steps):
+            return None
+        step = steps[int(head)]
+        top = int(head) if top is None else top
+        walked.append(head)
+        if not parts:
+            return None if isinstance(step, Untiloop) else Where(step, loops, top)
+        if not isinstance(step, Untiloop) or not re.fullmatch(r"iter:\d{1,9}", parts[0]):
+            return None
+        iteration = int(parts[0].removeprefix("iter:"))
+        loops.append(Loop("/".join(walked), iteration, step.max_iterations))
+        walked.append(parts[0])
+        steps, parts = step.steps, parts[1:]
+    return None
+
+
+def _members(step: Task | Bag) -> list[tuple[int | None, Any]]:
+    return list(enumerate(step.bag)) if isinstance(step, Bag) else [(None, step)]
+
+
+class _Reads:
+    """Plain reads of a program's keys in one round trip, on Redis or on the model's dict."""
+
+    def __init__(self, store: Store) -> None:
+        self.client = redis_of(store)
+        self.data: dict[str, Any] | None = getattr(store, "data", None)
+
+    @property
+    def available(self) -> bool:
+        return self.client is not None or self.data is not None
+
+    async def many(self, calls: list[tuple[str, str]]) -> list[Any]:
+        """Each (command, key) of hgetall, smembers, get, exists: its answer, in order."""
+        if self.client is not None:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for command, key in calls:
+                    getattr(pipe, command)(key)
+                return list(await pipe.execute())
+        answers: list[Any] = []
+        for command, key in calls:
+            value = (self.data or {}).get(key)
+            if command == "exists":
+                answers.append(int(value is not None))
+            elif command == "hgetall":
+                answers.append(dict(value) if isinstance(value, dict) else {})
+            elif command == "smembers":
+                answers.append(set(value) if isinstance(value, set) else set())
+            else:
+                answers.append(value if isinstance(value, str) else None)
+        return answers
+
+
+@dataclass(slots=True)
+class Details:
+    """What a program's state, plan and marks say about its steps and attempts."""
+
+    steps: int | None = None
+    step: dict[str, Any] | None = None
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+    program: Program | None = None
+    where: Where | None = None
+
+
+async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -> Details:
+    """The current step (task names, loop iterations, bag members done) and every failed
+    attempt the owner recorded, including those of tasks that later succeeded."""
+    program = _plan_program(raw_plan)
+    found = Details(program=program)
+    if program is None:
+        return found
+    found.steps = len(program.steps)
+    reads = _Reads(store)
+    cursor = state.get("cursor") or ""
+    where = locate(program, cursor) if cursor else None
+    found.where = where
+    calls = [("hgetall", store.keys.attempts(wf))]
+    if where is not None:
+        calls.append(("hgetall", store.keys.failures(wf, cursor)))
+        if isinstance(where.step, Bag):
+            calls.append(("smembers", store.keys.barrier(wf, cursor)))
+        else:
+            calls.append(("exists", store.keys.output(wf, cursor)))
+    answers = await reads.many(calls) if reads.available else [{}] * len(calls)
+    marks: dict[str, str] = answers[0] or {}
+    failed_paths = sorted({_split_field(name)[0] for name in marks})
+    errors = (
+        await reads.many([("hgetall", store.keys.failures(wf, path)) for path in failed_paths])
+        if failed_paths and reads.available
+        else []
+    )
+    errors_of = dict(zip(failed_paths, errors, strict=True))
+    now = time.time() * 1000
+    for name in sorted(marks, key=_field_order):
+        path, index = _split_field(name)
+        mark = _mark(marks[name])
+        spot = locate(program, path)
+        task = _task_name(spot, index)
+        failed = _failed(errors_of.get(path) or {}, index)
+        if not failed and mark is not None:  # its errors went with an old loop iteration
+            failed = [{"attempt": a, "error": None} for a in range(mark["attempt"] + 1)]
+        due = mark["due_ms"] if mark else None
+        found.attempts.append(
+            {
+                "step": path,
+                "index": index,
+                "task": task,
+                "failed": failed,
+                "retry_due_ms": due,
+                "retry_pending": bool(due and due > now and path == cursor),
+            }
+        )
+    if where is not None:
+        here_errors: dict[str, str] = answers[1] or {}
+        done_marker = answers[2]
+        if isinstance(where.step, Bag):
+            members = {as_int(i) for i in done_marker or ()}
+            done = sorted(i for i in members if i is not None and 0 <= i < len(where.step.bag))
+        else:
+            done = [0] if done_marker else []
+        tasks = []
+        for index, member in _members(where.step):
+            position = 0 if index is None else index
+            failed = _failed(here_errors, index)
+            mark = _mark(marks.get(attempt_field(cursor, index), ""))
+            retry = member.retry
+            tasks.append(
+                {
+                    "index": index,
+                    "task": member.task,
+                    "done": position in done,
+                    "attempt": (max(f["attempt"] for f in failed) + 1) if failed else 0,
+                    "max_attempts": retry.max_attempts if retry else 1,
+                    "failed": failed,
+                    "retry_due_ms": mark["due_ms"] if mark else None,
+                }
+            )
+        updated = as_int(state.get("updated_ms"))
+        found.step = {
+            "path": cursor,
+            "top": where.top,
+            "kind": "bag" if isinstance(where.step, Bag) else "task",
+            "pool": "parallel" if isinstance(where.step, Bag) else where.step.pool,
+            "tasks": tasks,
+            "size": len(tasks),
+            "done": len(done),
+            "loops": [
+                {"path": loop.path, "iteration": loop.iteration, "max": loop.max_iterations}
+                for loop in where.loops
+            ],
+            "since_ms": updated,
+            "running_s": None if updated is None else round(max(0.0, now - updated) / 1000, 3),
+        }
+    return found
+
+
+def _split_field(name: str) -> tuple[str, int | None]:
+    path, sep, index = name.rpartition("/bag:")
+    if sep and index.isdigit():
+        return path, int(index)
+    return name, None
+
+
+def _field_order(name: str) -> tuple[list[Any], int]:
+    path, index = _split_field(name)
+    parts = [int(p) if p.isdigit() else p for p in re.split(r"[/:]", path)]
+    return [(isinstance(p, str), p) for p in parts], -1 if index is None else index  # type: ignore[return-value]
+
+
+def _mark(text: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(value, dict) or as_int(value.get("attempt")) is None:
+        return None
+    return {"attempt": as_int(value["attempt"]), "due_ms": as_int(value.get("due_ms"))}
+
+
+def _failed(errors: dict[str, str], index: int | None) -> list[dict[str, Any]]:
+    """The failed attempts of one member, from its step's failures hash (`<index>:<attempt>`)."""
+    member = str(index or 0)
+    found = []
+    for name, error in errors.items():
+        who, _, attempt = name.partition(":")
+        if who == member and attempt.isdigit():
+            found.append({"attempt": int(attempt), "error": error})
+    return sorted(found, key=lambda f: f["attempt"])
+
+
+def _task_name(where: Where | None, index: int | None) -> str | None:
+    if where is None:
+        return None
+    if isinstance(where.step, Bag):
+        inside = index is not None and 0 <= index < len(where.step.bag)
+        return where.step.bag[index].task if inside else None  # type: ignore[index]
+    return where.step.task
+
+
+def elapsed(state: dict[str, str], now_ms: float | None = None) -> dict[str, float | None]:
+    """Seconds: since submitted (to the end, if it ended), and waiting to start."""
+    now = time.time() * 1000 if now_ms is None else now_ms
+    created, started, ended = (
+        as_int(state.get(f)) for f in ("created_ms", "started_ms", "ended_ms")
+    )
+    if created is None:
+        return {"elapsed_s": None, "queued_s": None}
+    end = ended if ended is not None else now
+    begun = started if started is not None else (ended if ended is not None else now)
+    return {
+        "elapsed_s": round(max(0.0, end - created) / 1000, 3),
+        "queued_s": round(max(0.0, begun - created) / 1000, 3),
+    }
+
+
+# --- explain --------------------------------------------------------------------------------
+
+
+async def explain(store: Store, bus: Bus | None, wf: str) -> dict[str, Any] | None:
+    """Where a program stands and what it waits for, as JSON-ready data (None: no program)."""
+    state = await store.state(wf)
+    if not state:
+        return None
+    raw_plan = await store.plan(wf)
+    found = await details(store, wf, state, raw_plan)
+    now = time.time() * 1000
+    status = state.get("status", "")
+    owner = as_int(state.get("owner"))
+    report: dict[str, Any] = {
+        "workflow_id": wf,
+        "name": state.get("name", ""),
+        "status": status,
+        "owner": owner,
+        "created_ms": as_int(state.get("created_ms")),
+        "started_ms": as_int(state.get("started_ms")),
+        "updated_ms": as_int(state.get("updated_ms")),
+        "ended_ms": as_int(state.get("ended_ms")),
+        "error": state.get("error"),
+        **elapsed(state, now),
+        "steps": found.steps,
+        "step": found.step,
+        "attempts": found.attempts,
+        "deadline": None,
+        "pool": None,
+        "retry_queue": None,
+        "lane": None,
+        "shard": None,
+        "waiting_for": "",
+    }
+    program = found.program
+    created = report["created_ms"]
+    if program is not None and program.deadline_s is not None and created is not None:
+        left = program.deadline_s - (now - created) / 1000
+        report["deadline"] = {"deadline_s": program.deadline_s, "left_s": round(left, 3)}
+    if status not in TERMINAL and owner is not None:
+        report["shard"] = await _shard(store, bus, owner)
+    step = found.step
+    if status == "running" and step is not None:
+        if bus is not None:
+            report["pool"] = await _queue(bus, bus.names.task_queue(step["pool"]))
+            waiting = [t for t in step["tasks"] if not t["done"] and t["retry_due_ms"]]
+            due = [t for t in waiting if t["retry_due_ms"] > now and t["failed"]]
+            if due and found.where is not None:
+                first = min(due, key=lambda t: t["retry_due_ms"])
+                delay_s = _retry_delay(found.where, first)
+                if delay_s is not None:
+                    name = bus.names.delay_queue(step["pool"], ladder_ms(delay_s))
+                    report["retry_queue"] = await _queue(bus, name)
+        if step["pool"] == "serial":
+            report["lane"] = await _lane(store, wf)
+    report["waiting_for"] = _waiting_for(report, cursor=state.get("cursor") or "", now=now)
+    return report
+
+
+def _retry_delay(where: Where, task: dict[str, Any]) -> float | None:
+    index = task["index"]
+    member = where.step.bag[index] if isinstance(where.step, Bag) else where.step
+    if member.retry is None or not task["failed"]:
+        return None
+    return member.retry.delay_s(task["failed"][-1]["attempt"])
+
+
+async def _queue(bus: Bus, name: str) -> dict[str, Any]:
+    found = await bus.queue_state(name)
+    if found is None:
+        return {"queue": name, "exists": False, "depth": 0, "consumers": 0}
+    return {"queue": name, "exists": True, "depth": found[0], "consumers": found[1]}
+
+
+async def _shard(store: Store, bus: Bus | None, shard: int) -> dict[str, Any]:
+    report: dict[str, Any] = {"shard": shard, "owner": None, "owner_seen_ms": None}
+    client = redis_of(store)
+    if client is not None:
+        mark: str | None = await client.get(store.keys.shard_owner(shard))  # type: ignore[assignment]
+        who, _, seen = (mark or "").partition(" ")
+        if who and as_int(seen) is not None:
+            report["owner"], report["owner_seen_ms"] = clean(who, 200), as_int(seen)
+    if bus is not None:
+        report.update(await _queue(bus, bus.names.shard_queue(shard)))
+    return report
+
+
+async def _lane(store: Store, wf: str) -> dict[str, Any] | None:
+    """Who holds the serial lane: the serial task started last, if its program still waits for
+    it (its cursor is still there); else the lane is free."""
+    client = redis_of(store)
+    if client is None:
+        return None
+    mark: str | None = await client.get(store.keys.serial_lane)  # type: ignore[assignment]
+    parts = (mark or "").split(" ")
+    if len(parts) != 4 or as_int(parts[3]) is None:
+        return {"held": False}
+    holder, path, task, since = parts[0], parts[1], parts[2], as_int(parts[3])
+    state = await store.state(holder) if holder else {}
+    if state.get("status") != "running" or state.get("cursor") != path:
+        return {"held": False}
+    return {
+        "held": True,
+        "workflow_id": clean(holder, 200),
+        "path": clean(path, 200),
+        "task": clean(task, 200),
+        "since_ms": since,
+        "this_program": holder == wf,
+    }
+
+
+def _waiting_for(report: dict[str, Any], *, cursor: str, now: float) -> str:
+    """One sentence: what the program waits for."""
+    status = report["status"]
+    shard = report["shard"] or {}
+    if status in TERMINAL:
+        return f"nothing: it ended {status}"
+    if status == "pending":
+        if shard.get("exists") and not shard.get("consumers"):
+            return f"an orchestrator: shard {report['owner']} has no consumer"
+        return f"its start on shard {report['owner']}"
+    step = report["step"]
+    if step is None:
+        return f"nothing it can name: its cursor {clean(cursor, 200)!r} is not a step of its plan"
+    open_tasks = [t for t in step["tasks"] if not t["done"]]
+    if not open_tasks:
+        return f"shard {report['owner']} to take in that step {step['path']} is done"
+    retries = [t for t in open_tasks if t["retry_due_ms"] and t["retry_due_ms"] > now]
+    if retries and len(retries) == len(open_tasks):
+        t = min(retries, key=lambda t: t["retry_due_ms"])
+        return (
+            f"a retry: task {t['task']!r} attempt {t['attempt'] + 1} of {t['max_attempts']} "
+            f"is due at {_clock(t['retry_due_ms'])} (in {_span((t['retry_due_ms'] - now) / 1000)})"
+        )
+    pool = report["pool"]
+    if pool is not None and not pool["consumers"]:
+        return (
+            f"a worker: the {step['pool']} pool has no consumer "
+            f"({pool['depth']} message(s) queued in {pool['queue']})"
+        )
+    lane = report["lane"]
+    if lane and lane.get("held") and not lane.get("this_program"):
+        return (
+            f"the serial lane, held by program {lane['workflow_id']} "
+            f"(step {lane['path']}, task {lane['task']!r})"
+        )
+    names = ", ".join(_task_label(t) for t in open_tasks[:10])
+    more = f" and {len(open_tasks) - 10} more" if len(open_tasks) > 10 else ""
+    return f"{names}{more} on the {step['pool']} pool"
+
+
+def _task_label(task: dict[str, Any]) -> str:
+    member = "" if task["index"] is None else f"member {task['index']} "
+    attempt = f"attempt {task['attempt'] + 1} of {task['max_attempts']}"
+    return f"{member}task {task['task']!r} ({attempt})"
+
+
+def _clock(ms: float) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _span(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def explain_text(report: dict[str, Any], now_ms: float | None = None) -> str:
+    """The report in plain words, one fact a line."""
+    now = time.time() * 1000 if now_ms is None else now_ms
+    name = f" {clean(report['name'], 200)!r}" if report["name"] else ""
+    lines = [f"Program {report['workflow_id']}{name} is {report['status']}."]
+    if report["created_ms"] is not None:
+        lines.append(
+            f"Submitted {_clock(report['created_ms'])}, {_span(report['elapsed_s'] or 0)} "
+            + ("before it ended." if report["status"] in TERMINAL else "ago.")
+        )
+    if report["status"] in TERMINAL and report["error"]:
+        lines.append(f"Error: {clean(report['error'], 2000)}")
+    step = report["step"]
+    if step is not None:
+        steps = report["steps"]
+        kind = (
+            f"task {step['tasks'][0]['task']!r}"
+            if step["kind"] == "task"
+            else f"a bag of {step['size']}"
+        )
+        lines.append(
+            f"At step {step['path']} (top-level step {step['top'] + 1} of {steps}): {kind} "
+            f"on the {step['pool']} pool, for {_span(step['running_s'] or 0)}."
+        )
+        for loop in step["loops"]:
+            lines.append(
+                f"Loop at step {loop['path']}: iteration {loop['iteration'] + 1} "
+                f"of at most {loop['max']}."
+            )
+        if step["kind"] == "bag":
+            done = [t["index"] for t in step["tasks"] if t["done"]]
+            open_ = [t["index"] for t in step["tasks"] if not t["done"]]
+            lines.append(
+                f"Bag members done: {step['done']} of {step['size']}"
+                + (f" ({_indices(done)})" if done else "")
+                + (f"; not done: {_indices(open_)}." if open_ else ".")
+            )
+        for task in step["tasks"]:
+            if task["done"]:
+                continue
+            label = _task_label(task)
+            for failure in task["failed"]:
+                lines.append(
+                    f"  {label}: attempt {failure['attempt'] + 1} failed: "
+                    f"{clean(failure['error'], 300)}"
+                )
+            due = task["retry_due_ms"]
+            if due and task["failed"]:
+                when = f"in {_span((due - now) / 1000)}" if due > now else "due, queued"
+                lines.append(f"  {label}: retry due at {_clock(due)} ({when}).")
+    lines.append(f"Waiting for: {report['waiting_for']}.")
+    for label, queue in (("Pool", report["pool"]), ("Retry", report["retry_queue"])):
+        if queue is not None:
+            lines.append(
+                f"{label} queue {queue['queue']}: {queue['depth']} message(s) ready, "
+                f"{queue['consumers']} consumer(s)."
+            )
+    lane = report["lane"]
+    if lane is not None:
+        if not lane["held"]:
+            lines.append("Serial lane: free.")
+        else:
+            who = "this program" if lane["this_program"] else f"program {lane['workflow_id']}"
+            lines.append(
+                f"Serial lane: held by {who} (step {lane['path']}, task {lane['task']!r}) "
+                f"since {_clock(lane['since_ms'])}."
+            )
+    shard = report["shard"]
+    if shard is not None:
+        text = f"Shard {shard['shard']}:"
+        if "queue" in shard:
+            text += (
+                f" queue {shard['queue']} holds {shard['depth']} message(s), "
+                f"{shard['consumers']} consumer(s);"
+            )
+        if shard["owner"]:
+            seen = _span((now - shard["owner_seen_ms"]) / 1000)
+            who = "last owner" if shard.get("consumers") == 0 else "owner"
+            text += f" {who} {shard['owner']} (last seen {seen} ago)."
+        else:
+            text += " no owner seen in the last minute."
+        lines.append(text)
+    deadline = report["deadline"]
+    if deadline is not None and report["status"] not in TERMINAL:
+        lines.append(
+            f"Deadline: {_span(deadline['left_s'])} left of {deadline['deadline_s']} s."
+            if deadline["left_s"] > 0
+            else f"Deadline: {deadline['deadline_s']} s, passed."
+        )
+    return "\n".join(lines)
+
+
+def _indices(values: list[int]) -> str:
+    shown = ", ".join(map(str, values[:20]))
+    return shown + (f" … ({len(values) - 20} more)" if len(values) > 20 else "")

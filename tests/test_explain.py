@@ -1,0 +1,187 @@
+"""`explain` and the details of `status`, on real RabbitMQ and Redis: a program waiting for a
+retry, for a pool with no consumer, for the serial lane, for bag members; failed attempts of a
+task that later succeeded; `submit --wait` without a terminal prints nothing extra."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from orchestrator.connections import connected
+from orchestrator.owner import Orchestrator
+from orchestrator.settings import Settings
+from router.client import Router
+from router.explain import explain_text
+from tests.test_cli import EXAMPLE, dev, environment, shardflow  # noqa: F401  (dev: a fixture)
+
+
+async def _until(
+    check: Callable[[], Awaitable[dict[str, Any] | None]],
+    holds: Callable[[dict[str, Any]], bool],
+    timeout_s: float = 20,
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = await check()
+        if found is not None and holds(found):
+            return found
+        assert time.monotonic() < deadline, f"never held: {found}"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_program_waiting_for_a_retry(cluster: Router) -> None:
+    retry = {"max_attempts": 2, "backoff_s": 100}
+    program = {"steps": [{"task": "flaky", "args": {"fail_until": 1}, "retry": retry}]}
+    wf = (await cluster.submit(program)).workflow_id
+    report = await _until(lambda: cluster.explain(wf), lambda r: bool(r["attempts"]))
+    now = time.time() * 1000
+    task = report["step"]["tasks"][0]
+    assert (task["task"], task["attempt"], task["max_attempts"]) == ("flaky", 1, 2)
+    assert task["failed"] == [{"attempt": 0, "error": "RuntimeError: attempt 0 fails"}]
+    assert now + 60_000 < task["retry_due_ms"] < now + 200_000
+    assert report["waiting_for"].startswith("a retry: task 'flaky' attempt 2 of 2 is due at ")
+    # the retry waits in its delay queue, the only message there
+    queue = report["retry_queue"]
+    assert queue["queue"].startswith(f"{cluster.settings.prefix}.delay.serial.")
+    assert (queue["depth"], queue["consumers"]) == (1, 0)
+    text = explain_text(report)
+    assert "attempt 1 failed: RuntimeError: attempt 0 fails" in text
+    assert "retry due at" in text
+    await cluster.cancel(wf)
+
+
+async def test_a_program_waiting_for_a_pool_with_no_consumer(settings: Settings) -> None:
+    # Orchestrators only: no worker consumes the serial pool.
+    async with connected(settings) as (store, bus):
+        orchestrator = Orchestrator(settings, range(settings.shards), store=store, bus=bus)
+        running = asyncio.create_task(orchestrator.run())
+        try:
+            router = Router(settings, store=store, bus=bus)
+            one = (await router.submit({"name": "first", "steps": [{"task": "t"}]})).workflow_id
+            await router.submit({"steps": [{"task": "t"}]})
+            report = await _until(
+                lambda: router.explain(one),
+                lambda r: r["status"] == "running" and r["pool"]["depth"] == 2,
+            )
+        finally:
+            orchestrator.shutdown()
+            await running
+    queue = f"{settings.prefix}.tasks.serial"
+    assert report["waiting_for"] == (
+        f"a worker: the serial pool has no consumer (2 message(s) queued in {queue})"
+    )
+    assert report["pool"] == {"queue": queue, "exists": True, "depth": 2, "consumers": 0}
+    assert report["step"]["tasks"][0]["task"] == "t"
+    assert report["shard"]["owner"] == f"{socket.gethostname()}/{os.getpid()}"
+    assert report["lane"] == {"held": False}
+    assert "Serial lane: free." in explain_text(report)
+
+
+async def test_the_serial_lane_and_a_bag_half_done(cluster: Router) -> None:
+    slow = {"task": "echo", "args": {"sleep_s": 30}}
+    holder = (await cluster.submit({"steps": [slow]})).workflow_id
+    await _until(lambda: cluster.explain(holder), lambda r: bool(r["lane"] and r["lane"]["held"]))
+    queued = (await cluster.submit({"steps": [{"task": "add"}]})).workflow_id
+    bag = {"bag": [{"task": "add"}, {**slow, "retry": {"max_attempts": 3}}, {"task": "add"}]}
+    half = (await cluster.submit({"steps": [bag]})).workflow_id
+    behind = await _until(lambda: cluster.explain(queued), lambda r: r["status"] == "running")
+    assert behind["waiting_for"] == (
+        f"the serial lane, held by program {holder} (step 0, task 'echo')"
+    )
+    assert behind["lane"]["this_program"] is False
+    report = await _until(lambda: cluster.explain(half), lambda r: r["step"]["done"] == 2)
+    assert [(t["index"], t["done"]) for t in report["step"]["tasks"]] == [
+        (0, True),
+        (1, False),
+        (2, True),
+    ]
+    assert report["waiting_for"] == "member 1 task 'echo' (attempt 1 of 3) on the parallel pool"
+    assert "Bag members done: 2 of 3 (0, 2); not done: 1." in explain_text(report)
+    for wf in (holder, queued, half):
+        await cluster.cancel(wf)
+    ended = await cluster.explain(half)
+    assert ended is not None and ended["waiting_for"] == "nothing: it ended cancelled"
+
+
+async def test_status_shows_failed_attempts_of_a_task_that_later_succeeded(
+    cluster: Router,
+) -> None:
+    retry = {"max_attempts": 3, "backoff_s": 0.01}
+    program = {
+        "name": "flaky-then-fine",
+        "steps": [
+            {"task": "add"},
+            {
+                "bag": [
+                    {"task": "add"},
+                    {"task": "flaky", "args": {"fail_until": 2}, "retry": retry},
+                ]
+            },
+        ],
+    }
+    wf = (await cluster.submit(program)).workflow_id
+    status = await cluster.wait(wf, timeout_s=30)
+    assert status["status"] == "completed"
+    assert status["attempts"] == [
+        {
+            "step": "1",
+            "index": 1,
+            "task": "flaky",
+            "failed": [
+                {"attempt": 0, "error": "RuntimeError: attempt 0 fails"},
+                {"attempt": 1, "error": "RuntimeError: attempt 1 fails"},
+            ],
+            "retry_due_ms": status["attempts"][0]["retry_due_ms"],
+            "retry_pending": False,
+        }
+    ]
+    assert status["steps"] == 2 and status["step"] is None
+    assert status["elapsed_s"] >= status["queued_s"] >= 0
+    # the fields every version printed are all still there
+    assert {"workflow_id", "name", "status", "owner", "cursor", "created_ms", "started_ms",
+            "ended_ms", "result", "error"} <= set(status)  # fmt: skip
+
+
+async def test_status_names_the_tasks_of_the_current_step_and_its_loop(cluster: Router) -> None:
+    loop = {
+        "until": "false",
+        "max_iterations": 5,
+        "steps": [{"task": "echo", "args": {"sleep_s": 30}}],
+    }
+    wf = (await cluster.submit({"steps": [{"task": "add"}, loop]})).workflow_id
+    status = await _until(lambda: cluster.status(wf), lambda s: s["cursor"] == "1/iter:0/0")
+    step = status["step"]
+    assert (step["kind"], step["pool"], step["top"]) == ("task", "serial", 1)
+    assert [t["task"] for t in step["tasks"]] == ["echo"]
+    assert step["loops"] == [{"path": "1", "iteration": 0, "max": 5}]
+    assert step["running_s"] >= 0
+    await cluster.cancel(wf)
+
+
+def test_the_explain_command(settings: Settings) -> None:
+    env = environment(settings)
+    started = shardflow("submit", str(EXAMPLE), "--id", "cli-explain", env=env)
+    assert started.returncode == 0, started.stderr
+    words = shardflow("explain", "cli-explain", env=env)
+    assert words.returncode == 0, words.stderr
+    assert "Program cli-explain 'thumbnails' is pending." in words.stdout
+    assert "Waiting for: an orchestrator: shard" in words.stdout  # none runs here
+    data = json.loads(shardflow("explain", "cli-explain", "--json", env=env).stdout)
+    assert data["shard"]["consumers"] == 0 and data["status"] == "pending"
+    missing = shardflow("explain", "nothing-here", env=env)
+    assert (missing.returncode, missing.stderr) == (1, "shardflow: no program 'nothing-here'\n")
+
+
+def test_submit_wait_without_a_terminal_prints_nothing_extra(
+    dev: dict[str, str],  # noqa: F811
+) -> None:
+    done = shardflow(
+        "submit", str(EXAMPLE), "--input", '{"album": "a"}', "--id", "quiet", "--wait", env=dev
+    )
+    assert done.returncode == 0, done.stderr
+    assert (done.stdout, done.stderr) == ('{"published": "a", "after_polls": 3}\n', "quiet\n")

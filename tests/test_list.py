@@ -1,0 +1,193 @@
+"""`list`: programs newest first, from the creation index, filtered by their own state.
+
+On real RabbitMQ and Redis, and once on a private Redis Cluster. No orchestrator runs unless a
+test starts one, so programs stay pending where a test needs them to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+
+import pytest
+from redis.asyncio import Redis
+
+from orchestrator.connections import connected
+from orchestrator.marks import INDEX_GRACE_MS
+from orchestrator.owner import Orchestrator
+from orchestrator.redis_store import RedisStore
+from orchestrator.settings import Settings
+from router.client import Router
+from router.listing import ListError, list_programs, parse_duration, prune_index
+from tests.brokers import PrivateRedisCluster
+from tests.test_cli import environment, shardflow
+
+ONE = {"steps": [{"task": "t"}]}
+
+
+def ids(page) -> list[str]:  # type: ignore[no-untyped-def]
+    return [program["workflow_id"] for program in page.programs]
+
+
+async def _submit_four(router: Router) -> None:
+    # Ids in the reverse of their creation order: a tie on the clock would show.
+    for wf, name in [("z0", "a"), ("y1", "b"), ("x2", "a"), ("w3", "c")]:
+        await router.submit({**ONE, "name": name}, None, wf)
+        await asyncio.sleep(0.003)  # a new millisecond for each
+
+
+async def _newest_first_filtered_and_paged(settings: Settings) -> None:
+    async with connected(settings) as (store, bus):
+        router = Router(settings, store=store, bus=bus)
+        await _submit_four(router)
+        await router.cancel("y1")
+        assert ids(await router.list_programs()) == ["w3", "x2", "y1", "z0"]
+        assert ids(await router.list_programs(statuses=["cancelled"])) == ["y1"]
+        assert ids(await router.list_programs(name="a")) == ["x2", "z0"]
+        # pending only: served from the shards' sets of live programs, same order
+        live = await router.list_programs(statuses=["pending"], name="a")
+        assert ids(live) == ["x2", "z0"]
+        assert ids(await router.list_programs(statuses=["pending", "cancelled"], name="b")) == [
+            "y1"
+        ]
+        since = int((await store.state("x2"))["created_ms"])
+        assert ids(await router.list_programs(since_ms=since)) == ["w3", "x2"]
+        pages, before = [], None
+        while True:
+            page = await router.list_programs(limit=3, before=before)
+            pages.append(ids(page))
+            if page.more is None:
+                break
+            before = page.more
+        assert [wf for page in pages for wf in page] == ["w3", "x2", "y1", "z0"]
+        assert pages[0] == ["w3", "x2", "y1"]
+        live_pages = await router.list_programs(statuses=["pending"], limit=2)
+        assert ids(live_pages) == ["w3", "x2"] and live_pages.more is not None
+        rest = await router.list_programs(statuses=["pending"], limit=2, before=live_pages.more)
+        assert ids(rest) == ["z0"] and rest.more is None
+
+
+async def test_newest_first_filtered_and_paged(settings: Settings) -> None:
+    await _newest_first_filtered_and_paged(settings)
+
+
+async def test_a_scan_stops_at_its_bound_and_says_where_to_go_on(settings: Settings) -> None:
+    async with connected(settings) as (store, bus):
+        router = Router(settings, store=store, bus=bus)
+        await _submit_four(router)
+        page = await list_programs(settings, store, statuses=["failed"], scan=2)
+        assert page.programs == [] and page.scanned == 2 and page.more is not None
+        rest = await list_programs(settings, store, statuses=["failed"], before=page.more)
+        assert rest.programs == [] and rest.scanned == 2 and rest.more is None
+
+
+async def test_a_program_recorded_without_its_index_entry_is_listed_after_the_sweep(
+    settings: Settings, store: RedisStore
+) -> None:
+    # The router records and indexes a program; this one is recorded as if the index write had
+    # been lost (a crash, or a router from before the index): straight through the store.
+    plan = json.dumps({"program": {"name": "lost", "steps": [{"task": "t"}]}, "input": None,
+                       "owner": 0})  # fmt: skip
+    await store.track("lost", 0)
+    await store.submit("lost", plan, 0, "lost", "d")
+    async with connected(settings) as (store2, bus):
+        router = Router(settings, store=store2, bus=bus)
+        assert "lost" not in ids(await router.list_programs())
+        # the live sets serve pending and running: it is there already
+        assert ids(await router.list_programs(statuses=["pending"])) == ["lost"]
+        await Orchestrator(settings, [0], store=store2, bus=bus).sweep()
+        assert ids(await router.list_programs()) == ["lost"]
+        assert ids(await router.list_programs(name="lost", statuses=["pending"])) == ["lost"]
+
+
+async def test_entries_whose_program_is_gone_are_dropped_once_old(
+    settings: Settings, store: RedisStore
+) -> None:
+    # An entry written before a record that never came (the router died in between), or whose
+    # program expired: dropped when met, but only once older than a submit can take.
+    client: Redis = store.client  # type: ignore[assignment]
+    now = time.time() * 1000
+    key = store.keys.index_created
+    await client.zadd(key, {"ghost-old": now - 2 * INDEX_GRACE_MS, "ghost-young": now})
+    assert ids(await list_programs(settings, store)) == []
+    assert await client.zscore(key, "ghost-old") is None
+    assert await client.zscore(key, "ghost-young") is not None
+    await client.zadd(key, {"ghost-older": now - 3 * INDEX_GRACE_MS})
+    assert await prune_index(store) == 1
+    assert await client.zrange(key, 0, -1) == ["ghost-young"]
+
+
+def test_durations_and_bad_arguments() -> None:
+    assert [parse_duration(t) for t in ("90", "90s", "15m", "2h", "7d", "500ms")] == [
+        90,
+        90,
+        900,
+        7200,
+        604800,
+        0.5,
+    ]
+    for bad in ("", "1w", "-5s", "5 minutes", "1e3"):
+        with pytest.raises(ListError):
+            parse_duration(bad)
+
+
+async def test_bad_filters_are_refused(settings: Settings, store: RedisStore) -> None:
+    with pytest.raises(ListError, match="status 'done'"):
+        await list_programs(settings, store, statuses=["done"])
+    with pytest.raises(ListError, match="not a cursor"):
+        await list_programs(settings, store, before="yesterday")
+
+
+def test_the_list_command(settings: Settings) -> None:
+    env = environment(settings)
+    for n, name in enumerate(["nightly", "hourly\x1b[31m"]):  # a name with a terminal escape
+        program = json.dumps({"name": name, "steps": [{"task": "t"}]})
+        done = shardflow("submit", "-", "--id", f"cli-{n}", env=env, stdin=program)
+        assert done.returncode == 0, done.stderr
+        time.sleep(0.003)
+    table = shardflow("list", env=env)
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == ["CREATED", "(UTC)", "ID", "NAME", "STATUS", "STEP"]
+    assert [line.split()[2] for line in lines[1:]] == ["cli-1", "cli-0"]
+    assert "\x1b" not in table.stdout and "hourly\\x1b[31m" in table.stdout
+    found = shardflow("list", "--json", "--name", "nightly", "--since", "1h", env=env)
+    rows = [json.loads(line) for line in found.stdout.splitlines()]
+    assert [(r["workflow_id"], r["status"]) for r in rows] == [("cli-0", "pending")]
+    paged = shardflow("list", "--json", "--limit", "1", env=env)
+    assert [json.loads(line)["workflow_id"] for line in paged.stdout.splitlines()] == ["cli-1"]
+    cursor = paged.stderr.strip().removeprefix("shardflow: more may match: --before ")
+    rest = shardflow("list", "--json", "--before", cursor, env=env)
+    assert [json.loads(line)["workflow_id"] for line in rest.stdout.splitlines()] == ["cli-0"]
+    for args, error in [
+        (["--status", "done"], "invalid choice: 'done'"),
+        (["--since", "soon"], "a duration such as 90s"),
+        (["--limit", "0"], "a number from 1 to"),
+        (["--before", "nope"], "shardflow: 'nope': not a cursor"),
+    ]:
+        bad = shardflow("list", *args, env=env)
+        assert bad.returncode == 2 and error in bad.stderr, bad.stderr
+
+
+class TestOnRedisCluster:
+    """The index is one key with no program's hash tag: it is only ever used alone (ZADD,
+    ZREVRANGEBYSCORE, ZREM), never in a script with a program's keys, so it works on a
+    Cluster; each program's state is read by its own command in a pipeline split per node."""
+
+    @pytest.fixture
+    def redis_url(self) -> Iterator[str]:
+        cluster = PrivateRedisCluster()
+        try:
+            cluster.start()
+            yield cluster.url
+        finally:
+            cluster.close()
+
+    @pytest.fixture
+    def redis_cluster(self) -> bool:
+        return True
+
+    async def test_newest_first_filtered_and_paged(self, settings: Settings) -> None:
+        await _newest_first_filtered_and_paged(settings)
