@@ -7,7 +7,9 @@ depends on clocks. The input names the trace: `{"trace": {"url": ..., "key": ...
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import os
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -137,3 +139,31 @@ async def blob(ctx: TaskContext) -> str:
 def exits(ctx: TaskContext) -> None:
     """Calls sys.exit: it must fail the task, never stop the worker."""
     raise SystemExit(ctx.args.get("code", 3))
+
+
+def fault_output(wf: str, step: str, index: int | None, iteration: int, n: int, prev: Any) -> Any:
+    """The fault test's output: it names the program, step and member, and digests its input, so
+    a joined list in the wrong order, or with another program's outputs, changes what follows."""
+    digest = hashlib.sha256(json.dumps(prev, sort_keys=True).encode()).hexdigest()[:12]
+    return {"wf": wf, "step": step, "index": index, "iteration": iteration, "n": n, "prev": digest}
+
+
+@task(name="fault.step")
+async def fault_step(ctx: TaskContext) -> Any:
+    """Appends each execution's start and end (with its pid and attempt) to a Redis list outside
+    the system under test: the fault test's evidence of what ran, where and how often."""
+    where = ctx.input["exec_log"]
+    client = _client(where["url"])
+    who = {
+        "wf": ctx.workflow_id,
+        "path": ctx.step,
+        "index": ctx.index,
+        "attempt": ctx.attempt,
+        "pid": os.getpid(),
+    }
+    client.rpush(where["key"], json.dumps({"event": "start", **who, "prev": ctx.prev}))
+    await asyncio.sleep(ctx.args.get("sleep_s", 0.0))
+    n = ctx.args.get("n", 0)
+    output = fault_output(ctx.workflow_id, ctx.step, ctx.index, ctx.iteration, n, ctx.prev)
+    client.rpush(where["key"], json.dumps({"event": "end", **who, "output": output}))
+    return output

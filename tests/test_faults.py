@@ -1,11 +1,19 @@
-"""Nothing lost: a cluster of real processes under kill -9, a Redis restart and a RabbitMQ restart.
+"""Nothing lost, nothing run twice: real processes under kill -9, a Redis and a RabbitMQ restart.
 
 Private RabbitMQ and Redis (AOF, appendfsync always) on free loopback ports; two orchestrator
 processes per shard (one active, one standby), two workers per pool. While a few hundred
 programs run, random processes are killed with SIGKILL and started again, Redis is killed and
-restarted once, RabbitMQ is stopped and started once. Afterwards every program must have ended,
-once, with the right result, in step order, and the dead-letter queue must hold exactly the
-messages the test poisoned. `SHARDFLOW_FAULT_PROGRAMS` / `SHARDFLOW_FAULT_SECONDS` run it longer.
+restarted once, RabbitMQ is stopped and started once. `SHARDFLOW_FAULT_PROGRAMS` /
+`SHARDFLOW_FAULT_SECONDS` run it longer.
+
+The evidence is kept outside the system under test: every handler appends its start and end
+(program, step, member, attempt, pid) to a list on the shared Redis, which nobody restarts, and
+the test appends a marker at each kill. From that log and the programs' states the checks below
+demand: every member of every step ran to its end; no step started again once its program had
+moved on (at-least-once lets a redelivery re-run a member before the join, never after); each
+step got exactly the output of the one before, a bag's being its members' outputs in member
+order; every program completed; and the kills landed while programs were mid-step. The unit
+tests at the end feed each check a log with one planted fault, so none of them is vacuous.
 """
 
 from __future__ import annotations
@@ -21,10 +29,13 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aio_pika
 import pytest
+import redis
 from redis.asyncio import Redis
 
 from orchestrator.keys import Keys, Names
@@ -32,38 +43,210 @@ from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
 from orchestrator.store import TERMINAL, Store
 from router.client import Router
-from tests.app import Trace
+from tests.app import fault_output
 from tests.brokers import PrivateRabbit, PrivateRedis
 from tests.ordering import assert_leaves_in_order
-
-pytestmark = pytest.mark.fault
 
 ROOT = Path(__file__).parent.parent
 PROGRAMS = int(os.environ.get("SHARDFLOW_FAULT_PROGRAMS", "200"))
 CHAOS_S = float(os.environ.get("SHARDFLOW_FAULT_SECONDS", "30"))
 SHARDS = 2
+BAG = 5
+LOOPS = 3  # the untiloop's iterations: until prev.iteration >= 2
 
 
 def program(k: int) -> dict:
     return {
         "name": f"fault-{k}",
         "steps": [
-            {"task": "add", "args": {"n": 1, "sleep_s": 0.01}},
+            # The serial pool runs one task at a time: this step paces the programs, so they
+            # keep starting through the whole chaos and every kill finds some mid-step.
+            {"task": "fault.step", "args": {"n": k, "sleep_s": 0.12}},
             {
-                "bag": [{"task": "add", "args": {"n": i, "sleep_s": 0.05}} for i in range(5)],
+                "bag": [
+                    {"task": "fault.step", "args": {"n": i, "sleep_s": 0.05}} for i in range(BAG)
+                ],
                 "chunk": 1 + k % 3,  # one, two or three members per task message
             },
             {
-                "until": "prev.iteration >= 2",
-                "max_iterations": 5,
-                "steps": [{"task": "counter", "pool": "parallel", "args": {"sleep_s": 0.02}}],
+                "until": f"prev.iteration >= {LOOPS - 1}",
+                "max_iterations": LOOPS + 2,
+                "steps": [
+                    {"task": "fault.step", "pool": "parallel", "args": {"n": -k, "sleep_s": 0.02}}
+                ],
             },
-            {"task": "echo", "pool": "parallel", "args": {"k": k}},
+            {"task": "fault.step", "pool": "parallel", "args": {"n": 2 * k}},
         ],
     }
 
 
-PATHS = ["0", "1", "2/iter:0/0", "2/iter:1/0", "2/iter:2/0", "3"]
+@dataclass(frozen=True, slots=True)
+class Leaf:
+    """One leaf a program must run: its members (None for a single task), the input it must
+    get and the output each member must give."""
+
+    path: str
+    prev: Any
+    outputs: dict[int | None, Any]
+
+    @property
+    def output(self) -> Any:
+        """What the next leaf gets: a bag's outputs in member order, or the task's output."""
+        if None in self.outputs:
+            return self.outputs[None]
+        return [self.outputs[i] for i in sorted(self.outputs)]  # type: ignore[type-var]
+
+
+def plan(wf: str, k: int) -> list[Leaf]:
+    """The leaves of program k in order, with every input and output (tests.app.fault_output)."""
+    leaves: list[Leaf] = []
+    prev: Any = None
+
+    def add(path: str, iteration: int, members: dict[int | None, int]) -> None:
+        nonlocal prev
+        outputs = {i: fault_output(wf, path, i, iteration, n, prev) for i, n in members.items()}
+        leaves.append(Leaf(path, prev, outputs))
+        prev = leaves[-1].output
+
+    add("0", 0, {None: k})
+    add("1", 0, {i: i for i in range(BAG)})
+    for j in range(LOOPS):
+        add(f"2/iter:{j}/0", j, {None: -k})
+    add("3", 0, {None: 2 * k})
+    return leaves
+
+
+# --- the checks: each answers a list of problems, empty when the log shows none ----------------
+
+Log = list[dict[str, Any]]  # the execution log; an event's place in it is its order
+
+
+def runs(log: Log) -> Iterator[tuple[int, dict[str, Any]]]:
+    """The handlers' start and end events, with their place in the log."""
+    return ((seq, e) for seq, e in enumerate(log) if e.get("event") in ("start", "end"))
+
+
+def missing_members(log: Log, plans: dict[str, list[Leaf]]) -> list[str]:
+    """Every member of every leaf of every program ran to its end at least once."""
+    ended = {(e["wf"], e["path"], e["index"]) for _, e in runs(log) if e["event"] == "end"}
+    started = {(e["wf"], e["path"], e["index"]) for _, e in runs(log) if e["event"] == "start"}
+    problems = []
+    for wf, leaves in plans.items():
+        for leaf in leaves:
+            for i in leaf.outputs:
+                member = (wf, leaf.path, i)
+                if member not in ended:
+                    how = "started but never ended" if member in started else "never ran"
+                    problems.append(f"{wf}: step {leaf.path} member {i} {how}")
+    return problems
+
+
+def late_runs(log: Log, plans: dict[str, list[Leaf]]) -> list[str]:
+    """No step starts again once its program moved on: after the next leaf started, or (the
+    last leaf) after the `settled` marker, put in the log once every program had ended.
+    Runs of unknown programs or steps count too: a program started twice as two."""
+    settled = next((seq for seq, e in enumerate(log) if e.get("event") == "settled"), None)
+    first: dict[tuple[str, str], int] = {}
+    for seq, e in runs(log):
+        if e["event"] == "start":
+            first.setdefault((e["wf"], e["path"]), seq)
+    problems = []
+    for seq, e in runs(log):
+        if e["event"] != "start":
+            continue
+        wf, path = e["wf"], e["path"]
+        paths = [leaf.path for leaf in plans.get(wf, [])]
+        if path not in paths:
+            problems.append(f"{wf}: step {path} ran (seq {seq}), not a step of any program run")
+            continue
+        at = paths.index(path)
+        moved = first.get((wf, paths[at + 1])) if at + 1 < len(paths) else settled
+        if moved is not None and seq > moved:
+            after = f"step {paths[at + 1]} started" if at + 1 < len(paths) else "it ended"
+            problems.append(
+                f"{wf}: step {path} member {e['index']} started again (seq {seq}, pid "
+                f"{e['pid']}, attempt {e['attempt']}) after {after} (seq {moved})"
+            )
+    return problems
+
+
+def wrong_inputs(log: Log, plans: dict[str, list[Leaf]]) -> list[str]:
+    """Every run got the output of the leaf before it (for a bag: its members' outputs, in
+    member order) and gave the output its place demands."""
+    leaves = {(wf, leaf.path): (n, leaf) for wf, ls in plans.items() for n, leaf in enumerate(ls)}
+    problems = []
+    for seq, e in runs(log):
+        found = leaves.get((e["wf"], e["path"]))
+        if found is None:
+            continue  # late_runs names it
+        n, leaf = found
+        if e["event"] == "start" and e["prev"] != leaf.prev:
+            joins = n > 0 and None not in plans[e["wf"]][n - 1].outputs  # a bag before it
+            what = "a join in the wrong order or of wrong outputs" if joins else "the wrong input"
+            problems.append(
+                f"{e['wf']}: step {e['path']} got {what} (seq {seq}): {e['prev']!r}, "
+                f"expected {leaf.prev!r}"
+            )
+        if e["event"] == "end" and e["output"] != leaf.outputs.get(e["index"], e["output"]):
+            problems.append(f"{e['wf']}: step {e['path']} gave {e['output']!r} (seq {seq})")
+    return problems
+
+
+def unended(statuses: dict[str, dict[str, str]], plans: dict[str, list[Leaf]]) -> list[str]:
+    """Every program completed, with the last leaf's output as its result."""
+    problems = []
+    for wf, leaves in plans.items():
+        state = statuses.get(wf) or {}
+        if state.get("status") != "completed":
+            problems.append(
+                f"{wf}: {state.get('status', 'no state')} at {state.get('cursor', '?')}, not "
+                f"completed: {state.get('error', '')}"
+            )
+        elif json.loads(state["result"]) != leaves[-1].output:
+            problems.append(f"{wf}: completed with {state['result']}")
+    return problems
+
+
+@dataclass(frozen=True, slots=True)
+class Reach:
+    """What one kill hit: programs that had started and not ended, programs with a handler
+    running, and the victim's own handlers it cut short."""
+
+    victim: str
+    running: int
+    mid_step: int
+    cut: int
+
+
+def kill_reach(log: Log, last_path: str) -> list[Reach]:
+    """For each kill marker in the log, what was in flight at that moment."""
+    started: set[str] = set()
+    ended: set[str] = set()
+    open_runs: dict[tuple[str, str, Any, int], int] = Counter()
+    reach = []
+    for e in log:
+        if e.get("event") == "start":
+            started.add(e["wf"])
+            open_runs[(e["wf"], e["path"], e["index"], e["pid"])] += 1
+        elif e.get("event") == "end":
+            key = (e["wf"], e["path"], e["index"], e["pid"])
+            open_runs[key] = max(0, open_runs[key] - 1)
+            if e["path"] == last_path:
+                ended.add(e["wf"])
+        elif e.get("event") == "kill":
+            live = {key for key, count in open_runs.items() if count}
+            cut = [key for key in live if key[3] == e["pid"]]
+            reach.append(
+                Reach(
+                    victim=e["victim"],
+                    running=len(started - ended),
+                    mid_step=len({key[0] for key in live}),
+                    cut=sum(open_runs[key] for key in cut),
+                )
+            )
+            for key in cut:  # they died with the process: they will never end
+                del open_runs[key]
+    return reach
 
 
 class Fleet:
@@ -101,11 +284,13 @@ class Fleet:
         for name in self.specs:
             self.start(name)
 
-    def kill(self, name: str) -> None:
+    def kill(self, name: str) -> int:
+        """SIGKILL the process; its pid."""
         process = self.processes[name]
         process.send_signal(signal.SIGKILL)
         process.wait()
         self.kills += 1
+        return process.pid
 
     def ready(self, name: str) -> bool:
         with (self.logs / f"{name}.log").open("rb") as log:
@@ -171,7 +356,33 @@ async def dead_letters(settings: Settings) -> list[str]:
         return reasons
 
 
-async def chaos(fleet: Fleet, rabbit: PrivateRabbit, redis: PrivateRedis) -> Counter[str]:
+@dataclass(frozen=True, slots=True)
+class ExecLog:
+    """The handlers' execution log (tests.app.fault_step), a list on the shared Redis."""
+
+    url: str
+    key: str
+
+    def as_input(self) -> dict[str, Any]:
+        return {"exec_log": {"url": self.url, "key": self.key}}
+
+    def mark(self, event: str, **fields: Any) -> None:
+        """A marker of the test's own (a kill, the end), in order with the handlers' events."""
+        with redis.Redis.from_url(self.url) as client:
+            client.rpush(self.key, json.dumps({"event": event, **fields}))
+
+    def read(self) -> Log:
+        with redis.Redis.from_url(self.url) as client:
+            return [json.loads(item) for item in client.lrange(self.key, 0, -1)]
+
+    def drop(self) -> None:
+        with redis.Redis.from_url(self.url) as client:
+            client.delete(self.key)
+
+
+async def chaos(
+    fleet: Fleet, rabbit: PrivateRabbit, redis: PrivateRedis, log: ExecLog
+) -> Counter[str]:
     """Kill random processes for CHAOS_S seconds; restart Redis and RabbitMQ once each."""
     rng = random.Random(os.environ.get("SHARDFLOW_FAULT_SEED"))
     restarts: Counter[str] = Counter()
@@ -184,13 +395,15 @@ async def chaos(fleet: Fleet, rabbit: PrivateRabbit, redis: PrivateRedis) -> Cou
             await asyncio.to_thread(rabbit.restart)
             restarts["rabbitmq"] += 1
         victim = rng.choice(sorted(fleet.specs))
-        fleet.kill(victim)
+        # Marked after the kill: every event of the victim is already in the log.
+        log.mark("kill", victim=victim, pid=fleet.kill(victim))
         await asyncio.sleep(rng.uniform(0.0, 0.3))
         fleet.start(victim)
         await asyncio.sleep(rng.uniform(0.2, 0.8))
     return restarts
 
 
+@pytest.mark.fault
 async def test_every_program_ends_once_in_order_through_kills_and_restarts(
     brokers: tuple[PrivateRabbit, PrivateRedis], redis_url: str, prefix: str, tmp_path: Path
 ) -> None:
@@ -204,50 +417,83 @@ async def test_every_program_ends_once_in_order_through_kills_and_restarts(
         "SHARDFLOW_SHARDS": str(SHARDS),
         "SHARDFLOW_PREFIX": prefix,
         "SHARDFLOW_GRACE_S": "2",
+        "SHARDFLOW_METRICS_PORT": "0",  # many processes on one host: no shared port
     }
-    trace = Trace(redis_url, f"{prefix}:trace")  # on the shared Redis, which nobody restarts
+    log = ExecLog(redis_url, f"{prefix}:exec")  # on the shared Redis, which nobody restarts
     fleet = Fleet(env, tmp_path)
     store = RedisStore(Redis.from_url(redis.url, decode_responses=True), Keys(settings.prefix))
     from orchestrator.bus import Bus
 
     bus = Bus(settings)
     await bus.connect()
+    ids = [f"f{k}" for k in range(PROGRAMS)]
+    plans = {wf: plan(wf, k) for k, wf in enumerate(ids)}
     try:
         router = Router(settings, store=store, bus=bus)
         fleet.start_all()
         poisoned = await poison(settings)
-        ids = [f"f{k}" for k in range(PROGRAMS)]
         for k, wf in enumerate(ids):
-            await router.submit(program(k), trace.as_input(), wf)
+            await router.submit(program(k), log.as_input(), wf)
         await bus.close()
-        restarts = await chaos(fleet, rabbit, redis)
+        restarts = await chaos(fleet, rabbit, redis, log)
         statuses = await _wait_all(store, ids, timeout_s=180)
+        log.mark("settled")  # from here on no handler of these programs may start
     finally:
         await bus.close()
         exits = fleet.stop_all()
         await store.close()
+    events = log.read()
+    # Kept beside the processes' logs (pytest keeps the last runs' tmp_path) to reproduce.
+    (tmp_path / "exec.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    log.drop()
 
     logs = fleet.log_text()
-    lost = [wf for wf, status in statuses.items() if status.get("status") not in TERMINAL]
     ended = Counter(re.findall(r"(f\d+): ended ", logs))
     republished = len(re.findall(r"redelivered after a crash: published again", logs))
     ignored = len(re.findall(r"message for .* ignored \(", logs))
     dead = await dead_letters(settings)
+    reach = kill_reach(events, plans[ids[0]][-1].path)
+    runs_per_member = Counter(
+        (e["wf"], e["path"], e["index"]) for e in events if e.get("event") == "start"
+    )
+    problems = {
+        "unended": unended(statuses, plans),
+        "missing members": missing_members(events, plans),
+        "run again after moving on": late_runs(events, plans),
+        "wrong input or join": wrong_inputs(events, plans),
+    }
+    mid = [r for r in reach if r.mid_step]
     print(
         f"\nfault summary: programs {len(ids)}, kills {fleet.kills}, restarts "
         f"redis {restarts['redis']} rabbitmq {restarts['rabbitmq']}, republished after "
         f"redelivery {republished}, duplicates ignored {ignored}, dead-lettered {len(dead)} "
-        f"(poisoned {poisoned}), lost = {len(lost)}"
+        f"(poisoned {poisoned}), lost = {len(problems['unended'])}"
+        f"\nkills mid-step {len(mid)} of {len(reach)} (programs running at a kill: median "
+        f"{_median([r.running for r in reach])}, mid-step {_median([r.mid_step for r in reach])}"
+        f"), kills that cut a handler {sum(1 for r in reach if r.cut)} "
+        f"({sum(r.cut for r in reach)} handlers), re-run members "
+        f"{sum(1 for n in runs_per_member.values() if n > 1)} of {len(runs_per_member)}, "
+        f"problems {', '.join(f'{k} {len(v)}' for k, v in problems.items())}"
     )
-    assert not lost, f"{len(lost)} programs never ended: {lost[:5]}"
-    for k, wf in enumerate(ids):
-        status = statuses[wf]
-        assert status["status"] == "completed", (wf, status)
-        assert json.loads(status["result"]) == {"args": {"k": k}, "prev": {"iteration": 2}}
+    for kind, found in problems.items():
+        assert not found, f"{kind}: {len(found)}:\n" + "\n".join(found[:10])
     assert max(ended.values(), default=0) == 1, ended.most_common(3)
-    assert_leaves_in_order(trace.events(), PATHS)
+    assert_leaves_in_order(_trace(events), [leaf.path for leaf in plans[ids[0]]])
+    # The kills must land on work in flight, or the test proves nothing about crashes.
+    assert len(reach) == fleet.kills > 0
+    assert len(mid) >= max(1, len(reach) // 2), reach
+    assert any(r.cut for r in reach), reach
     assert len(dead) == poisoned, dead
     assert all(code == 0 for code in exits), exits
+
+
+def _trace(events: Log) -> Log:
+    """The execution log as tests.ordering reads a trace: start and end events with a seq."""
+    return [{**e, "seq": seq} for seq, e in runs(events)]
+
+
+def _median(values: list[int]) -> int:
+    return sorted(values)[len(values) // 2] if values else 0
 
 
 async def _wait_all(store: Store, ids: list[str], timeout_s: float) -> dict[str, dict[str, str]]:
@@ -262,3 +508,151 @@ async def _wait_all(store: Store, ids: list[str], timeout_s: float) -> dict[str,
         if time.monotonic() > deadline:
             return statuses
         await asyncio.sleep(0.5)
+
+
+# --- the checks on logs with one planted fault each: none of them can pass everything ---------
+
+
+def _start(wf: str, leaf: Leaf, i: int | None, pid: int = 100) -> dict[str, Any]:
+    return {"event": "start", "wf": wf, "path": leaf.path, "index": i, "attempt": 0, "pid": pid,
+            "prev": leaf.prev}  # fmt: skip
+
+
+def _end(wf: str, leaf: Leaf, i: int | None, pid: int = 100) -> dict[str, Any]:
+    return {"event": "end", "wf": wf, "path": leaf.path, "index": i, "attempt": 0, "pid": pid,
+            "output": leaf.outputs[i]}  # fmt: skip
+
+
+def _clean(plans: dict[str, list[Leaf]]) -> Log:
+    """The log of a run without faults: the programs' leaves interleaved, each leaf's members
+    all started, then all ended; then the settled marker."""
+    log: Log = []
+    for n in range(len(next(iter(plans.values())))):
+        for wf, leaves in plans.items():
+            log += [_start(wf, leaves[n], i) for i in leaves[n].outputs]
+            log += [_end(wf, leaves[n], i) for i in leaves[n].outputs]
+    return [*log, {"event": "settled"}]
+
+
+def _where(log: Log, event: str, wf: str, path: str) -> int:
+    return next(
+        seq for seq, e in enumerate(log) if (e.get("event"), e.get("wf"), e.get("path")) == (
+            event, wf, path)
+    )  # fmt: skip
+
+
+@pytest.fixture
+def plans() -> dict[str, list[Leaf]]:
+    return {wf: plan(wf, k) for k, wf in enumerate(["f0", "f1", "f2"])}
+
+
+def _completed(plans: dict[str, list[Leaf]]) -> dict[str, dict[str, str]]:
+    return {
+        wf: {"status": "completed", "result": json.dumps(leaves[-1].output)}
+        for wf, leaves in plans.items()
+    }
+
+
+def test_a_clean_log_passes_with_the_reruns_at_least_once_allows(
+    plans: dict[str, list[Leaf]],
+) -> None:
+    log = _clean(plans)
+    bag = plans["f1"][1]
+    # A worker killed before recording member 3: the redelivered member runs again before the
+    # join, on another worker. So may a duplicate start before step 1 began.
+    at = _where(log, "start", "f1", "2/iter:0/0")
+    log[at:at] = [
+        {"event": "kill", "victim": "parallela", "pid": 100},
+        _start("f1", bag, 3, pid=200),
+        _end("f1", bag, 3, pid=200),
+    ]
+    at = _where(log, "start", "f2", "1")
+    log[at:at] = [_start("f2", plans["f2"][0], None, pid=300), _end("f2", plans["f2"][0], None)]
+    assert missing_members(log, plans) == []
+    assert late_runs(log, plans) == []
+    assert wrong_inputs(log, plans) == []
+    assert unended(_completed(plans), plans) == []
+    assert_leaves_in_order(_trace(log), [leaf.path for leaf in plans["f0"]])
+
+
+def test_a_bag_member_that_never_ran_is_found(plans: dict[str, list[Leaf]]) -> None:
+    log = [e for e in _clean(plans) if (e.get("wf"), e.get("path"), e.get("index")) != (
+        "f1", "1", 3)]  # fmt: skip
+    assert missing_members(log, plans) == ["f1: step 1 member 3 never ran"]
+    log = [e for e in _clean(plans) if (e.get("event"), e.get("wf"), e.get("path")) != (
+        "end", "f2", "3")]  # fmt: skip
+    assert missing_members(log, plans) == ["f2: step 3 member None started but never ended"]
+
+
+def test_a_step_run_again_after_its_program_moved_on_is_found(
+    plans: dict[str, list[Leaf]],
+) -> None:
+    log = _clean(plans)
+    # A bag member after the loop began: a second run after the join.
+    at = _where(log, "end", "f1", "2/iter:0/0")
+    log.insert(at, _start("f1", plans["f1"][1], 2, pid=200))
+    [problem] = late_runs(log, plans)
+    assert problem.startswith("f1: step 1 member 2 started again") and "step 2/iter:0/0" in problem
+    # The whole program again (its first step after it ended), and a program nobody submitted.
+    log = _clean(plans)
+    log.append(_start("f0", plans["f0"][0], None))
+    log.append({**_start("f0", plans["f0"][0], None), "wf": "f7"})
+    assert [p.split(" (")[0] for p in late_runs(log, plans)] == [
+        "f0: step 0 member None started again",
+        "f7: step 0 ran",
+    ]
+    # The last step after the program ended.
+    log = _clean(plans)
+    log.append(_start("f2", plans["f2"][-1], None))
+    [problem] = late_runs(log, plans)
+    assert problem.startswith("f2: step 3 member None started again") and "it ended" in problem
+
+
+def test_a_bag_joined_with_wrong_outputs_is_found(plans: dict[str, list[Leaf]]) -> None:
+    join = plans["f1"][2].prev
+    swapped = [join[1], join[0], *join[2:]]
+    elsewhere = [*join[:4], plans["f2"][1].outputs[4]]  # another program's member
+    for wrong in (swapped, elsewhere, join[:4]):
+        log = _clean(plans)
+        at = _where(log, "start", "f1", "2/iter:0/0")
+        log[at] = {**log[at], "prev": wrong}
+        [problem] = wrong_inputs(log, plans)
+        assert problem.startswith("f1: step 2/iter:0/0 got a join in the wrong order"), problem
+    log = _clean(plans)
+    at = _where(log, "end", "f0", "1")
+    log[at] = {**log[at], "output": plans["f2"][1].outputs[log[at]["index"]]}
+    [problem] = wrong_inputs(log, plans)
+    assert problem.startswith("f0: step 1 gave"), problem
+
+
+def test_a_program_without_end_is_found(plans: dict[str, list[Leaf]]) -> None:
+    statuses = _completed(plans)
+    statuses["f0"] = {"status": "running", "cursor": "1"}
+    statuses["f1"] = {**statuses["f1"], "result": json.dumps(plans["f2"][-1].output)}
+    del statuses["f2"]
+    found = unended(statuses, plans)
+    expected = ["f0: running at 1, not completed", "f1: completed with {", "f2: no state at ?"]
+    assert len(found) == len(expected), found
+    assert all(p.startswith(e) for p, e in zip(found, expected, strict=True)), found
+
+
+def test_kill_reach_counts_what_each_kill_cut(plans: dict[str, list[Leaf]]) -> None:
+    leaf = plans["f0"][1]
+    log: Log = [
+        {"event": "kill", "victim": "orch0a", "pid": 1},  # nothing ran yet
+        _start("f0", plans["f0"][0], None, pid=7),
+        _end("f0", plans["f0"][0], None, pid=7),
+        _start("f0", leaf, 0, pid=7),
+        _start("f0", leaf, 1, pid=7),
+        _start("f1", plans["f1"][0], None, pid=8),
+        _end("f0", leaf, 1, pid=7),
+        {"event": "kill", "victim": "seriala", "pid": 8},  # cuts f1's step 0
+        {"event": "kill", "victim": "parallela", "pid": 7},  # cuts f0's member 0
+        {"event": "kill", "victim": "parallelb", "pid": 9},  # nothing left running
+    ]
+    assert kill_reach(log, "3") == [
+        Reach("orch0a", running=0, mid_step=0, cut=0),
+        Reach("seriala", running=2, mid_step=2, cut=1),
+        Reach("parallela", running=2, mid_step=1, cut=1),
+        Reach("parallelb", running=2, mid_step=0, cut=0),
+    ]
