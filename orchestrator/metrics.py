@@ -18,9 +18,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
 
-from orchestrator import machine
 from orchestrator.lifecycle import raise_if_cancelled
-from orchestrator.program import Bag
 from orchestrator.store import TERMINAL, Store
 
 log = logging.getLogger(__name__)
@@ -109,13 +107,14 @@ _open_steps: OrderedDict[str, tuple[str, str, str, float]] = OrderedDict()
 def advanced(
     wf: str,
     expected: str,
-    outcome: machine.Outcome,
+    dispatched: tuple[str, str, str] | None,
     verdict: str,
     status: str,
     *,
     redelivered: bool,
 ) -> None:
-    """Record what one compare-and-advance of the owner did (see Transitions.apply)."""
+    """Record what one compare-and-advance of the owner did (see Transitions.apply);
+    `dispatched` is the next leaf's (path, pool, "task" | "bag"), None when the program ends."""
     if verdict == "applied":
         now = time.monotonic()
         if expected == "":
@@ -123,10 +122,8 @@ def advanced(
         step = _open_steps.pop(wf, None)
         if step is not None and step[0] == expected:
             STEP_DURATION.labels(step[1], step[2]).observe(now - step[3])
-        if isinstance(outcome, machine.Leaf):
-            bag = isinstance(outcome.step, Bag)
-            pool = "parallel" if bag else outcome.step.pool  # type: ignore[union-attr]
-            _open_steps[wf] = (outcome.path, pool, "bag" if bag else "task", now)
+        if dispatched is not None:
+            _open_steps[wf] = (*dispatched, now)
             if len(_open_steps) > MAX_OPEN_STEPS:
                 _open_steps.popitem(last=False)
         if status in TERMINAL:

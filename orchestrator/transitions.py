@@ -122,6 +122,15 @@ def task_messages(
     return ("parallel" if isinstance(step, Bag) else step.pool), bodies
 
 
+def _dispatched(outcome: machine.Outcome) -> tuple[str, str, str] | None:
+    """The next leaf's path, pool and kind, for the step timings."""
+    if not isinstance(outcome, machine.Leaf):
+        return None
+    if isinstance(outcome.step, Bag):
+        return outcome.path, "parallel", "bag"
+    return outcome.path, outcome.step.pool, "task"
+
+
 def _failure(message: Failed, errors: list[str]) -> machine.Failed:
     where = message.path if message.index is None else f"{message.path}/bag:{message.index}"
     if len(errors) == 1:
@@ -181,7 +190,12 @@ class Transitions:
         # stale: a duplicate or late message, acked and ignored
         self.counts[verdict.verdict] += 1
         metrics.advanced(
-            message.wf, expected, outcome, verdict.verdict, verdict.status, redelivered=redelivered
+            message.wf,
+            expected,
+            _dispatched(outcome),
+            verdict.verdict,
+            verdict.status,
+            redelivered=redelivered,
         )
         ended = verdict.status in TERMINAL
         # A redelivered message may be the one whose publishing a crash cut short; once the

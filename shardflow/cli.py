@@ -32,7 +32,7 @@ from router.client import Router
 from router.explain import explain_text
 from router.ingress import Ingress
 from router.listing import DEFAULT_LIMIT, SCAN_MAX, STATUSES, ListError, parse_duration
-from router.purge import purge
+from router.retention import purge
 from shardflow.dev import Dev
 from shardflow.views import LiveProgress, list_table
 from worker.pool import Worker

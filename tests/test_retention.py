@@ -13,7 +13,7 @@ from orchestrator.connections import connected
 from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
 from router.client import Router
-from router.purge import purge
+from router.retention import purge
 from shardflow.dev import Dev
 from worker.pool import Worker
 from worker.registry import Registry
