@@ -1,8 +1,11 @@
 """Programs drawn by hypothesis, and a tiny independent model of what running one must give.
 
 Drawn programs use two tasks: `work`, whose output is a fixed function of where it runs
-(`output_of`), and `boom`, which always fails. Conditions come from two templates whose
-meaning the model computes in plain Python, so the model shares no code with the system.
+(`output_of`), and `boom`, which always fails. With `faults`, a third: `flaky`, whose
+`args.fails` says how each attempt ends ("error": it raises, "timeout": it hangs past its
+`timeout_s`) until an attempt past the list succeeds as `work` does; flaky tasks may carry a
+retry policy, and programs a deadline. Conditions come from two templates whose meaning the
+model computes in plain Python, so the model shares no code with the system.
 """
 
 from __future__ import annotations
@@ -20,6 +23,17 @@ def output_of(path: str, index: int | None) -> dict[str, int]:
     return {"v": zlib.crc32(f"{path}#{index}".encode()) % 5}
 
 
+# A hanging attempt is cut off by the worker after this long (a real wait, kept tiny).
+TIMEOUT_S = 0.001
+
+
+def attempt_error(kind: str, attempt: int) -> str:
+    """The error a failing attempt of `flaky` reports (the worker's wording for a timeout)."""
+    if kind == "timeout":
+        return f"timed out after {TIMEOUT_S}s"
+    return f"RuntimeError: attempt {attempt} fails"
+
+
 def _task(pool: str | None, failing: bool) -> dict[str, Any]:
     step: dict[str, Any] = {"task": "boom" if failing else "work"}
     if pool is not None:
@@ -27,33 +41,77 @@ def _task(pool: str | None, failing: bool) -> dict[str, Any]:
     return step
 
 
+def _flaky(pool: str | None, fails: list[str], retry: dict[str, Any] | None) -> dict[str, Any]:
+    # No fails and no retry: the plain `work`, where a flaky task shrinks to.
+    step: dict[str, Any] = {"task": "work"}
+    if fails or retry:
+        step = {"task": "flaky", "args": {"fails": fails}}
+    if "timeout" in fails:
+        step["timeout_s"] = TIMEOUT_S
+    if retry is not None:
+        step["retry"] = retry
+    if pool is not None:
+        step["pool"] = pool
+    return step
+
+
+def _flakies(pool: st.SearchStrategy[str | None]) -> st.SearchStrategy[dict[str, Any]]:
+    """Tasks that fail some attempts (an error or a timeout), most of them then retried (time
+    is abstract in the property test: delays vary the messages, never an order). A task
+    fails for good only when it fails every attempt it has, a few times in ten."""
+
+    def policy(most: int) -> st.SearchStrategy[dict[str, Any] | None]:
+        retry = st.fixed_dictionaries(
+            {
+                "max_attempts": st.just(most),
+                "backoff_s": st.sampled_from([0.0, 0.5, 30.0]),
+                "factor": st.sampled_from([1.0, 2.0]),
+            }
+        )
+        return st.none() | retry if most == 1 else retry
+
+    fails = st.sampled_from(["error", "timeout"])
+    return st.integers(1, 4).flatmap(
+        lambda most: st.builds(_flaky, pool, st.lists(fails, max_size=most), policy(most))
+    )
+
+
 def _bag(members: list[dict[str, Any]], chunk: int) -> dict[str, Any]:
     # chunk 1 (one message per member) is the default, and where a bag shrinks to.
     return {"bag": members, "chunk": chunk} if chunk > 1 else {"bag": members}
 
 
-def steps(depth: int = 0, max_bag: int = 50, fail_rate: int = 25) -> st.SearchStrategy[list[Any]]:
+def steps(
+    depth: int = 0, max_bag: int = 50, fail_rate: int = 25, faults: bool = False
+) -> st.SearchStrategy[list[Any]]:
     """A list of 1-4 steps; untiloops nest up to two deep. Shrinks toward plain passing tasks.
 
     Bags inside loops hold at most 5 members, so that a drawn program stays small to run.
+    With `faults`, tasks and members are also drawn flaky (see `_flakies`).
     """
     # 0 is where integers shrink to: make it mean "does not fail".
     fails = st.integers(0, fail_rate).map(lambda drawn: drawn == fail_rate)
-    task = st.builds(_task, st.sampled_from([None, "serial", "parallel"]), fails)
+    pools = st.sampled_from([None, "serial", "parallel"])
+    task = st.builds(_task, pools, fails)
+    member = st.builds(_task, st.none(), fails)
+    if faults:  # one in three flaky
+        task = st.one_of(task, task, _flakies(pools))
+        member = st.one_of(member, member, _flakies(st.none()))
     bag_size = max_bag if depth == 0 else min(max_bag, 5)
     bag = st.builds(
-        _bag, st.lists(st.builds(_task, st.none(), fails), min_size=1, max_size=bag_size),
-        st.integers(1, 4),
+        _bag, st.lists(member, min_size=1, max_size=bag_size), st.integers(1, 4)
     )  # fmt: skip
     kinds = [task, bag]
     if depth < 2:
-        kinds.append(untiloops(depth + 1, max_bag, fail_rate))
+        kinds.append(untiloops(depth + 1, max_bag, fail_rate, faults))
     return st.lists(st.one_of(kinds), min_size=1, max_size=4 if depth == 0 else 2)
 
 
 @st.composite
-def untiloops(draw: st.DrawFn, depth: int, max_bag: int, fail_rate: int) -> dict[str, Any]:
-    body = draw(steps(depth, max_bag, fail_rate))
+def untiloops(
+    draw: st.DrawFn, depth: int, max_bag: int, fail_rate: int, faults: bool = False
+) -> dict[str, Any]:
+    body = draw(steps(depth, max_bag, fail_rate, faults))
     templates = ["iteration >= {k}"] + (["prev.v % {m} == 0"] if "task" in body[-1] else [])
     until = draw(st.sampled_from(templates)).format(
         k=draw(st.integers(0, 3)), m=draw(st.integers(1, 3))
@@ -61,9 +119,19 @@ def untiloops(draw: st.DrawFn, depth: int, max_bag: int, fail_rate: int) -> dict
     return {"until": until, "max_iterations": draw(st.integers(1, 4)), "steps": body}
 
 
-def programs(max_bag: int = 50, fail_rate: int = 25) -> st.SearchStrategy[dict[str, Any]]:
-    """Whole programs of the grammar: tasks, bags of 1..max_bag, nested untiloops, both pools."""
-    return steps(0, max_bag, fail_rate).map(lambda drawn: {"name": "drawn", "steps": drawn})
+def programs(
+    max_bag: int = 50, fail_rate: int = 25, faults: bool = False
+) -> st.SearchStrategy[dict[str, Any]]:
+    """Whole programs of the grammar: tasks, bags of 1..max_bag, nested untiloops, both pools;
+    with `faults`, also flaky tasks with retry policies and timeouts, and deadlines."""
+    drawn = steps(0, max_bag, fail_rate, faults).map(lambda s: {"name": "drawn", "steps": s})
+    if not faults:
+        return drawn
+    # Now and then: a deadline ends most programs early (it is due at any time).
+    deadline = st.sampled_from([None, None, None, None, 0.5, 60.0])
+    return st.tuples(drawn, deadline).map(
+        lambda pd: pd[0] if pd[1] is None else {**pd[0], "deadline_s": pd[1]}
+    )
 
 
 @dataclass
@@ -74,6 +142,11 @@ class Expected:
     status: str = "completed"
     result: Any = None
     error_prefix: str = ""
+    # When it fails: every error it may end with, exactly (a bag ends with whichever of its
+    # failing members is reported first).
+    errors: list[str] = field(default_factory=list)
+    # (path, bag index or None) -> the attempts a member may have, for every leaf it runs
+    attempts: dict[tuple[str, int | None], int] = field(default_factory=dict)
 
     def position(self, path: str) -> int:
         return [leaf for leaf, _ in self.leaves].index(path)
@@ -98,14 +171,16 @@ def _run(steps: list[Any], prev: Any, prefix: str, expected: Expected) -> Any:
         path = f"{prefix}{k}"
         if "task" in step:
             expected.leaves.append((path, 1))
-            if step["task"] == "boom":
-                _fail(expected, f"step {path}: task 'boom': RuntimeError: boom")
+            error = _member(step, path, None, expected)
+            if error is not None:
+                _fail(expected, error, [error])
             prev = output_of(path, None)
         elif "bag" in step:
             members = step["bag"]
             expected.leaves.append((path, len(members)))
-            if any(member["task"] == "boom" for member in members):
-                _fail(expected, f"step {path}/bag:")
+            errors = [_member(member, path, i, expected) for i, member in enumerate(members)]
+            if any(errors):
+                _fail(expected, f"step {path}/bag:", [e for e in errors if e is not None])
             prev = [output_of(path, i) for i in range(len(members))]
         else:
             for iteration in range(step["max_iterations"]):
@@ -113,8 +188,30 @@ def _run(steps: list[Any], prev: Any, prefix: str, expected: Expected) -> Any:
                 if _holds(step["until"], prev, iteration):
                     break
             else:
-                _fail(expected, f"step {path}: until {step['until']!r} not met")
+                error = (
+                    f"step {path}: until {step['until']!r} not met after "
+                    f"max_iterations={step['max_iterations']}"
+                )
+                _fail(expected, error, [error])
     return prev
+
+
+def _member(step: dict[str, Any], path: str, index: int | None, expected: Expected) -> str | None:
+    """The error a task (or bag member) ends with after its last attempt, or None if it
+    succeeds; notes how many attempts it may have."""
+    most = step["retry"]["max_attempts"] if "retry" in step else 1
+    expected.attempts[(path, index)] = most
+    if step["task"] == "boom":
+        errors = ["RuntimeError: boom"] * most
+    elif step["task"] == "flaky" and len(step["args"]["fails"]) >= most:
+        errors = [attempt_error(kind, n) for n, kind in enumerate(step["args"]["fails"][:most])]
+    else:
+        return None
+    where = path if index is None else f"{path}/bag:{index}"
+    if len(errors) == 1:
+        return f"step {where}: task {step['task']!r}: {errors[0]}"
+    tries = "; ".join(f"#{n}: {error}" for n, error in enumerate(errors, 1))
+    return f"step {where}: task {step['task']!r} failed {len(errors)} attempts: {tries}"
 
 
 def _holds(until: str, prev: Any, iteration: int) -> bool:
@@ -125,7 +222,8 @@ def _holds(until: str, prev: Any, iteration: int) -> bool:
     raise AssertionError(f"no model for {until!r}")
 
 
-def _fail(expected: Expected, error_prefix: str) -> None:
+def _fail(expected: Expected, error_prefix: str, errors: list[str]) -> None:
     expected.status = "failed"
     expected.error_prefix = error_prefix
+    expected.errors = errors
     raise _Stop

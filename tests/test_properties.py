@@ -2,16 +2,24 @@
 
 The state machine plays RabbitMQ. Its rules deliver the messages the system produced in any
 order, deliver them twice, deliver old ones again, and crash a process between writing state
-and publishing (after any number of its publishes). The orchestrator and worker code that
-handles each message is the real one (`handle_shard_message`, `Worker.handle`) and so are the
-Lua scripts; only the transport is simulated. A small model (tests/model.py) says what must
-happen; invariants are checked after every rule, and at the end every message left is
-delivered so that every program must have ended, as the model says.
+and publishing (after any number of its publishes). Delayed messages (retries, deadlines) are
+held until a rule lets time pass for one of them, at any later point: time is abstract, a
+delay orders nothing. Programs have tasks that fail or time out on some attempts, retry
+policies and deadlines; a rule cancels a program through the router at any time (or while one
+of its tasks runs: the control message reaches the worker mid-task), and another holds a
+task's handlers while other messages are handled (a copy of the same task on a second worker
+moves the program on before the first records). The orchestrator, router and worker code that
+handles each message is the real one (`handle_shard_message`, `Router.cancel`, `Worker.handle`)
+and so are the Lua scripts; only the transport is simulated. A small model (tests/model.py)
+says what must happen; invariants are checked after every rule, and at the end every message
+left is delivered (delayed ones too) so that every program must have ended, as the model says
+or as its cancel or deadline says, and a cancel after the end must change nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Mapping
@@ -32,11 +40,11 @@ from redis.asyncio import Redis
 
 from orchestrator.keys import Keys
 from orchestrator.memory_store import MemoryStore
-from orchestrator.messages import TaskMessage, decode_task
+from orchestrator.messages import Cancelled, TaskMessage, decode_task
 from orchestrator.owner import handle_shard_message
 from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
-from orchestrator.store import TERMINAL, Completion, Store, Verdict
+from orchestrator.store import TERMINAL, Completion, Ended, Store, Verdict
 from orchestrator.transitions import Plans, Transitions
 from router.client import Router
 from tests.model import Expected, expect, output_of, programs
@@ -45,6 +53,7 @@ from worker.pool import Worker
 from worker.registry import Registry
 
 MAX_IN_FLIGHT = 300
+LIVE = ("pending", "running")
 
 
 class Crash(BaseException):
@@ -53,10 +62,12 @@ class Crash(BaseException):
 
 @dataclass(frozen=True)
 class Envelope:
-    kind: str  # "shard" or "task"
+    kind: str  # "shard", "task" or "control"
     body: bytes
     redelivered: bool = False
     shard: int = -1  # the queue a shard message was published to
+    wf: str = ""
+    timed: bool = False  # a task message with a timeout: its handler may wait real time
 
 
 class FakeDelivery:
@@ -76,13 +87,17 @@ class FakeDelivery:
 
 
 class Transport:
-    """Plays the broker: keeps what was published; may crash the publisher after N publishes."""
+    """Plays the broker: keeps what was published (delayed messages apart, until time passes
+    for them); may crash the publisher after N publishes."""
 
-    def __init__(self, on_dispatch: Any) -> None:
+    def __init__(self, on_task: Any) -> None:
         self.in_flight: list[Envelope] = []
+        self.later: list[Envelope] = []  # delayed: a retry (task) or a deadline (shard)
+        self.published: list[Envelope] = []  # everything, in order
         self.crash_after: int | None = None
+        self.redelivered = False  # the flag of the message being handled
         self.dead: list[str] = []
-        self._on_dispatch = on_dispatch
+        self._on_task = on_task
 
     def _count(self) -> None:
         if self.crash_after is not None:
@@ -90,18 +105,42 @@ class Transport:
                 raise Crash
             self.crash_after -= 1
 
+    def _task(self, body: bytes, *, retry: bool) -> Envelope:
+        task = decode_task(body)
+        self._on_task(task, retry=retry)
+        timed = any(t.timeout_s is not None for t in task.split())
+        return Envelope("task", body, wf=task.wf, timed=timed)
+
+    def _keep(self, envelope: Envelope, *, delayed: bool = False) -> None:
+        (self.later if delayed else self.in_flight).append(envelope)
+        self.published.append(envelope)
+
     async def publish_to_shard(self, owner: int, body: bytes, priority: int = 1) -> None:
         self._count()
-        self.in_flight.append(Envelope("shard", body, shard=owner))
+        self._keep(Envelope("shard", body, shard=owner, wf=json.loads(body)["wf"]))
 
     async def publish_all(self, pool: str, bodies: list[bytes], priority: int = 1) -> None:
         for body in bodies:
             self._count()
-            self._on_dispatch(decode_task(body))
-            self.in_flight.append(Envelope("task", body))
+            self._keep(self._task(body, retry=False))
+
+    async def publish_later(self, pool: str, body: bytes, delay_s: float) -> None:
+        assert delay_s >= 0, delay_s
+        self._count()
+        self._keep(self._task(body, retry=True), delayed=True)
+
+    async def publish_to_shard_later(self, owner: int, body: bytes, delay_s: float) -> None:
+        assert delay_s > 0, delay_s
+        self._count()
+        envelope = Envelope("shard", body, shard=owner, wf=json.loads(body)["wf"])
+        self._keep(envelope, delayed=True)
+
+    async def publish_control(self, body: bytes) -> None:
+        self._count()
+        self._keep(Envelope("control", body, wf=Cancelled.model_validate_json(body).wf))
 
     async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:
-        self.dead.append(reason)
+        self.dead.append(f"{source}: {reason}")
 
     async def requeue(self, queue: str, body: bytes, headers: Any, priority: Any) -> None:
         raise AssertionError(f"a handler failed on a good message: {headers}")
@@ -116,6 +155,8 @@ class RecordingStore:
         self.recorded: dict[tuple[str, str], set[int]] = defaultdict(set)
         self.fired: Counter[tuple[str, str]] = Counter()
         self.ended: Counter[str] = Counter()
+        self.final: dict[str, dict[str, str]] = {}  # each program's state as it ended
+        self.cancelled: dict[str, tuple[str, str]] = {}  # ended by cancel: (status, reason)
         self.violations: list[str] = []
 
     def __getattr__(self, name: str) -> Any:
@@ -124,7 +165,15 @@ class RecordingStore:
     async def record(
         self, wf: str, path: str, size: int, outputs: Mapping[int | None, str]
     ) -> Completion:
+        before = await self.inner.state(wf)
         completion = await self.inner.record(wf, path, size, outputs)
+        if completion.verdict in ("fire", "again", "wait") and (
+            before.get("status") != "running" or before.get("cursor") != path
+        ):
+            self.violations.append(
+                f"{wf} {path}: {completion.verdict} while the program was "
+                f"{before.get('status')} at {before.get('cursor')!r}"
+            )
         if completion.verdict != "stale":
             self.recorded[(wf, path)].update(index or 0 for index in outputs)
         if completion.verdict == "fire":
@@ -139,16 +188,19 @@ class RecordingStore:
     ) -> Verdict:
         verdict = await self.inner.advance(wf, expected, cursor, status, *args, **kwargs)
         if verdict.verdict == "applied" and status in TERMINAL:
-            self.ended[wf] += 1
+            await self._ended(wf)
         return verdict
 
+    async def cancel(self, wf: str, status: str, reason: str) -> Ended | None:
+        ended = await self.inner.cancel(wf, status, reason)
+        if ended is not None and ended.now:
+            self.cancelled.setdefault(wf, (status, reason))
+            await self._ended(wf)
+        return ended
 
-async def work(ctx: TaskContext) -> dict[str, int]:
-    return output_of(ctx.step, ctx.index)
-
-
-async def boom(ctx: TaskContext) -> None:
-    raise RuntimeError("boom")
+    async def _ended(self, wf: str) -> None:
+        self.ended[wf] += 1
+        self.final.setdefault(wf, await self.inner.state(wf))
 
 
 class Cluster(RuleBasedStateMachine):
@@ -171,14 +223,50 @@ class Cluster(RuleBasedStateMachine):
         self.transport = Transport(self._check_dispatch)
         self.transitions = Transitions(self.store, self.transport, Plans(self.store, 64))
         settings = Settings(prefix=keys.prefix)
-        registry = Registry({"work": work, "boom": boom})
+        registry = Registry({"work": self._work, "boom": self._boom, "flaky": self._flaky})
         self.worker = Worker(
             settings, registry, pool="parallel", store=self.store, bus=self.transport
         )
         self.router = Router(settings, store=self.store, bus=self.transport)
         self.expected: dict[str, Expected] = {}
         self.furthest: dict[str, int] = {}  # per program, the latest leaf dispatched so far
+        # (wf, path, index, attempt) -> retries of it published by a first delivery
+        self.retried: Counter[tuple[str, str, int | None, int]] = Counter()
         self.history: list[Envelope] = []
+        self.cancels_left = 0
+        self.interleavings_left = 0
+        self.gate: asyncio.Event | None = None  # while set up, every handler waits on it
+        self.held = 0
+        self.all_held = asyncio.Event()  # set when `expect_held` handlers wait at the gate
+        self.expect_held = 0
+
+    # --- the tasks: `work` and `flaky` as tests/model.py describes them --------------------
+
+    async def _hold(self) -> None:
+        gate = self.gate  # handlers started later (by another delivery meanwhile) run freely
+        if gate is not None:
+            self.held += 1
+            if self.held == self.expect_held:
+                self.all_held.set()
+            await gate.wait()
+
+    async def _work(self, ctx: TaskContext) -> dict[str, int]:
+        await self._hold()
+        return output_of(ctx.step, ctx.index)
+
+    async def _boom(self, ctx: TaskContext) -> None:
+        await self._hold()
+        raise RuntimeError("boom")
+
+    async def _flaky(self, ctx: TaskContext) -> dict[str, int]:
+        await self._hold()
+        fails = ctx.args["fails"]
+        if ctx.attempt < len(fails):
+            if fails[ctx.attempt] == "timeout":
+                await asyncio.sleep(30)  # the worker cuts it off after its timeout_s
+                raise AssertionError("a task outlived its timeout")
+            raise RuntimeError(f"attempt {ctx.attempt} fails")  # see attempt_error
+        return output_of(ctx.step, ctx.index)
 
     def run(self, coroutine: Any) -> Any:
         return self.loop.run_until_complete(coroutine)
@@ -188,35 +276,66 @@ class Cluster(RuleBasedStateMachine):
             self._drain()
             for wf, expected in self.expected.items():
                 self._check_end(wf, expected)
+            # A cancel after the end changes nothing (a redelivered cancel, a late user).
+            for wf in self.expected:
+                self._cancel(wf, "too late")
+            self.programs_never_change_after_they_ended()
+            self.programs_end_at_most_once_and_as_the_model_says()
         finally:
             self.run(self.store.close())
             self.loop.close()
 
     # --- what must always hold -------------------------------------------------------
 
-    def _check_dispatch(self, task: TaskMessage) -> None:
-        """Called as each task message is published: every earlier step must be complete."""
+    def _check_dispatch(self, task: TaskMessage, *, retry: bool) -> None:
+        """Called as each task message is published: every earlier step must be complete,
+        the program still live, a retry within the member's attempts and scheduled once."""
+        violations = self.store.violations
         expected = self.expected[task.wf]
         paths = [path for path, _ in expected.leaves]
+        if task.wf in self.store.ended:
+            violations.append(f"{task.wf}: {task.path} dispatched after the program ended")
         if task.path not in paths:
-            self.store.violations.append(f"{task.wf}: dispatched {task.path}, not in {paths}")
+            violations.append(f"{task.wf}: dispatched {task.path}, not in {paths}")
             return
         position = paths.index(task.path)
         for path, size in expected.leaves[:position]:
             if len(self.store.recorded[(task.wf, path)]) < size:
-                self.store.violations.append(
-                    f"{task.wf}: {task.path} dispatched before {path} completed"
-                )
+                violations.append(f"{task.wf}: {task.path} dispatched before {path} completed")
         furthest = self.furthest.get(task.wf, -1)
         if position < furthest:
-            self.store.violations.append(
+            violations.append(
                 f"{task.wf}: {task.path} dispatched again after {paths[furthest]} was"
             )
         self.furthest[task.wf] = max(furthest, position)
+        if not retry:
+            if task.attempt != 0:
+                violations.append(f"{task.wf} {task.path}: a first run as attempt {task.attempt}")
+            return
+        most = expected.attempts.get((task.path, task.index), 1)
+        if not 0 < task.attempt < most:
+            violations.append(
+                f"{task.wf} {task.path}/{task.index}: retried as attempt {task.attempt} "
+                f"of {most}: more than max_attempts-1 retries"
+            )
+        # A report delivered for the first time schedules its retry once; only a redelivered
+        # one (its handler may have died before publishing) may schedule it again.
+        if not self.transport.redelivered:
+            key = (task.wf, task.path, task.index, task.attempt)
+            self.retried[key] += 1
+            if self.retried[key] > 1:
+                violations.append(
+                    f"{task.wf} {task.path}/{task.index}: attempt {task.attempt} scheduled "
+                    "again by a report that was not redelivered"
+                )
 
     @invariant()
     def nothing_out_of_order(self) -> None:
         assert not self.store.violations, self.store.violations
+
+    @invariant()
+    def nothing_dead_lettered(self) -> None:
+        assert not self.transport.dead, self.transport.dead
 
     @invariant()
     def barriers_fire_at_most_once(self) -> None:
@@ -228,17 +347,27 @@ class Cluster(RuleBasedStateMachine):
         for wf in self.store.ended:
             self._check_end(wf, self.expected[wf])
 
+    @invariant()
+    def programs_never_change_after_they_ended(self) -> None:
+        for wf, final in self.store.final.items():
+            now = self.run(self.store.state(wf))
+            assert now == final, f"{wf} changed after it ended: {final} -> {now}"
+
     def _check_end(self, wf: str, expected: Expected) -> None:
         status = self.run(self.router.status(wf))
         assert status is not None and status["status"] in TERMINAL, (
             f"{wf} never ended: lost a message ({status})"
         )
         assert self.store.ended[wf] == 1
+        if wf in self.store.cancelled:  # by a cancel or its deadline, before its own end
+            assert (status["status"], status["error"]) == self.store.cancelled[wf], status
+            return
         assert status["status"] == expected.status, (status, expected)
         if expected.status == "completed":
             assert status["result"] == expected.result
         else:
-            assert status["error"].startswith(expected.error_prefix), (status, expected)
+            # Every attempt's error, in order; a bag's from whichever member ended it.
+            assert status["error"] in expected.errors, (status, expected)
         dispatched = {path for (w, path) in self.store.recorded if w == wf}
         finished = {path for path, _ in expected.leaves}
         if expected.status == "completed":
@@ -247,25 +376,43 @@ class Cluster(RuleBasedStateMachine):
 
     # --- the transport's moves ---------------------------------------------------------
 
-    @initialize(drawn=st.lists(programs(), min_size=1, max_size=2))
-    def submit(self, drawn: list[dict[str, Any]]) -> None:
+    @initialize(
+        drawn=st.lists(programs(faults=True), min_size=1, max_size=2),
+        cancels=st.sampled_from([0, 0, 0, 1, 2]),
+        interleavings=st.integers(0, 3),
+    )
+    def submit(self, drawn: list[dict[str, Any]], cancels: int, interleavings: int) -> None:
+        # Budgets for the rarer moves, so that the core ones (deliver, crash, duplicate,
+        # stale) keep most of the steps and programs get far before a cancel ends them.
+        self.cancels_left = cancels
+        self.interleavings_left = interleavings
         for program in drawn:
             wf = f"w{uuid.uuid4().hex[:8]}"
             self.expected[wf] = expect(program)
             self.run(self.router.submit(program, None, wf))
 
     def _deliver(self, index: int, crash_after: int | None = None) -> None:
-        envelope = self.transport.in_flight.pop(index)
+        self.run(self._handle(self.transport.in_flight.pop(index), crash_after))
+
+    async def _handle(self, envelope: Envelope, crash_after: int | None = None) -> None:
+        """Hand one message to the process that consumes it; it may die after `crash_after`
+        of its publishes."""
+        if envelope.kind == "control":  # no ack: the worker's exclusive queue is no-ack
+            self.worker.cancel_program(Cancelled.model_validate_json(envelope.body).wf)
+            self.history.append(envelope)
+            return
         delivery = FakeDelivery(envelope)
+        deadline = envelope.kind == "shard" and json.loads(envelope.body)["kind"] == "deadline"
+        before = await self.store.state(envelope.wf) if deadline else {}
         self.transport.crash_after = crash_after
+        self.transport.redelivered = envelope.redelivered
         try:
             if envelope.kind == "shard":
-                coroutine = handle_shard_message(
+                await handle_shard_message(
                     delivery, self.transitions, self.transport, envelope.shard, "s"
                 )
             else:
-                coroutine = self.worker.handle(delivery, "tasks")
-            self.run(coroutine)
+                await self.worker.handle(delivery, "tasks")
         except Crash:
             pass
         finally:
@@ -273,6 +420,10 @@ class Cluster(RuleBasedStateMachine):
         assert not delivery.nacked, "a handler raised: see the log"
         if delivery.acked:
             self.history.append(envelope)
+            if deadline and before["status"] in LIVE:
+                after = await self.store.state(envelope.wf)
+                reason = f"deadline of {json.loads(envelope.body)['deadline_s']}s exceeded"
+                assert (after["status"], after["error"]) == ("failed", reason), after
         else:  # the process died holding it: the broker delivers it again, flagged
             self.transport.in_flight.append(replace(envelope, redelivered=True))
 
@@ -310,14 +461,154 @@ class Cluster(RuleBasedStateMachine):
         old = self.history[self._pick(data, self.history)]
         self.transport.in_flight.append(replace(old, redelivered=redelivered))
 
+    @precondition(lambda self: self.transport.later)
+    @rule(data=st.data())
+    def time_passes(self, data: st.DataObject) -> None:
+        """A delayed message (a retry, a deadline) is due: any one, at any time."""
+        self.transport.in_flight.append(
+            self.transport.later.pop(self._pick(data, self.transport.later))
+        )
+
+    @precondition(lambda self: self.cancels_left > 0)
+    @rule(data=st.data(), dies=st.booleans(), mid_task=st.booleans())
+    def cancel(self, data: st.DataObject, dies: bool, mid_task: bool) -> None:
+        """A user cancels a program, at any point of its life; the router may die after
+        ending it and before telling the workers. With `mid_task`, while one of its tasks
+        runs: the control message reaches the worker mid-task, and the task reports nothing."""
+        self.cancels_left -= 1
+        if mid_task and self._untimed_tasks():
+            self._cancel_while_running(data)
+            return
+        wf = data.draw(st.sampled_from(list(self.expected)), label="program")  # in submit order
+        self._cancel(wf, "cancelled by a rule", dies=dies)
+
+    def _cancel(self, wf: str, reason: str, *, dies: bool = False) -> None:
+        """The real cancel path; a live program ends cancelled, an ended one stays as it was."""
+        was = self.run(self.store.state(wf))
+        self.transport.crash_after = 0 if dies else None
+        try:
+            self.run(self.router.cancel(wf, reason))
+        except Crash:
+            pass
+        finally:
+            self.transport.crash_after = None
+        now = self.run(self.store.state(wf))
+        if was["status"] in LIVE:
+            assert (now["status"], now["error"]) == ("cancelled", reason), now
+        else:
+            assert now == was, f"a cancel changed an ended program: {was} -> {now}"
+
+    def _untimed_tasks(self) -> list[int]:
+        in_flight = self.transport.in_flight
+        return [i for i, e in enumerate(in_flight) if e.kind == "task" and not e.timed]
+
+    @precondition(lambda self: self.interleavings_left > 0 and self._untimed_tasks())
+    @rule(data=st.data(), race=st.booleans())
+    def interleave(self, data: st.DataObject, race: bool) -> None:
+        """Workers and owners run side by side: while a task's handlers run, another message
+        is handled. With `race`, a second worker runs a copy of the same task (a publisher's
+        retry) and its report moves the program on before the first one records."""
+        self.interleavings_left -= 1
+        in_flight = self.transport.in_flight
+        candidates = self._untimed_tasks()
+        if race:  # copies of a program's current step where there are any: the race that matters
+            cursors = {wf: self.run(self.store.state(wf)).get("cursor") for wf in self.expected}
+            current = [
+                i
+                for i in candidates
+                if decode_task(in_flight[i].body).path == cursors[in_flight[i].wf]
+            ]
+            candidates = current or candidates
+        envelope = in_flight.pop(data.draw(st.sampled_from(candidates), label="task"))
+        other = None if race or not in_flight else in_flight[self._pick(data, in_flight)]
+
+        async def meanwhile() -> None:
+            if other is not None:
+                in_flight.remove(other)
+                await self._handle(other)
+            if race:
+                mark = len(self.transport.published)
+                await self._handle(replace(envelope, redelivered=False))
+                for report in self.transport.published[mark:]:
+                    if report.kind == "shard" and report in in_flight:
+                        in_flight.remove(report)
+                        await self._handle(report)
+
+        self.run(self._while_running(envelope, meanwhile))
+
+    def _cancel_while_running(self, data: st.DataObject) -> None:
+        index = data.draw(st.sampled_from(self._untimed_tasks()), label="task")
+        envelope = self.transport.in_flight.pop(index)
+        told: list[Envelope] = []
+
+        async def meanwhile() -> None:
+            await self.router.cancel(envelope.wf, "cancelled while running")
+            told.extend(e for e in self.transport.in_flight if e.kind == "control")
+            for control in told:
+                self.transport.in_flight.remove(control)
+                await self._handle(control)
+
+        mark = self.run(self._while_running(envelope, meanwhile))
+        if any(control.wf == envelope.wf for control in told):
+            reports = [e for e in self.transport.published[mark:] if e.wf == envelope.wf]
+            assert not reports, f"a task cancelled while it ran reported {reports}"
+
+    async def _while_running(self, envelope: Envelope, meanwhile: Any) -> int:
+        """Deliver a task message, hold its handlers, run `meanwhile`, release them; returns
+        where the publishing log stood when they were released."""
+        task = decode_task(envelope.body)
+        running = len(task.split())
+        delivery = FakeDelivery(envelope)
+        gate = asyncio.Event()
+        self.gate, self.held, self.expect_held = gate, 0, running
+        self.all_held.clear()
+        try:
+            handling = asyncio.ensure_future(self.worker.handle(delivery, "tasks"))
+            held = asyncio.ensure_future(self.all_held.wait())
+            await asyncio.wait({handling, held}, return_when=asyncio.FIRST_COMPLETED)
+            held.cancel()
+        finally:
+            self.gate = None
+        if handling.done():
+            handling.result()  # raises what ended it early, if anything did
+            # Not run at all: only a step its program has left may be skipped.
+            state = await self.store.state(task.wf)
+            assert (state["status"], state["cursor"]) != ("running", task.path), state
+        else:
+            assert self.held == running, f"{self.held} of {running} handlers started"
+        await meanwhile()
+        mark = len(self.transport.published)
+        gate.set()
+        self.transport.redelivered = envelope.redelivered
+        await handling
+        assert delivery.acked and not delivery.nacked
+        self.history.append(envelope)
+        return mark
+
     def _drain(self) -> None:
         # A correct system needs about one delivery per message it still owes; allow plenty.
-        owed = sum(size + 1 for expected in self.expected.values() for _, size in expected.leaves)
-        for _ in range(4 * (owed + len(self.transport.in_flight)) + 100):
-            if not self.transport.in_flight:
+        owed = sum(
+            2 * sum(expected.attempts.values()) + len(expected.leaves) + 2
+            for expected in self.expected.values()
+        )
+        transport = self.transport
+        for _ in range(4 * (owed + len(transport.in_flight) + len(transport.later)) + 100):
+            kinds = [e.kind for e in transport.later]
+            if transport.in_flight:
+                self._deliver(0)
+            elif "task" in kinds:  # retries fall due before deadlines
+                transport.in_flight.append(transport.later.pop(kinds.index("task")))
+            elif transport.later:
+                # Only deadlines are left: every program must have ended by now, or a lost
+                # message would go unseen behind its deadline.
+                for wf in self.expected:
+                    status = self.run(self.store.state(wf)).get("status")
+                    assert status not in LIVE, f"{wf} never ended: lost a message ({status})"
+                transport.in_flight.append(transport.later.pop(0))
+            else:
                 return
-            self._deliver(0)
             self.nothing_out_of_order()
+            self.nothing_dead_lettered()
         raise AssertionError("the system kept producing messages: a loop that never ends")
 
 
@@ -345,3 +636,23 @@ def test_the_model_agrees_with_a_hand_worked_program(seed: int) -> None:
     expected = expect(program)
     assert expected.leaves == [("0", 1), ("1/iter:0/0", 2), ("1/iter:1/0", 2)]
     assert expected.result == [output_of("1/iter:1/0", 0), output_of("1/iter:1/0", 1)]
+
+
+def test_the_model_lists_every_attempts_error_when_retries_run_out() -> None:
+    flaky = {"task": "flaky", "args": {"fails": ["error", "timeout"]}, "timeout_s": 0.001}
+    program = {
+        "steps": [
+            {**flaky, "retry": {"max_attempts": 3}},  # the third attempt succeeds
+            {"bag": [{"task": "work"}, {**flaky, "retry": {"max_attempts": 2}}]},
+        ]
+    }
+    expected = expect(program)
+    assert expected.leaves == [("0", 1), ("1", 2)]
+    assert expected.attempts == {("0", None): 3, ("1", 0): 1, ("1", 1): 2}
+    assert (expected.status, expected.errors) == (
+        "failed",
+        [
+            "step 1/bag:1: task 'flaky' failed 2 attempts: "
+            "#1: RuntimeError: attempt 0 fails; #2: timed out after 0.001s"
+        ],
+    )
