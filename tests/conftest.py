@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import subprocess
@@ -47,7 +48,7 @@ def _unavailable(what: str, exc: BaseException) -> None:
 
 
 def _rabbitmqctl(*args: str) -> None:
-    subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True, timeout=60)
+    subprocess.run(["rabbitmqctl", "-q", *args], check=True, capture_output=True, timeout=30)
 
 
 @pytest.fixture(scope="session")
@@ -61,7 +62,13 @@ def amqp_url() -> Iterator[str]:
         _rabbitmqctl("add_vhost", vhost)
         _rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
     except (subprocess.SubprocessError, OSError) as exc:
-        _unavailable("RabbitMQ (rabbitmqctl)", exc)
+        # A broker whose vhost operations hang (one stuck delete_vhost blocks every later
+        # add_vhost) still serves AMQP: every test has its own queue prefix, so the default
+        # vhost isolates runs too. Only a broker that does not answer at all fails the run.
+        log = logging.getLogger(__name__)
+        log.warning("rabbitmqctl add_vhost failed (%s); using the default vhost", exc)
+        yield AMQP_BASE
+        return
     yield AMQP_BASE.rstrip("/") + "/" + vhost
     with contextlib.suppress(subprocess.SubprocessError, OSError):
         _rabbitmqctl("delete_vhost", vhost)
