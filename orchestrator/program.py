@@ -185,6 +185,11 @@ def parse_input(text: str | bytes, *, max_bytes: int = 256 * 1024) -> Any:
     return _load(text, "input", max_bytes)
 
 
+def parse_document(text: str | bytes, *, what: str, max_bytes: int) -> Any:
+    """Parse any JSON text as strictly as a program: `what` names it in the errors."""
+    return _load(text, what, max_bytes)
+
+
 def check_input(value: Any, *, max_bytes: int = 256 * 1024) -> None:
     """Refuse an input given as a value (the Python API, the ingress) that JSON text could not
     carry: NaN, lone surrogates, more than MAX_DEPTH levels, more than `max_bytes`."""

@@ -21,7 +21,7 @@ from orchestrator import logs, metrics
 from orchestrator.bus import Bus
 from orchestrator.delivery import Delivery, Poison, first_error, process
 from orchestrator.lifecycle import Service, format_counts
-from orchestrator.program import ProgramError
+from orchestrator.program import ProgramError, parse_document
 from orchestrator.settings import Settings
 from router.client import Router
 
@@ -98,6 +98,8 @@ class Ingress(Service):
                 request = Request.model_validate_json(delivery.body)
             except ValidationError as exc:
                 raise Poison(first_error(exc, root="request")) from None
+            # pydantic keeps the last of two equal keys; the program format refuses them.
+            parse_document(delivery.body, what="request", max_bytes=len(delivery.body))
             workflow_id = request.workflow_id or derived_id(message_id, delivery.body)
             logs.bind(workflow_id=workflow_id)
             submitted = await self.router.submit(request.program, request.input, workflow_id)

@@ -60,6 +60,7 @@ async def test_requests_are_submitted_and_bad_ones_refused_with_the_fault(
         json.dumps({**GOOD, "workflow_id": "bad id"}).encode(),
         json.dumps({**GOOD, "extra": 1}).encode(),
         json.dumps({**GOOD, "workflow_id": "via-amqp"}).encode(),
+        b'{"program": {"steps": [{"task": "add"}]}, "input": 1, "input": 2}',
     ]
     answers = await ask(settings, requests)
     assert answers[0] == {"workflow_id": "via-amqp", "shard": answers[0]["shard"],
@@ -71,9 +72,11 @@ async def test_requests_are_submitted_and_bad_ones_refused_with_the_fault(
     assert answers[4]["error"].startswith("id: workflow id 'bad id': use 1-128")
     assert answers[5] == {"error": "extra: Extra inputs are not permitted"}
     assert answers[6]["created"] is False  # the same id again: never a second run
+    # pydantic alone would keep the last "input"; two equal keys are refused, as in a program.
+    assert answers[7] == {"error": "request: duplicate key 'input'"}
     assert (await ingress.wait("via-amqp", timeout_s=30))["result"] == 2
     async with connected(settings) as (_, bus):
         parked = await bus.peek_dead(10)
     reasons = sorted(headers["x-shardflow-reason"] for headers, _ in parked)
-    assert len(reasons) == 5
+    assert len(reasons) == 6
     assert sorted(a["error"] for a in answers if "error" in a) == reasons
