@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 import re
 from functools import lru_cache
-from typing import Any
+from typing import Any, NoReturn
 
 import cel
 
@@ -129,9 +129,53 @@ def evaluate(
         return bool(reply["value"])
     if "gave" in reply:
         raise ConditionError(f"gave {reply['gave']} {_cut(reply['repr'])}, not a bool")
+    return _raise_error(reply, source)
+
+
+def _raise_error(reply: dict[str, Any], source: str) -> NoReturn:
     if reply["error"] == "KeyError":  # its message is the missing key's repr
         raise ConditionError(f"no such key {_cut(reply['message'])}")
+    if reply["error"] == "NotJSON":
+        raise ConditionError(reply["message"])
     raise ConditionError(_one_line(reply["message"], source))
+
+
+def evaluate_list(
+    source: str,
+    *,
+    input: Any,
+    prev: Any,
+    iteration: int,
+    max_items: int,
+    max_bytes: int,
+    budget_s: float | None = None,
+) -> list[Any]:
+    """Evaluate a map step's expression: a JSON list of at most `max_items` items and
+    `max_bytes` bytes, within the budget (as `evaluate`); ConditionError naming the fault."""
+    compile_condition(source)
+    budget = BUDGET_S if budget_s is None else budget_s
+    try:
+        context = {"input": input, "prev": prev, "iteration": iteration}
+        request = json.dumps(
+            {"source": source, "context": context, "budget_s": budget,
+             "max_items": max_items, "max_bytes": max_bytes}
+        )  # fmt: skip
+    except (TypeError, ValueError) as exc:
+        raise ConditionError(f"input or prev is not JSON: {exc}") from None
+    try:
+        reply = EVALUATOR.run(request.encode() + b"\n", budget)
+    except EvaluatorError as exc:
+        raise ConditionError(str(exc)) from None
+    if "items" in reply:
+        items: list[Any] = reply["items"]
+        return items
+    if "too_many" in reply:
+        raise ConditionError(f"gave {reply['too_many']} items, more than max_items={max_items}")
+    if "too_large" in reply:
+        raise ConditionError(f"gave {reply['too_large']} bytes of items, over {max_bytes}")
+    if "gave" in reply:
+        raise ConditionError(f"gave {reply['gave']} {_cut(reply['repr'])}, not a list")
+    return _raise_error(reply, source)
 
 
 async def evaluate_async(

@@ -235,7 +235,9 @@ def _serve() -> None:
                     programs.clear()
                 programs[source] = cel.compile(source)
             value = programs[source].execute(context)
-            if isinstance(value, bool):
+            if "max_items" in request:  # a map step's list, bounded before it is copied
+                reply = _list_reply(value, request["max_items"], request["max_bytes"])
+            elif isinstance(value, bool):
                 reply = {"value": value}
             else:
                 reply = {"gave": type(value).__name__, "repr": repr(value)[:1000]}
@@ -245,6 +247,21 @@ def _serve() -> None:
             replies.write(b"converted\n")
         replies.write(json.dumps(reply).encode() + b"\n")
         replies.flush()
+
+
+def _list_reply(value: Any, max_items: int, max_bytes: int) -> dict[str, Any]:
+    """A list as JSON, or why not: not a list, too many items, too large, not JSON."""
+    if not isinstance(value, list):
+        return {"gave": type(value).__name__, "repr": repr(value)[:1000]}
+    if len(value) > max_items:
+        return {"too_many": len(value)}
+    try:
+        text = json.dumps(value, allow_nan=False, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:  # bytes, timestamps, durations, NaN
+        return {"error": "NotJSON", "message": f"its items are not JSON: {exc}"}
+    if len(text.encode()) > max_bytes:
+        return {"too_large": len(text.encode())}
+    return {"items": value}
 
 
 def _limit_cpu(budget_s: float) -> None:

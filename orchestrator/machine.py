@@ -1,6 +1,6 @@
 """The pure state machine: given a program and the step that just finished, what comes next.
 
-A program always has exactly one active *leaf* (a task or a bag); its step path is the
+A program always has exactly one active *leaf* (a task, a bag or a map); its step path is the
 program's cursor, e.g. `2` or `3/iter:4/1` inside an untiloop body. Nothing here does I/O,
 so the same functions drive the orchestrator and the property tests' model. (An `until` is
 evaluated in a small evaluator process with a time budget: see orchestrator/conditions.py.)
@@ -8,13 +8,18 @@ evaluated in a small evaluator process with a time budget: see orchestrator/cond
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.conditions import ConditionError, evaluate, quote
-from orchestrator.program import Bag, Program, Task, Untiloop
+from orchestrator.conditions import ConditionError, evaluate, evaluate_list, quote
+from orchestrator.program import Bag, Map, Program, Task, Untiloop
 
-Step = Task | Bag | Untiloop
+Step = Task | Bag | Map | Untiloop
+LeafStep = Task | Bag | Map
+# A map's items travel inside its task messages: each item, and all of them, stay this small.
+MAX_ITEM_BYTES = 65536
+MAX_ITEMS_BYTES = 8 * 1024 * 1024
 
 
 class PathError(ValueError):
@@ -23,12 +28,21 @@ class PathError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Leaf:
-    """Run this step next, with `prev` as its input from the step before."""
+    """Run this step next, with `prev` as its input from the step before; a map's `items`
+    (one task each; none: the step is done at once, with output [])."""
 
     path: str
-    step: Task | Bag
+    step: LeafStep
     prev: Any
     iteration: int
+    items: tuple[Any, ...] | None = None
+
+    @property
+    def size(self) -> int | None:
+        """Members behind the join barrier; None for a single task."""
+        if isinstance(self.step, Bag):
+            return len(self.step.bag)
+        return None if self.items is None else len(self.items)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +62,9 @@ class Failed:
 Outcome = Leaf | Done | Failed
 
 
-def first(program: Program) -> Outcome:
-    """The first leaf of a program."""
-    return _descend(program.steps, 0, prefix="", prev=None, iteration=0)
+def first(program: Program, input: Any = None) -> Outcome:
+    """The first leaf of a program (a map's items are computed from `input`)."""
+    return _descend(program.steps, 0, prefix="", prev=None, iteration=0, input=input)
 
 
 def after(program: Program, path: str, output: Any, input: Any) -> Outcome:
@@ -58,7 +72,7 @@ def after(program: Program, path: str, output: Any, input: Any) -> Outcome:
     return _after(program.steps, _split(path), output, input, prefix="", iteration=0)
 
 
-def leaf_at(program: Program, path: str) -> Task | Bag:
+def leaf_at(program: Program, path: str) -> LeafStep:
     """The task or bag a cursor points at; PathError when the path is not a leaf of the program."""
     steps: list[Step] = program.steps
     parts = _split(path)
@@ -130,20 +144,51 @@ def _after(
                 prefix=f"{here}/iter:{loop_iteration + 1}/",
                 prev=output,
                 iteration=loop_iteration + 1,
+                input=input,
             )
     elif rest:
         raise PathError(f"{here}: a {type(step).__name__.lower()} has no inner steps")
     if index + 1 < len(steps):
-        return _descend(steps, index + 1, prefix=prefix, prev=output, iteration=iteration)
+        return _descend(
+            steps, index + 1, prefix=prefix, prev=output, iteration=iteration, input=input
+        )
     return Done(output)
 
 
-def _descend(steps: list[Step], index: int, *, prefix: str, prev: Any, iteration: int) -> Outcome:
+def _descend(
+    steps: list[Step], index: int, *, prefix: str, prev: Any, iteration: int, input: Any
+) -> Outcome:
     step = steps[index]
     path = f"{prefix}{index}"
     if isinstance(step, Untiloop):
-        return _descend(step.steps, 0, prefix=f"{path}/iter:0/", prev=prev, iteration=0)
+        return _descend(
+            step.steps, 0, prefix=f"{path}/iter:0/", prev=prev, iteration=0, input=input
+        )
+    if isinstance(step, Map):
+        return _mapped(step, path, prev, iteration, input)
     return Leaf(path=path, step=step, prev=prev, iteration=iteration)
+
+
+def _mapped(step: Map, path: str, prev: Any, iteration: int, input: Any) -> Outcome:
+    try:
+        items = evaluate_list(
+            step.map,
+            input=input,
+            prev=prev,
+            iteration=iteration,
+            max_items=step.max_items,
+            max_bytes=MAX_ITEMS_BYTES,
+        )
+    except ConditionError as exc:
+        return Failed(f"step {path}: map {quote(step.map)}: {exc}")
+    for n, item in enumerate(items):
+        size = len(json.dumps(item, ensure_ascii=False).encode())
+        if size > MAX_ITEM_BYTES:
+            return Failed(
+                f"step {path}: map {quote(step.map)}: item {n} is {size} bytes, over "
+                f"{MAX_ITEM_BYTES} (pass a key and read the data in the task)"
+            )
+    return Leaf(path=path, step=step, prev=prev, iteration=iteration, items=tuple(items))
 
 
 def _split(path: str) -> list[str]:

@@ -76,6 +76,7 @@ class Failed(_Message):
     prev: Any = None
     prev_ref: bool = False
     iteration: int = 0
+    item: Any = None  # a map member's item
 
     @model_validator(mode="after")
     def _prev_once(self) -> Failed:
@@ -107,6 +108,7 @@ class Slot(_Message):
     task: TaskName
     args: dict[str, Any] = Field(default_factory=dict)
     timeout_s: float | None = Field(default=None, gt=0, le=86400)
+    item: Any = None
 
 
 class TaskMessage(_Message):
@@ -118,6 +120,8 @@ class TaskMessage(_Message):
     size: int = Field(default=1, ge=1, le=MAX_BAG)
     task: TaskName
     args: dict[str, Any] = Field(default_factory=dict)
+    # A map member's item (its list computed by the owner when the step started).
+    item: Any = None
     input: Any = None
     prev: Any = None
     # Large values stay in Redis: the input under `input`, the prev under the task's path.

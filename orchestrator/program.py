@@ -82,6 +82,28 @@ class Bag(_Model):
     )
 
 
+class Map(Member):
+    """One task per item of a list computed when the step starts, run like a bag's members."""
+
+    map: str = Field(
+        min_length=1,
+        max_length=MAX_SOURCE_CHARS,
+        description="CEL over input, prev and iteration giving the list of items",
+    )
+    max_items: int = Field(ge=1, le=MAX_BAG, description="more items fail the step")
+    chunk: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_BAG,
+        description="members per task message, run side by side by one worker",
+    )
+
+    @field_validator("map")
+    @classmethod
+    def _map_compiles(cls, value: str) -> str:
+        return _compiles(value)
+
+
 class Untiloop(_Model):
     """A body of steps repeated until `until` holds over its last output."""
 
@@ -99,11 +121,15 @@ class Untiloop(_Model):
     @field_validator("until")
     @classmethod
     def _until_compiles(cls, value: str) -> str:
-        try:
-            compile_condition(value)
-        except ConditionError as exc:
-            raise ValueError(f"invalid CEL: {exc}") from None
-        return value
+        return _compiles(value)
+
+
+def _compiles(source: str) -> str:
+    try:
+        compile_condition(source)
+    except ConditionError as exc:
+        raise ValueError(f"invalid CEL: {exc}") from None
+    return source
 
 
 def _step_kind(value: Any) -> str | None:
@@ -112,19 +138,22 @@ def _step_kind(value: Any) -> str | None:
     if not isinstance(value, dict):
         return None
     kinds = [kind for key, kind in _KINDS.items() if key in value]
+    if kinds == ["Task", "Map"]:  # a map names its task too
+        return "Map"
     return kinds[0] if len(kinds) == 1 else None
 
 
-_KINDS = {"task": "Task", "bag": "Bag", "until": "Untiloop"}
+_KINDS = {"task": "Task", "bag": "Bag", "until": "Untiloop", "map": "Map"}
 
 Step = Annotated[
     Annotated[Task, Tag("Task")]
     | Annotated[Bag, Tag("Bag")]
+    | Annotated[Map, Tag("Map")]
     | Annotated[Untiloop, Tag("Untiloop")],
     Discriminator(
         _step_kind,
         custom_error_type="step_kind",
-        custom_error_message="a step needs exactly one of 'task', 'bag' or 'until'",
+        custom_error_message="a step needs exactly one of 'task', 'bag', 'map' or 'until'",
     ),
 ]
 Untiloop.model_rebuild()
@@ -143,10 +172,10 @@ class Program(_Model):
         return _names(self.steps)
 
 
-def _names(steps: list[Task | Bag | Untiloop]) -> set[str]:
+def _names(steps: list[Task | Bag | Map | Untiloop]) -> set[str]:
     names: set[str] = set()
     for step in steps:
-        if isinstance(step, Task):
+        if isinstance(step, Task | Map):
             names.add(step.task)
         elif isinstance(step, Bag):
             names.update(member.task for member in step.bag)
@@ -293,7 +322,7 @@ def _unicode_fault(exc: UnicodeEncodeError) -> str:
 def _fault(error: Any) -> str:
     path = ""
     for part in error["loc"]:
-        if part in ("Task", "Bag", "Untiloop"):
+        if part in ("Task", "Bag", "Map", "Untiloop"):
             continue  # union tags, not part of the user's document
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     message = error["msg"].removeprefix("Value error, ")

@@ -28,7 +28,7 @@ from orchestrator.messages import (
     TaskMessage,
     encode,
 )
-from orchestrator.program import Bag, Member, Program, parse_program
+from orchestrator.program import Bag, Map, Member, Program, Task, parse_program
 from orchestrator.store import TERMINAL, Store
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,8 @@ class Plan:
     owner: int
     # The input as JSON when it is too large to carry in task messages (they refer to it).
     big_input: str | None = None
+    # Whether moving on may evaluate CEL (an until or a map): then it waits in a thread.
+    evaluates: bool = False
 
 
 class Plans:
@@ -64,7 +66,8 @@ class Plans:
         program = parse_program(raw["program"], max_bytes=1 << 30)
         text = json.dumps(raw["input"])
         big = text if len(text) > INLINE_BYTES else None
-        plan = Plan(program, raw["input"], raw["owner"], big)
+        evaluates = '"until"' in raw["program"] or '"map"' in raw["program"]
+        plan = Plan(program, raw["input"], raw["owner"], big, evaluates)
         self._cache[wf] = plan
         if len(self._cache) > self._size:
             self._cache.popitem(last=False)
@@ -87,19 +90,21 @@ def task_messages(
     input is referred to (the plan says so), and the prev when `prev_ref`: both must be
     stashed first (`Transitions._stash`)."""
     step = leaf.step
-    members: list[Member] = step.bag if isinstance(step, Bag) else [step]
+    members: list[Member] = step.bag if isinstance(step, Bag) else [step] * (leaf.size or 1)
+    items = leaf.items or ()
     indices = list(range(len(members))) if only is None else [only]
-    chunk = step.chunk if isinstance(step, Bag) else 1
+    chunk = 1 if isinstance(step, Task) else step.chunk
     bodies = []
     for start in range(0, len(indices), chunk):
         first, *rest = indices[start : start + chunk]
         message = TaskMessage(
             wf=wf,
             path=leaf.path,
-            index=first if isinstance(step, Bag) else None,
+            index=None if leaf.size is None else first,
             size=len(members),
             task=members[first].task,
             args=members[first].args,
+            item=items[first] if items else None,
             input=None if plan.big_input else plan.input,
             prev=None if prev_ref else leaf.prev,
             input_ref=plan.big_input is not None,
@@ -114,21 +119,22 @@ def task_messages(
                     task=members[i].task,
                     args=members[i].args,
                     timeout_s=members[i].timeout_s,
+                    item=items[i] if items else None,
                 )
                 for i in rest
             ],
         )
         bodies.append(encode(message))
-    return ("parallel" if isinstance(step, Bag) else step.pool), bodies
+    return (step.pool if isinstance(step, Task) else "parallel"), bodies
 
 
 def _dispatched(outcome: machine.Outcome) -> tuple[str, str, str] | None:
     """The next leaf's path, pool and kind, for the step timings."""
     if not isinstance(outcome, machine.Leaf):
         return None
-    if isinstance(outcome.step, Bag):
-        return outcome.path, "parallel", "bag"
-    return outcome.path, outcome.step.pool, "task"
+    if isinstance(outcome.step, Task):
+        return outcome.path, outcome.step.pool, "task"
+    return outcome.path, "parallel", "bag" if isinstance(outcome.step, Bag) else "map"
 
 
 def _failure(message: Failed, errors: list[str]) -> machine.Failed:
@@ -169,7 +175,11 @@ class Transitions:
             reason = f"deadline of {message.deadline_s}s exceeded"
             return await end_program(self.store, self.bus, message.wf, "failed", reason)
         if isinstance(message, Start):
-            expected, outcome = "", machine.first(plan.program)
+            expected = ""
+            if plan.evaluates:  # a map first: its items come from CEL (see _following)
+                outcome = await asyncio.to_thread(machine.first, plan.program, plan.input)
+            else:
+                outcome = machine.first(plan.program, plan.input)
         elif isinstance(message, Next):
             expected = message.path
             following = await self._following(message, plan)
@@ -231,6 +241,8 @@ class Transitions:
         if message.stored:
             step = machine.leaf_at(plan.program, message.path)
             size = len(step.bag) if isinstance(step, Bag) else None
+            if isinstance(step, Map):  # its size was decided when it started
+                size = await self._map_size(message.wf, message.path)
             limit = self.max_join_bytes
             read = await self.store.outputs(message.wf, message.path, size, limit)
             if read.values is None and read.total > limit:
@@ -246,11 +258,20 @@ class Transitions:
             values = [json.loads(value) for value in read.values]
             output = values if size is not None else values[0]
         args = (plan.program, message.path, output, plan.input)
-        # Inside an untiloop, `after` may evaluate `until` (up to its time budget): wait in a
+        # `after` may evaluate an `until` or a map's list (up to its time budget): wait in a
         # thread, which only waits on the evaluator's pipe, so the shard keeps serving.
-        if "iter:" in message.path:
+        if plan.evaluates:
             return await asyncio.to_thread(machine.after, *args)
         return machine.after(*args)
+
+    async def _map_size(self, wf: str, path: str) -> int:
+        """A map's number of items, as advance.lua recorded its leaf (`bag:<size>`); 0 when
+        the program is not at `path` any more."""
+        state = await self.store.state(wf)
+        leaf = state.get("leaf", "")
+        if state.get("cursor") != path or not leaf.startswith("bag:"):
+            return 0  # not the program's step any more: nothing will be read
+        return int(leaf.removeprefix("bag:"))
 
     async def _stash(self, wf: str, plan: Plan, leaf: machine.Leaf) -> bool | None:
         """Keep what the leaf's task messages refer to; whether the prev is referred to, or
@@ -282,6 +303,10 @@ class Transitions:
             if message.index is None or not 0 <= message.index < len(step.bag):
                 raise machine.PathError(f"{message.path}: no bag member {message.index}")
             member: Member = step.bag[message.index]
+        elif isinstance(step, Map):  # fail.lua checks the index against the map's size
+            if message.index is None or not 0 <= message.index < step.max_items:
+                raise machine.PathError(f"{message.path}: no map member {message.index}")
+            member = step
         else:
             member = step
         policy = member.retry
@@ -300,7 +325,13 @@ class Transitions:
             return _failure(message, reply.outputs or [message.error])
         # A redelivered report may be the one whose retry a crash cut short.
         if reply.verdict == "retry" or redelivered:
-            leaf = machine.Leaf(message.path, step, message.prev, message.iteration)
+            items = None
+            if isinstance(step, Map):  # only member `index` is sent again, with its item
+                size = await self._map_size(message.wf, message.path)
+                if message.index is None or message.index >= size:
+                    return "stale"
+                items = tuple(message.item if i == message.index else None for i in range(size))
+            leaf = machine.Leaf(message.path, step, message.prev, message.iteration, items)
             prev_ref = message.prev_ref  # stashed when the first attempt was sent
             if not prev_ref and (await self._stash(message.wf, plan, leaf)) is None:
                 return "stale"
@@ -320,8 +351,7 @@ class Transitions:
 
     async def _advance(self, wf: str, plan: Plan, expected: str, outcome: machine.Outcome) -> Any:
         if isinstance(outcome, machine.Leaf):
-            step = outcome.step
-            leaf = f"bag:{len(step.bag)}" if isinstance(step, Bag) else "task"
+            leaf = "task" if outcome.size is None else f"bag:{outcome.size}"
             drop = machine.dropped(plan.program, expected, outcome.path)
             return await self.store.advance(
                 wf, expected, outcome.path, "running", leaf=leaf, drop=drop
@@ -334,6 +364,10 @@ class Transitions:
 
     async def _publish(self, wf: str, plan: Plan, outcome: machine.Outcome, priority: int) -> None:
         if isinstance(outcome, machine.Leaf):
+            if outcome.size == 0:  # a map over no items: done at once, by its owner
+                body = encode(Next(wf=wf, path=outcome.path, output=[]))
+                await self.bus.publish_to_shard(plan.owner, body, priority)
+                return
             prev_ref = await self._stash(wf, plan, outcome)
             if prev_ref is None:
                 return  # ended meanwhile (cancelled): nothing to run

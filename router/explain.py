@@ -16,7 +16,7 @@ from typing import Any
 
 from orchestrator.bus import Bus, ladder_ms
 from orchestrator.marks import attempt_field, redis_of
-from orchestrator.program import Bag, Program, ProgramError, Task, Untiloop, parse_program
+from orchestrator.program import Bag, Map, Program, ProgramError, Task, Untiloop, parse_program
 from orchestrator.store import TERMINAL, Store
 from router.listing import as_int, clean
 
@@ -41,14 +41,14 @@ class Loop:
 class Where:
     """The step a cursor names: the task or bag, and the loops around it (outermost first)."""
 
-    step: Task | Bag
+    step: Task | Bag | Map
     loops: list[Loop]
     top: int  # the top-level step it belongs to, from 0
 
 
 def locate(program: Program, path: str) -> Where | None:
     """What `path` names in the program, or None when it names no leaf of it."""
-    steps: list[Task | Bag | Untiloop] = program.steps
+    steps: list[Task | Bag | Map | Untiloop] = program.steps
     parts = path.split("/") if path else []
     loops: list[Loop] = []
     walked: list[str] = []
@@ -71,8 +71,13 @@ def locate(program: Program, path: str) -> Where | None:
     return None
 
 
-def _members(step: Task | Bag) -> list[tuple[int | None, Any]]:
-    return list(enumerate(step.bag)) if isinstance(step, Bag) else [(None, step)]
+def _members(step: Task | Bag | Map, leaf: str) -> list[tuple[int | None, Any]]:
+    if isinstance(step, Bag):
+        return list(enumerate(step.bag))
+    if isinstance(step, Map):  # its size was recorded when it started: `bag:<size>`
+        size = as_int(leaf.removeprefix("bag:")) if leaf.startswith("bag:") else None
+        return [(i, step) for i in range(min(size or 0, step.max_items))]
+    return [(None, step)]
 
 
 class _Reads:
@@ -133,7 +138,7 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
     calls = [("hgetall", store.keys.attempts(wf))]
     if where is not None:
         calls.append(("hgetall", store.keys.failures(wf, cursor)))
-        if isinstance(where.step, Bag):
+        if not isinstance(where.step, Task):
             calls.append(("smembers", store.keys.barrier(wf, cursor)))
         else:
             calls.append(("exists", store.keys.output(wf, cursor)))
@@ -169,13 +174,14 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
     if where is not None:
         here_errors: dict[str, str] = answers[1] or {}
         done_marker = answers[2]
-        if isinstance(where.step, Bag):
+        listed = _members(where.step, state.get("leaf") or "")
+        if not isinstance(where.step, Task):
             members = {as_int(i) for i in done_marker or ()}
-            done = sorted(i for i in members if i is not None and 0 <= i < len(where.step.bag))
+            done = sorted(i for i in members if i is not None and 0 <= i < len(listed))
         else:
             done = [0] if done_marker else []
         tasks = []
-        for index, member in _members(where.step):
+        for index, member in listed:
             position = 0 if index is None else index
             failed = _failed(here_errors, index)
             mark = _mark(marks.get(attempt_field(cursor, index), ""))
@@ -195,8 +201,8 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
         found.step = {
             "path": cursor,
             "top": where.top,
-            "kind": "bag" if isinstance(where.step, Bag) else "task",
-            "pool": "parallel" if isinstance(where.step, Bag) else where.step.pool,
+            "kind": _kind(where.step),
+            "pool": where.step.pool if isinstance(where.step, Task) else "parallel",
             "tasks": tasks,
             "size": len(tasks),
             "done": len(done),
@@ -208,6 +214,10 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
             "running_s": None if updated is None else round(max(0.0, now - updated) / 1000, 3),
         }
     return found
+
+
+def _kind(step: Task | Bag | Map) -> str:
+    return "task" if isinstance(step, Task) else "bag" if isinstance(step, Bag) else "map"
 
 
 def _split_field(name: str) -> tuple[str, int | None]:
@@ -454,11 +464,12 @@ def explain_text(report: dict[str, Any], now_ms: float | None = None) -> str:
     step = report["step"]
     if step is not None:
         steps = report["steps"]
-        kind = (
-            f"task {step['tasks'][0]['task']!r}"
-            if step["kind"] == "task"
-            else f"a bag of {step['size']}"
-        )
+        if step["kind"] == "task":
+            kind = f"task {step['tasks'][0]['task']!r}"
+        elif step["kind"] == "map":
+            kind = f"a map of task {step['tasks'][0]['task']!r} over {step['size']} item(s)"
+        else:
+            kind = f"a bag of {step['size']}"
         lines.append(
             f"At step {step['path']} (top-level step {step['top'] + 1} of {steps}): {kind} "
             f"on the {step['pool']} pool, for {_span(step['running_s'] or 0)}."
@@ -468,11 +479,11 @@ def explain_text(report: dict[str, Any], now_ms: float | None = None) -> str:
                 f"Loop at step {loop['path']}: iteration {loop['iteration'] + 1} "
                 f"of at most {loop['max']}."
             )
-        if step["kind"] == "bag":
+        if step["kind"] != "task":
             done = [t["index"] for t in step["tasks"] if t["done"]]
             open_ = [t["index"] for t in step["tasks"] if not t["done"]]
             lines.append(
-                f"Bag members done: {step['done']} of {step['size']}"
+                f"{step['kind'].capitalize()} members done: {step['done']} of {step['size']}"
                 + (f" ({_indices(done)})" if done else "")
                 + (f"; not done: {_indices(open_)}." if open_ else ".")
             )

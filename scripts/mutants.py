@@ -105,6 +105,26 @@ end""",
         'completion.verdict == "fire"',
         (MACHINE,),
     ),
+    # Map steps: a list computed in the wrong scope, an empty map that never moves on, a retry
+    # of one member sent as if the map were shorter.
+    "map-ignores-the-loop-iteration": (
+        "orchestrator/machine.py",
+        "            iteration=iteration,\n            max_items=step.max_items,",
+        "            iteration=0,\n            max_items=step.max_items,",
+        (MACHINE,),
+    ),
+    "empty-map-never-moves-on": (
+        "orchestrator/transitions.py",
+        "            if outcome.size == 0:",
+        "            if outcome.size == -1:",
+        (MACHINE,),
+    ),
+    "map-retry-one-member-short": (
+        "orchestrator/transitions.py",
+        "for i in range(size))",
+        "for i in range(message.index + 1))",
+        (MACHINE,),
+    ),
 }
 
 

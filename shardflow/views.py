@@ -44,8 +44,8 @@ def describe_step(status: dict[str, Any]) -> str:
     step = status.get("step")
     if step is None:
         return status["status"]
-    if step["kind"] == "bag":
-        what = f"bag {step['done']} of {step['size']} done"
+    if step["kind"] != "task":  # a bag or a map
+        what = f"{step['kind']} {step['done']} of {step['size']} done"
     else:
         task = step["tasks"][0]
         retry = f", attempt {task['attempt'] + 1}" if task["attempt"] else ""

@@ -130,6 +130,16 @@ async def flaky(ctx: TaskContext) -> dict[str, int]:
 
 
 @task()
+async def item(ctx: TaskContext) -> dict[str, Any]:
+    """A map member: its item and index; fails its first attempt when the item says so, and
+    sleeps `sleep_s` from its args."""
+    if isinstance(ctx.item, dict) and ctx.item.get("fail_once") and ctx.attempt == 0:
+        raise RuntimeError(f"item {ctx.index} fails once")
+    await asyncio.sleep(ctx.args.get("sleep_s", 0))
+    return {"item": ctx.item, "index": ctx.index, "attempt": ctx.attempt}
+
+
+@task()
 async def blob(ctx: TaskContext) -> str:
     """An output of `n` bytes (and two quotes)."""
     return "x" * ctx.args["n"]

@@ -4,8 +4,9 @@ Drawn programs use two tasks: `work`, whose output is a fixed function of where 
 (`output_of`), and `boom`, which always fails. With `faults`, a third: `flaky`, whose
 `args.fails` says how each attempt ends ("error": it raises, "timeout": it hangs past its
 `timeout_s`) until an attempt past the list succeeds as `work` does; flaky tasks may carry a
-retry policy, and programs a deadline. Conditions come from two templates whose meaning the
-model computes in plain Python, so the model shares no code with the system.
+retry policy, and programs a deadline. Conditions, and the lists maps run over, come from
+templates whose meaning the model computes in plain Python, so the model shares no code with
+the system.
 """
 
 from __future__ import annotations
@@ -81,6 +82,24 @@ def _bag(members: list[dict[str, Any]], chunk: int) -> dict[str, Any]:
     return {"bag": members, "chunk": chunk} if chunk > 1 else {"bag": members}
 
 
+# A map's list: `k` items, or as many as the loop iteration counts (0 outside loops).
+MAP_LISTS = ["[0, 1, 2, 3, 4].filter(x, x < {k})", "[0, 1, 2, 3, 4].filter(x, x < iteration)"]
+
+
+def _map(member: dict[str, Any], items: str, most: int, chunk: int) -> dict[str, Any]:
+    step = {**member, "map": items, "max_items": most}
+    return {**step, "chunk": chunk} if chunk > 1 else step
+
+
+def _items(source: str, iteration: int) -> int:
+    """How many items a drawn map's list has (see MAP_LISTS)."""
+    if match := re.fullmatch(r"\[0, 1, 2, 3, 4\]\.filter\(x, x < (\d+)\)", source):
+        return min(5, int(match[1]))
+    if source == "[0, 1, 2, 3, 4].filter(x, x < iteration)":
+        return min(5, iteration)
+    raise AssertionError(f"no model for {source!r}")
+
+
 def steps(
     depth: int = 0, max_bag: int = 50, fail_rate: int = 25, faults: bool = False
 ) -> st.SearchStrategy[list[Any]]:
@@ -101,7 +120,9 @@ def steps(
     bag = st.builds(
         _bag, st.lists(member, min_size=1, max_size=bag_size), st.integers(1, 4)
     )  # fmt: skip
-    kinds = [task, bag]
+    lists = st.builds(str.format, st.sampled_from(MAP_LISTS), k=st.integers(0, 5))
+    mapped = st.builds(_map, member, lists, st.integers(1, 5), st.integers(1, 3))
+    kinds = [task, bag, mapped]
     if depth < 2:
         kinds.append(untiloops(depth + 1, max_bag, fail_rate, faults))
     return st.lists(st.one_of(kinds), min_size=1, max_size=4 if depth == 0 else 2)
@@ -112,7 +133,8 @@ def untiloops(
     draw: st.DrawFn, depth: int, max_bag: int, fail_rate: int, faults: bool = False
 ) -> dict[str, Any]:
     body = draw(steps(depth, max_bag, fail_rate, faults))
-    templates = ["iteration >= {k}"] + (["prev.v % {m} == 0"] if "task" in body[-1] else [])
+    single = "task" in body[-1] and "map" not in body[-1]  # its prev is {"v": ...}
+    templates = ["iteration >= {k}"] + (["prev.v % {m} == 0"] if single else [])
     until = draw(st.sampled_from(templates)).format(
         k=draw(st.integers(0, 3)), m=draw(st.integers(1, 3))
     )
@@ -160,16 +182,29 @@ def expect(program: dict[str, Any]) -> Expected:
     """Interpret a drawn program the slow, obvious way."""
     expected = Expected()
     try:
-        expected.result = _run(program["steps"], None, "", expected)
+        expected.result = _run(program["steps"], None, "", expected, 0)
     except _Stop:
         expected.result = None
     return expected
 
 
-def _run(steps: list[Any], prev: Any, prefix: str, expected: Expected) -> Any:
+def _run(steps: list[Any], prev: Any, prefix: str, expected: Expected, iteration: int) -> Any:
     for k, step in enumerate(steps):
         path = f"{prefix}{k}"
-        if "task" in step:
+        if "map" in step:
+            size = _items(step["map"], iteration)
+            if size > step["max_items"]:
+                error = (
+                    f"step {path}: map {step['map']!r}: gave {size} items, more than "
+                    f"max_items={step['max_items']}"
+                )
+                _fail(expected, error, [error])
+            expected.leaves.append((path, size))
+            errors = [_member(step, path, i, expected) for i in range(size)]
+            if any(errors):
+                _fail(expected, f"step {path}/bag:", [e for e in errors if e is not None])
+            prev = [output_of(path, i) for i in range(size)]
+        elif "task" in step:
             expected.leaves.append((path, 1))
             error = _member(step, path, None, expected)
             if error is not None:
@@ -183,9 +218,9 @@ def _run(steps: list[Any], prev: Any, prefix: str, expected: Expected) -> Any:
                 _fail(expected, f"step {path}/bag:", [e for e in errors if e is not None])
             prev = [output_of(path, i) for i in range(len(members))]
         else:
-            for iteration in range(step["max_iterations"]):
-                prev = _run(step["steps"], prev, f"{path}/iter:{iteration}/", expected)
-                if _holds(step["until"], prev, iteration):
+            for n in range(step["max_iterations"]):
+                prev = _run(step["steps"], prev, f"{path}/iter:{n}/", expected, n)
+                if _holds(step["until"], prev, n):
                     break
             else:
                 error = (

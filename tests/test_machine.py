@@ -134,3 +134,34 @@ def test_keep_iterations_keeps_more() -> None:
     )
     assert dropped(program, "0/iter:2/0", "0/iter:3/0") == ""
     assert dropped(program, "0/iter:3/0", "0/iter:4/0") == "0/iter:0/"
+
+
+def test_a_map_computes_its_items_when_it_starts() -> None:
+    program = parse_program(
+        {
+            "steps": [
+                {"task": "a"},
+                {"map": "prev.parts.map(p, p * 10)", "task": "b", "max_items": 3, "chunk": 2},
+                {"map": "input.none", "task": "b", "max_items": 3},
+            ]
+        }
+    )
+    leaf = after(program, "0", {"parts": [1, 2]}, input=None)
+    assert isinstance(leaf, Leaf) and leaf.items == (10, 20) and leaf.size == 2
+    empty = after(program, "1", [10, 20], input={"none": []})
+    assert isinstance(empty, Leaf) and empty.items == () and empty.size == 0
+    assert after(program, "2", [], input=None) == Done([])
+    assert after(program, "0", {"parts": [1, 2, 3, 4]}, input=None) == Failed(
+        "step 1: map 'prev.parts.map(p, p * 10)': gave 4 items, more than max_items=3"
+    )
+    missing = after(program, "0", {}, input=None)
+    assert missing == Failed("step 1: map 'prev.parts.map(p, p * 10)': no such key 'parts'")
+
+
+def test_a_map_item_must_be_small_and_json() -> None:
+    program = parse_program({"steps": [{"map": "input", "task": "b", "max_items": 3}]})
+    big = first(program, ["x" * 70_000])
+    assert isinstance(big, Failed) and "item 0 is 70002 bytes, over 65536" in big.error
+    not_json = first(program, None)
+    assert not_json == Failed("step 0: map 'input': gave NoneType None, not a list")
+    assert first(program, [{"a": 1}, 2]) == Leaf("0", program.steps[0], None, 0, ({"a": 1}, 2))

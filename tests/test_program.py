@@ -121,6 +121,21 @@ def test_untiloops_nest() -> None:
         ),
         ({"steps": "a"}, "steps: Input should be a valid list"),
         ([1], "program: Input should be a valid dictionary"),
+        ({"steps": [{"map": "input", "task": "a"}]}, "steps[0].max_items: Field required"),
+        ({"steps": [{"map": "input", "max_items": 2}]}, "steps[0].task: Field required"),
+        (
+            {"steps": [{"map": "input", "task": "a", "max_items": 1001}]},
+            "steps[0].max_items: Input should be less than or equal to 1000",
+        ),
+        (
+            {"steps": [{"map": "items", "task": "a", "max_items": 2}]},
+            "steps[0].map: invalid CEL: unknown variable 'items'",
+        ),
+        (
+            {"steps": [{"map": "input", "task": "a", "max_items": 2, "pool": "serial"}]},
+            "steps[0].pool: Extra inputs are not permitted",
+        ),
+        ({"steps": [{"map": "input", "bag": [], "max_items": 2}]}, "steps[0]: a step needs"),
     ],
 )
 def test_invalid_programs_name_the_path_of_the_fault(program: object, fault: str) -> None:
@@ -153,7 +168,8 @@ def test_input_must_be_json() -> None:
 
 def test_the_schema_describes_every_step_kind() -> None:
     document = schema()
-    assert {"Task", "Bag", "Untiloop", "Member", "Retry"} <= set(document["$defs"])
+    assert {"Task", "Bag", "Map", "Untiloop", "Member", "Retry"} <= set(document["$defs"])
+    assert document["$defs"]["Map"]["required"] == ["task", "map", "max_items"]
     assert document["$defs"]["Untiloop"]["required"] == ["until", "max_iterations", "steps"]
 
 

@@ -368,8 +368,8 @@ class Cluster(RuleBasedStateMachine):
         else:
             # Every attempt's error, in order; a bag's from whichever member ended it.
             assert status["error"] in expected.errors, (status, expected)
-        dispatched = {path for (w, path) in self.store.recorded if w == wf}
-        finished = {path for path, _ in expected.leaves}
+        dispatched = {path for (w, path), done in self.store.recorded.items() if w == wf and done}
+        finished = {path for path, size in expected.leaves if size}  # an empty map runs none
         if expected.status == "completed":
             # Every leaf ran, so loops ran exactly as many iterations as the model says.
             assert dispatched == finished, (dispatched, finished)
@@ -656,3 +656,14 @@ def test_the_model_lists_every_attempts_error_when_retries_run_out() -> None:
             "#1: RuntimeError: attempt 0 fails; #2: timed out after 0.001s"
         ],
     )
+
+
+def test_the_model_runs_a_map_per_iteration_and_fails_one_over_its_bound() -> None:
+    mapped = {"task": "work", "map": "[0, 1, 2, 3, 4].filter(x, x < iteration)", "max_items": 1}
+    program = {"steps": [{"until": "iteration >= 2", "max_iterations": 3, "steps": [mapped]}]}
+    expected = expect(program)
+    assert expected.leaves == [("0/iter:0/0", 0), ("0/iter:1/0", 1)]
+    assert expected.errors == [
+        "step 0/iter:2/0: map '[0, 1, 2, 3, 4].filter(x, x < iteration)': gave 2 items, "
+        "more than max_items=1"
+    ]

@@ -8,7 +8,7 @@ from typing import Any
 
 @dataclass(frozen=True, slots=True)
 class TaskContext:
-    """The task's inputs and identity.
+    """The task's inputs and identity (`item`: a map member's element of the list).
 
     `idempotency_key` names the logical task (workflow, step path with iterations, bag index):
     it stays the same across redeliveries and retries, so a handler that may run more than
@@ -23,6 +23,8 @@ class TaskContext:
     iteration: int
     index: int | None
     attempt: int
+    # A map member's item (None for other tasks).
+    item: Any = None
 
     @property
     def idempotency_key(self) -> str:

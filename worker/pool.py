@@ -172,6 +172,7 @@ class Worker(Service):
             iteration=task.iteration,
             index=task.index,
             attempt=task.attempt,
+            item=task.item,
         )
         logs.bind(workflow_id=task.wf, step=task.path, task=task.task, attempt=task.attempt)
         started = time.monotonic()
@@ -199,6 +200,7 @@ class Worker(Service):
                 prev=task.prev,
                 prev_ref=task.prev_ref,
                 iteration=task.iteration,
+                item=task.item,
             )
 
     async def _output(self, task: TaskMessage, ctx: TaskContext) -> str:
