@@ -26,3 +26,30 @@ def poll(ctx: TaskContext) -> dict:
 @task()
 async def publish(ctx: TaskContext) -> dict:
     return {"published": ctx.input["album"], "after_polls": ctx.prev["polls"]}
+
+
+# --- examples/album.json: a map over a list only known at run time ---------------------------
+
+
+@task()
+async def list_photos(ctx: TaskContext) -> dict:
+    count = ctx.input["count"]
+    photos = [{"name": f"{ctx.input['album']}-{n}.jpg", "bytes": 1000 * n} for n in range(count)]
+    return {"photos": photos}
+
+
+@task()
+async def thumbnail(ctx: TaskContext) -> dict:
+    # ctx.item: this member's photo; ctx.index: its place in the list.
+    await asyncio.sleep(0.05)
+    photo = ctx.item
+    return {"name": photo["name"], "bytes": photo["bytes"] * ctx.args["width"] // 1024}
+
+
+@task()
+async def summarize(ctx: TaskContext) -> dict:
+    return {
+        "album": ctx.input["album"],
+        "thumbnails": [t["name"] for t in ctx.prev],
+        "bytes": sum(t["bytes"] for t in ctx.prev),
+    }

@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from orchestrator.program import (
     Bag,
+    Map,
     Program,
     ProgramError,
     Retry,
@@ -30,6 +31,13 @@ def test_the_example_program_parses_into_its_three_step_kinds() -> None:
     assert program.steps[3].pool == "parallel"
     assert program.steps[3].retry is not None and program.steps[3].retry.max_attempts == 5
     assert program.task_names() == {"fetch", "resize", "poll", "publish"}
+
+
+def test_the_album_example_maps_over_a_list_known_at_run_time() -> None:
+    program = parse_program((EXAMPLE.parent / "album.json").read_text())
+    mapped = program.steps[1]
+    assert isinstance(mapped, Map) and (mapped.max_items, mapped.chunk) == (500, 4)
+    assert program.task_names() == {"list_photos", "thumbnail", "summarize"}
 
 
 def test_untiloops_nest() -> None:
