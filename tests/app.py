@@ -173,7 +173,7 @@ async def fault_step(ctx: TaskContext) -> Any:
     }
     client.rpush(where["key"], json.dumps({"event": "start", **who, "prev": ctx.prev}))
     await asyncio.sleep(ctx.args.get("sleep_s", 0.0))
-    n = ctx.args.get("n", 0)
+    n = ctx.item if ctx.item is not None else ctx.args.get("n", 0)  # a map member: its item
     output = fault_output(ctx.workflow_id, ctx.step, ctx.index, ctx.iteration, n, ctx.prev)
     client.rpush(where["key"], json.dumps({"event": "end", **who, "output": output}))
     return output

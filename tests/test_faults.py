@@ -11,7 +11,7 @@ The evidence is kept outside the system under test: every handler appends its st
 the test appends a marker at each kill. From that log and the programs' states the checks below
 demand: every member of every step ran to its end; no step started again once its program had
 moved on (at-least-once lets a redelivery re-run a member before the join, never after); each
-step got exactly the output of the one before, a bag's being its members' outputs in member
+step got exactly the output of the one before, a bag's or map's being its members' outputs in member
 order; every program completed; and the kills landed while programs were mid-step. The unit
 tests at the end feed each check a log with one planted fault, so none of them is vacuous.
 """
@@ -53,6 +53,7 @@ CHAOS_S = float(os.environ.get("SHARDFLOW_FAULT_SECONDS", "30"))
 SHARDS = 2
 BAG = 5
 LOOPS = 3  # the untiloop's iterations: until prev.iteration >= 2
+MAP = 3  # the map's items
 
 
 def program(k: int) -> dict:
@@ -76,6 +77,14 @@ def program(k: int) -> dict:
                 ],
             },
             {"task": "fault.step", "pool": "parallel", "args": {"n": 2 * k}},
+            # A map over a list made from the step before: each member's item is its n.
+            {
+                "map": f"[{', '.join(f'prev.n + {i}' for i in range(MAP))}]",
+                "max_items": MAP,
+                "task": "fault.step",
+                "args": {"sleep_s": 0.03},
+                "chunk": 2,
+            },
         ],
     }
 
@@ -113,6 +122,7 @@ def plan(wf: str, k: int) -> list[Leaf]:
     for j in range(LOOPS):
         add(f"2/iter:{j}/0", j, {None: -k})
     add("3", 0, {None: 2 * k})
+    add("4", 0, {i: 2 * k + i for i in range(MAP)})
     return leaves
 
 
