@@ -47,6 +47,22 @@ def ladder_ms(delay_s: float) -> int:
         scale *= 10
 
 
+def ladder_floor_ms(delay_s: float) -> int:
+    """The longest ladder delay in ms not over `delay_s` (0 below 1 ms): a timer that must
+    not fire early waits this long, then again for what is left."""
+    wanted = min(math.floor(delay_s * 1000), MAX_DELAY_MS)
+    if wanted < 1:
+        return 0
+    found, scale = 1, 1
+    while True:  # at most ~10 decades
+        for step in _STEPS:
+            value = max(1, step * scale // 10)
+            if value > wanted:
+                return found
+            found = value
+        scale *= 10
+
+
 class TopologyError(RuntimeError):
     """A queue exists with other arguments than this configuration declares."""
 

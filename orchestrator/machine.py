@@ -1,9 +1,10 @@
 """The pure state machine: given a program and the step that just finished, what comes next.
 
-A program always has exactly one active *leaf* (a task, a bag or a map); its step path is the
-program's cursor, e.g. `2` or `3/iter:4/1` inside an untiloop body. Nothing here does I/O,
-so the same functions drive the orchestrator and the property tests' model. (An `until` is
-evaluated in a small evaluator process with a time budget: see orchestrator/conditions.py.)
+A program always has exactly one active *leaf* (a task, a bag, a map or a sleep); its step
+path is the program's cursor, e.g. `2` or `3/iter:4/1` inside an untiloop body. Nothing here
+does I/O, so the same functions drive the orchestrator and the property tests' model. (An
+`until` or a map's list is evaluated in a small evaluator process with a time budget: see
+orchestrator/conditions.py.)
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.conditions import ConditionError, evaluate, evaluate_list, quote
-from orchestrator.program import Bag, Map, Program, Task, Untiloop
+from orchestrator.program import Bag, Map, Program, Sleep, Task, Untiloop
 
-Step = Task | Bag | Map | Untiloop
-LeafStep = Task | Bag | Map
+Step = Task | Bag | Map | Sleep | Untiloop
+LeafStep = Task | Bag | Map | Sleep
 # A map's items travel inside its task messages: each item, and all of them, stay this small.
 MAX_ITEM_BYTES = 65536
 MAX_ITEMS_BYTES = 8 * 1024 * 1024
@@ -39,7 +40,7 @@ class Leaf:
 
     @property
     def size(self) -> int | None:
-        """Members behind the join barrier; None for a single task."""
+        """Members behind the join barrier; None for a single task or a sleep."""
         if isinstance(self.step, Bag):
             return len(self.step.bag)
         return None if self.items is None else len(self.items)

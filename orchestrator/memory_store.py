@@ -218,6 +218,8 @@ class MemoryStore:
             return Completion("invalid", [f"attempt {attempt}: from 0 to {max_attempts - 1}"])
         member = index or 0
         leaf = leaf or ""
+        if leaf == "sleep":
+            return Completion("invalid", [f"step {path} is a sleep: no task to fail"])
         if leaf.startswith("bag:"):
             size = int(leaf.removeprefix("bag:"))
         else:

@@ -92,13 +92,22 @@ class Deadline(_Message):
     deadline_s: float = Field(gt=0, le=30 * 86400)
 
 
+class Wake(_Message):
+    """Owner shard to itself, delayed: the sleep step at `path` may be due. Only a hint: the
+    owner reads when the step began, and sends it again, delayed, while it is early."""
+
+    kind: Literal["wake"] = "wake"
+    wf: WorkflowId
+    path: Path
+
+
 class Cancelled(_Message):
     """To every worker (control exchange): stop running this program's tasks."""
 
     wf: WorkflowId
 
 
-ShardMessage = Annotated[Start | Next | Failed | Deadline, Field(discriminator="kind")]
+ShardMessage = Annotated[Start | Next | Failed | Deadline | Wake, Field(discriminator="kind")]
 
 
 class Slot(_Message):
@@ -167,7 +176,7 @@ def _fits(body: bytes) -> None:
         raise MessageError(f"a message of {len(body)} bytes, over {MAX_MESSAGE_BYTES}")
 
 
-def decode_shard_message(body: bytes) -> Start | Next | Failed | Deadline:
+def decode_shard_message(body: bytes) -> Start | Next | Failed | Deadline | Wake:
     """Parse a shard queue message, or raise MessageError naming the fault."""
     _fits(body)
     try:

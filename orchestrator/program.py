@@ -26,6 +26,7 @@ MAX_BAG = 1000
 # ten nested untiloops has its args at level 24; deeper documents mostly serve to exhaust a
 # parser's stack (RecursionError).
 MAX_DEPTH = 64
+MAX_SLEEP_S = 30 * 86400
 
 
 class ProgramError(ValueError):
@@ -104,6 +105,12 @@ class Map(Member):
         return _compiles(value)
 
 
+class Sleep(_Model):
+    """A durable timer: the program waits `sleep_s`, holding no worker; its output is prev."""
+
+    sleep_s: float = Field(gt=0, le=MAX_SLEEP_S, description="seconds to wait, up to 30 days")
+
+
 class Untiloop(_Model):
     """A body of steps repeated until `until` holds over its last output."""
 
@@ -143,17 +150,20 @@ def _step_kind(value: Any) -> str | None:
     return kinds[0] if len(kinds) == 1 else None
 
 
-_KINDS = {"task": "Task", "bag": "Bag", "until": "Untiloop", "map": "Map"}
+_KINDS = {"task": "Task", "bag": "Bag", "until": "Untiloop", "map": "Map", "sleep_s": "Sleep"}
 
 Step = Annotated[
     Annotated[Task, Tag("Task")]
     | Annotated[Bag, Tag("Bag")]
     | Annotated[Map, Tag("Map")]
+    | Annotated[Sleep, Tag("Sleep")]
     | Annotated[Untiloop, Tag("Untiloop")],
     Discriminator(
         _step_kind,
         custom_error_type="step_kind",
-        custom_error_message="a step needs exactly one of 'task', 'bag', 'map' or 'until'",
+        custom_error_message=(
+            "a step needs exactly one of 'task', 'bag', 'map', 'sleep_s' or 'until'"
+        ),
     ),
 ]
 Untiloop.model_rebuild()
@@ -172,14 +182,14 @@ class Program(_Model):
         return _names(self.steps)
 
 
-def _names(steps: list[Task | Bag | Map | Untiloop]) -> set[str]:
+def _names(steps: list[Task | Bag | Map | Sleep | Untiloop]) -> set[str]:
     names: set[str] = set()
     for step in steps:
         if isinstance(step, Task | Map):
             names.add(step.task)
         elif isinstance(step, Bag):
             names.update(member.task for member in step.bag)
-        else:
+        elif isinstance(step, Untiloop):
             names |= _names(step.steps)
     return names
 
@@ -322,7 +332,7 @@ def _unicode_fault(exc: UnicodeEncodeError) -> str:
 def _fault(error: Any) -> str:
     path = ""
     for part in error["loc"]:
-        if part in ("Task", "Bag", "Map", "Untiloop"):
+        if part in ("Task", "Bag", "Map", "Sleep", "Untiloop"):
             continue  # union tags, not part of the user's document
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     message = error["msg"].removeprefix("Value error, ")

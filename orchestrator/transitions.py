@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator import machine, metrics
-from orchestrator.bus import GOING_ON, NEW, Publisher
+from orchestrator.bus import GOING_ON, NEW, Publisher, ladder_floor_ms
 from orchestrator.delivery import Poison
 from orchestrator.ending import end_program
 from orchestrator.marks import Marks
@@ -26,9 +26,10 @@ from orchestrator.messages import (
     Slot,
     Start,
     TaskMessage,
+    Wake,
     encode,
 )
-from orchestrator.program import Bag, Map, Member, Program, Task, parse_program
+from orchestrator.program import Bag, Map, Member, Program, Sleep, Task, parse_program
 from orchestrator.store import TERMINAL, Store
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ def task_messages(
     input is referred to (the plan says so), and the prev when `prev_ref`: both must be
     stashed first (`Transitions._stash`)."""
     step = leaf.step
+    assert not isinstance(step, Sleep), "a sleep runs no task"
     members: list[Member] = step.bag if isinstance(step, Bag) else [step] * (leaf.size or 1)
     items = leaf.items or ()
     indices = list(range(len(members))) if only is None else [only]
@@ -134,6 +136,8 @@ def _dispatched(outcome: machine.Outcome) -> tuple[str, str, str] | None:
         return None
     if isinstance(outcome.step, Task):
         return outcome.path, outcome.step.pool, "task"
+    if isinstance(outcome.step, Sleep):
+        return outcome.path, "timer", "sleep"
     return outcome.path, "parallel", "bag" if isinstance(outcome.step, Bag) else "map"
 
 
@@ -161,7 +165,7 @@ class Transitions:
         self.marks = Marks(store)  # what `explain` and `status` show of failed attempts
 
     async def apply(
-        self, message: Start | Next | Failed | Deadline, *, redelivered: bool, shard: int
+        self, message: Start | Next | Failed | Deadline | Wake, *, redelivered: bool, shard: int
     ) -> str:
         """Apply one message that arrived on `shard`; return the verdict (applied, replay,
         stale, ...). Raises Poison for a message no retry can help: an unknown program, one
@@ -180,10 +184,13 @@ class Transitions:
                 outcome = await asyncio.to_thread(machine.first, plan.program, plan.input)
             else:
                 outcome = machine.first(plan.program, plan.input)
-        elif isinstance(message, Next):
+        elif isinstance(message, Next | Wake):
             expected = message.path
-            following = await self._following(message, plan)
-            if isinstance(following, str):  # a stored output of a step long gone
+            if isinstance(message, Next):
+                following = await self._following(message, plan)
+            else:
+                following = await self._woken(message, plan)
+            if isinstance(following, str):  # a step long gone, or a sleep not yet due
                 self.counts[following] += 1
                 return following
             outcome = following
@@ -264,6 +271,30 @@ class Transitions:
             return await asyncio.to_thread(machine.after, *args)
         return machine.after(*args)
 
+    async def _woken(self, message: Wake, plan: Plan) -> machine.Outcome | str:
+        """What follows a sleep that is due; "waiting" (sent again, delayed) while it is early,
+        "stale" once the program is elsewhere. The wake is only a hint: when the step began
+        and what it passes on are read from Redis, so a forged or early wake changes nothing."""
+        step = machine.leaf_at(plan.program, message.path)
+        if not isinstance(step, Sleep):
+            raise Poison(f"{message.wf}: step {message.path} is not a sleep")
+        state = await self.store.state(message.wf)
+        if state.get("status") == "running" and state.get("cursor") == message.path:
+            began_ms = int(state.get("updated_ms") or 0)
+            delay_ms = ladder_floor_ms(began_ms / 1000 + step.sleep_s - time.time())
+            if delay_ms > 0:
+                body = encode(message)
+                await self.bus.publish_to_shard_later(plan.owner, body, delay_ms / 1000)
+                return "waiting"
+        # Due, or past: a redelivered wake may owe what its step published (advance says).
+        [kept] = await self.store.blobs(message.wf, [message.path])
+        if kept is None:
+            return "stale"  # ended (and expired) meanwhile
+        args = (plan.program, message.path, json.loads(kept), plan.input)
+        if plan.evaluates:
+            return await asyncio.to_thread(machine.after, *args)
+        return machine.after(*args)
+
     async def _map_size(self, wf: str, path: str) -> int:
         """A map's number of items, as advance.lua recorded its leaf (`bag:<size>`); 0 when
         the program is not at `path` any more."""
@@ -299,6 +330,8 @@ class Transitions:
         """Apply the retry policy: a verdict when the task is tried again (or the report is
         stale), else the program's failure, with every attempt's error."""
         step = machine.leaf_at(plan.program, message.path)
+        if isinstance(step, Sleep):
+            raise Poison(f"{message.wf}: step {message.path} is a sleep: no task to fail")
         if isinstance(step, Bag):
             if message.index is None or not 0 <= message.index < len(step.bag):
                 raise machine.PathError(f"{message.path}: no bag member {message.index}")
@@ -352,6 +385,8 @@ class Transitions:
     async def _advance(self, wf: str, plan: Plan, expected: str, outcome: machine.Outcome) -> Any:
         if isinstance(outcome, machine.Leaf):
             leaf = "task" if outcome.size is None else f"bag:{outcome.size}"
+            if isinstance(outcome.step, Sleep):
+                leaf = "sleep"
             drop = machine.dropped(plan.program, expected, outcome.path)
             return await self.store.advance(
                 wf, expected, outcome.path, "running", leaf=leaf, drop=drop
@@ -364,6 +399,9 @@ class Transitions:
 
     async def _publish(self, wf: str, plan: Plan, outcome: machine.Outcome, priority: int) -> None:
         if isinstance(outcome, machine.Leaf):
+            if isinstance(outcome.step, Sleep):
+                await self._sleep(wf, plan, outcome)
+                return
             if outcome.size == 0:  # a map over no items: done at once, by its owner
                 body = encode(Next(wf=wf, path=outcome.path, output=[]))
                 await self.bus.publish_to_shard(plan.owner, body, priority)
@@ -373,3 +411,13 @@ class Transitions:
                 return  # ended meanwhile (cancelled): nothing to run
             pool, bodies = task_messages(wf, plan, outcome, prev_ref=prev_ref)
             await self.bus.publish_all(pool, bodies, priority)
+
+    async def _sleep(self, wf: str, plan: Plan, leaf: machine.Leaf) -> None:
+        """Start a sleep: keep what it passes on in Redis, and send its wake, delayed. The
+        timer lives in the broker's delay queues, so it survives any restart."""
+        assert isinstance(leaf.step, Sleep)
+        if not await self.store.stash(wf, {leaf.path: json.dumps(leaf.prev)}):
+            return  # ended meanwhile (cancelled)
+        delay_s = max(ladder_floor_ms(leaf.step.sleep_s), 1) / 1000
+        body = encode(Wake(wf=wf, path=leaf.path))
+        await self.bus.publish_to_shard_later(plan.owner, body, delay_s)

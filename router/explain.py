@@ -16,7 +16,16 @@ from typing import Any
 
 from orchestrator.bus import Bus, ladder_ms
 from orchestrator.marks import attempt_field, redis_of
-from orchestrator.program import Bag, Map, Program, ProgramError, Task, Untiloop, parse_program
+from orchestrator.program import (
+    Bag,
+    Map,
+    Program,
+    ProgramError,
+    Sleep,
+    Task,
+    Untiloop,
+    parse_program,
+)
 from orchestrator.store import TERMINAL, Store
 from router.listing import as_int, clean
 
@@ -41,14 +50,14 @@ class Loop:
 class Where:
     """The step a cursor names: the task or bag, and the loops around it (outermost first)."""
 
-    step: Task | Bag | Map
+    step: Task | Bag | Map | Sleep
     loops: list[Loop]
     top: int  # the top-level step it belongs to, from 0
 
 
 def locate(program: Program, path: str) -> Where | None:
     """What `path` names in the program, or None when it names no leaf of it."""
-    steps: list[Task | Bag | Map | Untiloop] = program.steps
+    steps: list[Task | Bag | Map | Sleep | Untiloop] = program.steps
     parts = path.split("/") if path else []
     loops: list[Loop] = []
     walked: list[str] = []
@@ -71,7 +80,9 @@ def locate(program: Program, path: str) -> Where | None:
     return None
 
 
-def _members(step: Task | Bag | Map, leaf: str) -> list[tuple[int | None, Any]]:
+def _members(step: Task | Bag | Map | Sleep, leaf: str) -> list[tuple[int | None, Any]]:
+    if isinstance(step, Sleep):
+        return []
     if isinstance(step, Bag):
         return list(enumerate(step.bag))
     if isinstance(step, Map):  # its size was recorded when it started: `bag:<size>`
@@ -138,7 +149,7 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
     calls = [("hgetall", store.keys.attempts(wf))]
     if where is not None:
         calls.append(("hgetall", store.keys.failures(wf, cursor)))
-        if not isinstance(where.step, Task):
+        if isinstance(where.step, Bag | Map):
             calls.append(("smembers", store.keys.barrier(wf, cursor)))
         else:
             calls.append(("exists", store.keys.output(wf, cursor)))
@@ -175,7 +186,9 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
         here_errors: dict[str, str] = answers[1] or {}
         done_marker = answers[2]
         listed = _members(where.step, state.get("leaf") or "")
-        if not isinstance(where.step, Task):
+        if isinstance(where.step, Sleep):
+            done = []
+        elif not isinstance(where.step, Task):
             members = {as_int(i) for i in done_marker or ()}
             done = sorted(i for i in members if i is not None and 0 <= i < len(listed))
         else:
@@ -202,7 +215,8 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
             "path": cursor,
             "top": where.top,
             "kind": _kind(where.step),
-            "pool": where.step.pool if isinstance(where.step, Task) else "parallel",
+            "pool": _pool(where.step),
+            "wakes_ms": _wakes_ms(where.step, updated),
             "tasks": tasks,
             "size": len(tasks),
             "done": len(done),
@@ -216,8 +230,20 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
     return found
 
 
-def _kind(step: Task | Bag | Map) -> str:
-    return "task" if isinstance(step, Task) else "bag" if isinstance(step, Bag) else "map"
+def _kind(step: Task | Bag | Map | Sleep) -> str:
+    return type(step).__name__.lower()
+
+
+def _pool(step: Task | Bag | Map | Sleep) -> str | None:
+    if isinstance(step, Sleep):
+        return None  # a timer in the broker: no pool
+    return step.pool if isinstance(step, Task) else "parallel"
+
+
+def _wakes_ms(step: Task | Bag | Map | Sleep, began_ms: int | None) -> int | None:
+    if not isinstance(step, Sleep) or began_ms is None:
+        return None
+    return began_ms + round(step.sleep_s * 1000)
 
 
 def _split_field(name: str) -> tuple[str, int | None]:
@@ -260,7 +286,7 @@ def _task_name(where: Where | None, index: int | None) -> str | None:
     if isinstance(where.step, Bag):
         inside = index is not None and 0 <= index < len(where.step.bag)
         return where.step.bag[index].task if inside else None  # type: ignore[index]
-    return where.step.task
+    return None if isinstance(where.step, Sleep) else where.step.task
 
 
 def elapsed(state: dict[str, str], now_ms: float | None = None) -> dict[str, float | None]:
@@ -322,7 +348,7 @@ async def explain(store: Store, bus: Bus | None, wf: str) -> dict[str, Any] | No
         report["shard"] = await _shard(store, bus, owner)
     step = found.step
     if status == "running" and step is not None:
-        if bus is not None:
+        if bus is not None and step["pool"] is not None:
             report["pool"] = await _queue(bus, bus.names.task_queue(step["pool"]))
             waiting = [t for t in step["tasks"] if not t["done"] and t["retry_due_ms"]]
             due = [t for t in waiting if t["retry_due_ms"] > now and t["failed"]]
@@ -341,7 +367,7 @@ async def explain(store: Store, bus: Bus | None, wf: str) -> dict[str, Any] | No
 def _retry_delay(where: Where, task: dict[str, Any]) -> float | None:
     index = task["index"]
     member = where.step.bag[index] if isinstance(where.step, Bag) else where.step
-    if member.retry is None or not task["failed"]:
+    if isinstance(member, Sleep) or member.retry is None or not task["failed"]:
         return None
     return member.retry.delay_s(task["failed"][-1]["attempt"])
 
@@ -403,6 +429,10 @@ def _waiting_for(report: dict[str, Any], *, cursor: str, now: float) -> str:
     step = report["step"]
     if step is None:
         return f"nothing it can name: its cursor {clean(cursor, 200)!r} is not a step of its plan"
+    if step["kind"] == "sleep" and step["wakes_ms"] is not None:
+        due = step["wakes_ms"]
+        when = f"in {_span((due - now) / 1000)}" if due > now else "due now"
+        return f"its timer: step {step['path']} sleeps until {_clock(due)} ({when})"
     open_tasks = [t for t in step["tasks"] if not t["done"]]
     if not open_tasks:
         return f"shard {report['owner']} to take in that step {step['path']} is done"
@@ -466,20 +496,23 @@ def explain_text(report: dict[str, Any], now_ms: float | None = None) -> str:
         steps = report["steps"]
         if step["kind"] == "task":
             kind = f"task {step['tasks'][0]['task']!r}"
-        elif step["kind"] == "map":
+        elif step["kind"] == "map" and step["tasks"]:
             kind = f"a map of task {step['tasks'][0]['task']!r} over {step['size']} item(s)"
+        elif step["kind"] in ("map", "sleep"):
+            kind = "a map over no items" if step["kind"] == "map" else "a sleep"
         else:
             kind = f"a bag of {step['size']}"
+        where = f" on the {step['pool']} pool" if step["pool"] else ""
         lines.append(
-            f"At step {step['path']} (top-level step {step['top'] + 1} of {steps}): {kind} "
-            f"on the {step['pool']} pool, for {_span(step['running_s'] or 0)}."
+            f"At step {step['path']} (top-level step {step['top'] + 1} of {steps}): {kind}"
+            f"{where}, for {_span(step['running_s'] or 0)}."
         )
         for loop in step["loops"]:
             lines.append(
                 f"Loop at step {loop['path']}: iteration {loop['iteration'] + 1} "
                 f"of at most {loop['max']}."
             )
-        if step["kind"] != "task":
+        if step["kind"] in ("bag", "map"):
             done = [t["index"] for t in step["tasks"] if t["done"]]
             open_ = [t["index"] for t in step["tasks"] if not t["done"]]
             lines.append(

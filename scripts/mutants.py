@@ -29,6 +29,8 @@ DIFFERENTIAL = (
     "tests/test_store_model.py::test_the_model_and_the_lua_give_the_same_verdicts_and_state"
 )
 
+SLEEP = "tests/test_sleep_e2e.py::test_a_sleep_waits_and_passes_its_prev_on"
+
 MUTANTS = {
     "bare-counter-barrier": (
         "lua/complete.lua",
@@ -124,6 +126,26 @@ end""",
         "for i in range(size))",
         "for i in range(message.index + 1))",
         (MACHINE,),
+    ),
+    # Sleep steps: a redelivered wake that no longer republishes what its step owed (the
+    # property test found this one for real), a sleep that forgets its prev, an early wake.
+    "redelivered-wake-owes-nothing": (
+        "orchestrator/transitions.py",
+        "        # Due, or past: a redelivered wake may owe what its step published (advance says).\n",
+        '        if state.get("cursor") != message.path:\n            return "stale"\n',
+        (MACHINE,),
+    ),
+    "sleep-forgets-prev": (
+        "orchestrator/transitions.py",
+        "{leaf.path: json.dumps(leaf.prev)}",
+        "{leaf.path: json.dumps(None)}",
+        (MACHINE,),
+    ),
+    "sleep-wakes-early": (
+        "orchestrator/transitions.py",
+        "            if delay_ms > 0:\n                body = encode(message)",
+        "            if delay_ms < 0:\n                body = encode(message)",
+        (SLEEP,),
     ),
 }
 

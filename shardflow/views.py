@@ -44,7 +44,9 @@ def describe_step(status: dict[str, Any]) -> str:
     step = status.get("step")
     if step is None:
         return status["status"]
-    if step["kind"] != "task":  # a bag or a map
+    if step["kind"] == "sleep":
+        what = "sleeping"
+    elif step["kind"] != "task":  # a bag or a map
         what = f"{step['kind']} {step['done']} of {step['size']} done"
     else:
         task = step["tasks"][0]

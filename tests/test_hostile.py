@@ -10,7 +10,7 @@ from typing import Any
 import aio_pika
 import pytest
 
-from orchestrator.bus import ladder_ms
+from orchestrator.bus import ladder_floor_ms, ladder_ms
 from orchestrator.connections import connected
 from orchestrator.keys import Names
 from orchestrator.messages import (
@@ -205,6 +205,17 @@ def test_delays_are_rounded_up_to_a_bounded_ladder() -> None:
     )
     every_delay = {ladder_ms(10 ** (e / 50) / 1000) for e in range(0, 500)}
     assert len(every_delay) <= 120  # a few queues per target, whatever the delays asked
+
+
+def test_a_timer_waits_a_ladder_delay_never_past_what_is_left() -> None:
+    asked = [n / 1000 for n in range(0, 100_000, 7)] + [3600.5, 86400 * 29.9, 1e12]
+    floors = [ladder_floor_ms(delay) for delay in asked]
+    assert all(f <= d * 1000 for d, f in zip(asked, floors, strict=True))  # never early
+    assert all(f == 0 or ladder_ms(f / 1000) == f for f in floors)  # on the ladder: few queues
+    # At least ~82% of what is left each time: a sleep falls due in a few hops.
+    assert all(
+        f >= 0.8 * d * 1000 for d, f in zip(asked[:-2], floors[:-2], strict=True) if d >= 0.001
+    )
 
 
 def test_names_and_errors_that_reach_redis_are_bounded_by_the_schema() -> None:

@@ -165,3 +165,12 @@ def test_a_map_item_must_be_small_and_json() -> None:
     not_json = first(program, None)
     assert not_json == Failed("step 0: map 'input': gave NoneType None, not a list")
     assert first(program, [{"a": 1}, 2]) == Leaf("0", program.steps[0], None, 0, ({"a": 1}, 2))
+
+
+def test_a_sleep_is_a_leaf_of_its_own() -> None:
+    program = parse_program({"steps": [{"task": "a"}, {"sleep_s": 5}, {"task": "b"}]})
+    leaf = after(program, "0", {"x": 1}, input=None)
+    assert isinstance(leaf, Leaf) and leaf.path == "1" and leaf.size is None
+    assert leaf.prev == {"x": 1}
+    assert leaf_at(program, "1") == program.steps[1]
+    assert after(program, "1", {"x": 1}, input=None) == Leaf("2", program.steps[2], {"x": 1}, 0)

@@ -144,6 +144,13 @@ def test_untiloops_nest() -> None:
             "steps[0].pool: Extra inputs are not permitted",
         ),
         ({"steps": [{"map": "input", "bag": [], "max_items": 2}]}, "steps[0]: a step needs"),
+        ({"steps": [{"sleep_s": 0}]}, "steps[0].sleep_s: Input should be greater than 0"),
+        (
+            {"steps": [{"sleep_s": 2592001}]},
+            "steps[0].sleep_s: Input should be less than or equal to 2592000",
+        ),
+        ({"steps": [{"sleep_s": 1, "task": "a"}]}, "steps[0]: a step needs exactly one of"),
+        ({"steps": [{"sleep_s": 1, "args": {}}]}, "steps[0].args: Extra inputs"),
     ],
 )
 def test_invalid_programs_name_the_path_of_the_fault(program: object, fault: str) -> None:

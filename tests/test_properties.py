@@ -70,6 +70,10 @@ class Envelope:
     timed: bool = False  # a task message with a timeout: its handler may wait real time
 
 
+def _is_wake(envelope: Envelope) -> bool:
+    return envelope.kind == "shard" and json.loads(envelope.body).get("kind") == "wake"
+
+
 class FakeDelivery:
     def __init__(self, envelope: Envelope) -> None:
         self.body = envelope.body
@@ -594,10 +598,13 @@ class Cluster(RuleBasedStateMachine):
         transport = self.transport
         for _ in range(4 * (owed + len(transport.in_flight) + len(transport.later)) + 100):
             kinds = [e.kind for e in transport.later]
+            wakes = [i for i, e in enumerate(transport.later) if _is_wake(e)]
             if transport.in_flight:
                 self._deliver(0)
-            elif "task" in kinds:  # retries fall due before deadlines
+            elif "task" in kinds:  # retries and sleeps fall due before deadlines
                 transport.in_flight.append(transport.later.pop(kinds.index("task")))
+            elif wakes:  # (an early wake is sent again: real time has to pass for a sleep)
+                transport.in_flight.append(transport.later.pop(wakes[0]))
             elif transport.later:
                 # Only deadlines are left: every program must have ended by now, or a lost
                 # message would go unseen behind its deadline.
@@ -659,11 +666,11 @@ def test_the_model_lists_every_attempts_error_when_retries_run_out() -> None:
 
 
 def test_the_model_runs_a_map_per_iteration_and_fails_one_over_its_bound() -> None:
-    mapped = {"task": "work", "map": "[0, 1, 2, 3, 4].filter(x, x < iteration)", "max_items": 1}
+    mapped = {"task": "work", "map": "[0, 1, 2, 3, 4].filter(x, x < iteration + 0)", "max_items": 1}
     program = {"steps": [{"until": "iteration >= 2", "max_iterations": 3, "steps": [mapped]}]}
     expected = expect(program)
     assert expected.leaves == [("0/iter:0/0", 0), ("0/iter:1/0", 1)]
     assert expected.errors == [
-        "step 0/iter:2/0: map '[0, 1, 2, 3, 4].filter(x, x < iteration)': gave 2 items, "
+        "step 0/iter:2/0: map '[0, 1, 2, 3, 4].filter(x, x < iteration + 0)': gave 2 items, "
         "more than max_items=1"
     ]

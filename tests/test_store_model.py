@@ -67,7 +67,7 @@ def calls(cursors: dict[str, str]) -> st.SearchStrategy[Call]:
             st.sampled_from(["", *PATHS]),
             st.sampled_from(["running"] * 4 + ["completed", "failed"]),
             st.sampled_from([("", ""), ("result", "7"), ("error", "boom")]),
-            st.sampled_from(["", "task", "bag:1", "bag:2", "bag:3"]),
+            st.sampled_from(["", "task", "bag:0", "bag:1", "bag:2", "bag:3", "sleep"]),
             # a loop iteration dropped as the loop moves on (keys under 2/iter:0/ go)
             st.sampled_from(["", "", "", "2/iter:0/", "2/iter:1/", "1"]),
         )

@@ -1,0 +1,88 @@
+"""Sleep steps on a real cluster: durable timers that hold no worker and survive restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from orchestrator.connections import connected
+from orchestrator.messages import Wake, encode
+from orchestrator.settings import Settings
+from router.client import Router
+from router.explain import explain_text
+from shardflow.dev import Dev
+from worker.registry import Registry
+
+pytestmark = pytest.mark.e2e
+
+NAP = {"steps": [{"task": "echo", "args": {"k": 1}}, {"sleep_s": 1.0}, {"task": "echo"}]}
+
+
+async def _until(
+    check: Callable[[], Awaitable[dict[str, Any] | None]], holds: Callable[[dict], bool]
+) -> dict[str, Any]:
+    deadline = time.monotonic() + 20
+    while True:
+        found = await check()
+        if found is not None and holds(found):
+            return found
+        assert time.monotonic() < deadline, f"never held: {found}"
+        await asyncio.sleep(0.02)
+
+
+def _sleeping(report: dict) -> bool:
+    return report["status"] == "running" and report["step"]["kind"] == "sleep"
+
+
+async def test_a_sleep_waits_and_passes_its_prev_on(cluster: Router) -> None:
+    wf = (await cluster.submit(NAP)).workflow_id
+    report = await _until(lambda: cluster.explain(wf), _sleeping)
+    began = report["step"]["since_ms"]
+    assert report["pool"] is None and report["waiting_for"].startswith("its timer: step 1 sleeps")
+    assert "a sleep, for" in explain_text(report)
+    # A wake sent early (or forged) is only a hint: the owner reads when the sleep began.
+    async with connected(cluster.settings) as (_, bus):
+        await bus.publish_to_shard(report["owner"], encode(Wake(wf=wf, path="1")))
+    status = await cluster.wait(wf, timeout_s=30)
+    assert status["status"] == "completed", status
+    assert status["result"]["prev"] == {"args": {"k": 1}, "prev": None}  # step 0's output
+    assert status["ended_ms"] - began >= 1000  # the sleep's whole second, however woken
+
+
+async def test_a_sleep_survives_its_orchestrators_going_away(
+    settings: Settings, registry: Registry
+) -> None:
+    async with connected(settings, "sleep-test") as (store, bus):
+        router = Router(settings, store=store, bus=bus, known_tasks=None)
+        first = Dev(settings, registry, store=store, bus=bus, concurrency=4)
+        running = asyncio.create_task(first.run())
+        wf = (await router.submit(NAP)).workflow_id
+        await _until(lambda: router.explain(wf), _sleeping)
+        first.shutdown()
+        await running
+        await asyncio.sleep(1.5)  # the timer falls due while no orchestrator runs
+        assert (await router.status(wf))["status"] == "running"  # type: ignore[index]
+        second = Dev(settings, registry, store=store, bus=bus, concurrency=4)
+        running = asyncio.create_task(second.run())
+        try:
+            status = await router.wait(wf, timeout_s=30)
+        finally:
+            second.shutdown()
+            await running
+    assert status["status"] == "completed", status
+
+
+async def test_a_cancelled_sleep_never_wakes_its_program(cluster: Router) -> None:
+    wf = (await cluster.submit(NAP)).workflow_id
+    await _until(lambda: cluster.explain(wf), _sleeping)
+    await cluster.cancel(wf, "no longer needed")
+    await asyncio.sleep(1.3)  # past the timer
+    status = await cluster.status(wf)
+    assert status is not None and (status["status"], status["error"]) == (
+        "cancelled",
+        "no longer needed",
+    )
