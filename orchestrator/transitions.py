@@ -29,7 +29,16 @@ from orchestrator.messages import (
     Wake,
     encode,
 )
-from orchestrator.program import Bag, Map, Member, Program, Sleep, Task, parse_program
+from orchestrator.program import (
+    Bag,
+    Map,
+    Member,
+    Program,
+    Sleep,
+    Task,
+    Untiloop,
+    parse_program,
+)
 from orchestrator.store import TERMINAL, Store
 
 log = logging.getLogger(__name__)
@@ -67,8 +76,7 @@ class Plans:
         program = parse_program(raw["program"], max_bytes=1 << 30)
         text = json.dumps(raw["input"])
         big = text if len(text) > INLINE_BYTES else None
-        evaluates = '"until"' in raw["program"] or '"map"' in raw["program"]
-        plan = Plan(program, raw["input"], raw["owner"], big, evaluates)
+        plan = Plan(program, raw["input"], raw["owner"], big, _evaluates(program.steps))
         self._cache[wf] = plan
         if len(self._cache) > self._size:
             self._cache.popitem(last=False)
@@ -76,6 +84,12 @@ class Plans:
 
     def forget(self, wf: str) -> None:
         self._cache.pop(wf, None)
+
+
+def _evaluates(steps: list[machine.Step]) -> bool:
+    """Whether any step is an untiloop or a map (a map deeper down is inside a loop up
+    here): moving on may then evaluate CEL, and waits in a thread."""
+    return any(isinstance(step, Map | Untiloop) for step in steps)
 
 
 def task_messages(
