@@ -43,7 +43,7 @@ if live and cursor == ARGV[1] then
     for _, key in ipairs(redis.call("SMEMBERS", registry)) do
       local name = string.sub(key, #base + 1)
       local path = string.match(name, "^%a+:(.*)$") or ""
-      if string.sub(path, 1, #drop) == drop then
+      if string.sub(path .. "/", 1, #drop) == drop then  -- "3/iter:4" (a wait) goes too
         redis.call("DEL", key)
         redis.call("SREM", registry, key)
       end

@@ -86,6 +86,10 @@ def leaf_at(program: Program, path: str) -> LeafStep:
             return step
         if not isinstance(step, Untiloop) or not parts[0].startswith("iter:"):
             raise PathError(f"{path}: no such step")
+        if len(parts) == 1:  # `3/iter:4`: the wait before that iteration
+            if step.interval_s is None:
+                raise PathError(f"{path}: its loop has no interval_s")
+            return Sleep(sleep_s=step.interval_s)
         steps, parts = step.steps, parts[1:]
 
 
@@ -118,6 +122,17 @@ def _after(
         if not rest or not rest[0].startswith("iter:"):
             raise PathError(f"{here}: an untiloop path needs iter:N")
         loop_iteration = int(rest[0].removeprefix("iter:"))
+        if len(rest) == 1:  # the wait before this iteration is over: run it
+            if step.interval_s is None:
+                raise PathError(f"{here}/{rest[0]}: its loop has no interval_s")
+            return _descend(
+                step.steps,
+                0,
+                prefix=f"{here}/{rest[0]}/",
+                prev=output,
+                iteration=loop_iteration,
+                input=input,
+            )
         inner = _after(
             step.steps,
             rest[1:],
@@ -138,6 +153,13 @@ def _after(
                 return Failed(
                     f"step {here}: until {quote(step.until)} not met after "
                     f"max_iterations={step.max_iterations}"
+                )
+            if step.interval_s is not None:  # wait first, in a sleep leaf of its own
+                return Leaf(
+                    path=f"{here}/iter:{loop_iteration + 1}",
+                    step=Sleep(sleep_s=step.interval_s),
+                    prev=output,
+                    iteration=loop_iteration + 1,
                 )
             return _descend(
                 step.steps,

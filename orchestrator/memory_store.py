@@ -139,7 +139,7 @@ class MemoryStore:
             if drop:
                 for name in sorted(self._set(registry)):
                     path = name.removeprefix(base).partition(":")[2]
-                    if path.startswith(drop):
+                    if (path + "/").startswith(drop):  # "3/iter:4" (a wait) goes too
                         self._delete(name)
                         self._set(registry).discard(name)
                 self._drop_if_empty(registry)

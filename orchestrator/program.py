@@ -123,6 +123,11 @@ class Untiloop(_Model):
         le=1000,
         description="finished iterations whose recorded outputs stay in Redis (older ones go)",
     )
+    # A durable timer between iterations (not before the first): the wait is a sleep leaf
+    # of its own, at the iteration's path (`3/iter:4`).
+    interval_s: float | None = Field(
+        default=None, gt=0, le=MAX_SLEEP_S, description="seconds to wait between iterations"
+    )
     steps: list[Step] = Field(min_length=1)
 
     @field_validator("until")

@@ -75,6 +75,10 @@ def locate(program: Program, path: str) -> Where | None:
             return None
         iteration = int(parts[0].removeprefix("iter:"))
         loops.append(Loop("/".join(walked), iteration, step.max_iterations))
+        if len(parts) == 1:  # `3/iter:4`: the wait before that iteration
+            if step.interval_s is None:
+                return None
+            return Where(Sleep(sleep_s=step.interval_s), loops, top)
         walked.append(parts[0])
         steps, parts = step.steps, parts[1:]
     return None

@@ -30,6 +30,10 @@ DIFFERENTIAL = (
 )
 
 SLEEP = "tests/test_sleep_e2e.py::test_a_sleep_waits_and_passes_its_prev_on"
+INTERVAL = (
+    "tests/test_sleep_e2e.py::"
+    "test_a_loop_waits_its_interval_between_iterations_and_keeps_no_old_waits"
+)
 
 MUTANTS = {
     "bare-counter-barrier": (
@@ -131,7 +135,8 @@ end""",
     # property test found this one for real), a sleep that forgets its prev, an early wake.
     "redelivered-wake-owes-nothing": (
         "orchestrator/transitions.py",
-        "        # Due, or past: a redelivered wake may owe what its step published (advance says).\n",
+        "        # Due, or past: a redelivered wake may owe what its step published"
+        " (advance says).\n",
         '        if state.get("cursor") != message.path:\n            return "stale"\n',
         (MACHINE,),
     ),
@@ -146,6 +151,12 @@ end""",
         "            if delay_ms > 0:\n                body = encode(message)",
         "            if delay_ms < 0:\n                body = encode(message)",
         (SLEEP,),
+    ),
+    "wait-kept-with-no-iteration": (
+        "lua/advance.lua",
+        'if string.sub(path .. "/", 1, #drop) == drop then',
+        "if string.sub(path, 1, #drop) == drop then",
+        (INTERVAL,),
     ),
 }
 

@@ -143,7 +143,10 @@ def untiloops(
     until = draw(st.sampled_from(templates)).format(
         k=draw(st.integers(0, 3)), m=draw(st.integers(1, 3))
     )
-    return {"until": until, "max_iterations": draw(st.integers(1, 4)), "steps": body}
+    loop = {"until": until, "max_iterations": draw(st.integers(1, 4)), "steps": body}
+    if draw(st.integers(0, 3)) == 3:  # now and then a wait between iterations
+        loop["interval_s"] = SLEEP_S
+    return loop
 
 
 def programs(
@@ -226,6 +229,8 @@ def _run(steps: list[Any], prev: Any, prefix: str, expected: Expected, iteration
             prev = [output_of(path, i) for i in range(len(members))]
         else:
             for n in range(step["max_iterations"]):
+                if n and "interval_s" in step:  # the wait before an iteration: a leaf
+                    expected.leaves.append((f"{path}/iter:{n}", 0))
                 prev = _run(step["steps"], prev, f"{path}/iter:{n}/", expected, n)
                 if _holds(step["until"], prev, n):
                     break

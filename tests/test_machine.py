@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from orchestrator.machine import Done, Failed, Leaf, PathError, after, first, leaf_at
-from orchestrator.program import parse_program
+from orchestrator.machine import Done, Failed, Leaf, PathError, after, dropped, first, leaf_at
+from orchestrator.program import Sleep, parse_program
 
 PROGRAM = parse_program(
     {
@@ -174,3 +174,29 @@ def test_a_sleep_is_a_leaf_of_its_own() -> None:
     assert leaf.prev == {"x": 1}
     assert leaf_at(program, "1") == program.steps[1]
     assert after(program, "1", {"x": 1}, input=None) == Leaf("2", program.steps[2], {"x": 1}, 0)
+
+
+def test_a_loop_with_an_interval_waits_in_a_leaf_before_each_later_iteration() -> None:
+    program = parse_program(
+        {
+            "steps": [
+                {
+                    "until": "iteration >= 1",
+                    "max_iterations": 3,
+                    "interval_s": 2,
+                    "steps": [{"task": "a"}],
+                }
+            ]
+        }
+    )
+    assert first(program) == Leaf("0/iter:0/0", program.steps[0].steps[0], None, 0)
+    wait = after(program, "0/iter:0/0", 7, input=None)
+    assert wait == Leaf("0/iter:1", Sleep(sleep_s=2), 7, 1)
+    assert leaf_at(program, "0/iter:1") == Sleep(sleep_s=2)
+    assert after(program, "0/iter:1", 7, input=None) == Leaf(
+        "0/iter:1/0", program.steps[0].steps[0], 7, 1
+    )
+    assert after(program, "0/iter:1/0", 8, input=None) == Done(8)
+    assert dropped(program, "0/iter:0/0", "0/iter:1") == ""  # keeps 1 finished iteration
+    with pytest.raises(PathError):
+        leaf_at(PROGRAM, "2/iter:1")  # no interval_s: no wait leaf

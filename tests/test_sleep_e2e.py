@@ -86,3 +86,30 @@ async def test_a_cancelled_sleep_never_wakes_its_program(cluster: Router) -> Non
         "cancelled",
         "no longer needed",
     )
+
+
+async def test_a_loop_waits_its_interval_between_iterations_and_keeps_no_old_waits(
+    cluster: Router,
+) -> None:
+    loop = {
+        "until": "iteration >= 3",
+        "max_iterations": 5,
+        "interval_s": 0.3,
+        "steps": [{"task": "counter"}],
+    }
+    wf = (await cluster.submit({"steps": [loop]})).workflow_id
+    report = await _until(lambda: cluster.explain(wf), _sleeping)
+    assert report["step"]["path"].endswith("/iter:1") and "its timer" in report["waiting_for"]
+    status = await cluster.wait(wf, timeout_s=30)
+    assert status["status"] == "completed", status
+    assert status["ended_ms"] - status["started_ms"] >= 900  # three waits of 0.3 s
+    async with connected(cluster.settings) as (store, _):
+        registry = await store.client.smembers(store.keys.registry(wf))  # type: ignore[attr-defined]
+        names = [key.rpartition("}:")[2] for key in registry]
+    # keep_iterations=1: the loop keeps iterations 2 and 3; iteration 1's wait went with it.
+    assert sorted(n for n in names if "iter:" in n) == [
+        "blob:0/iter:2",
+        "blob:0/iter:3",
+        "out:0/iter:2/0",
+        "out:0/iter:3/0",
+    ]
