@@ -113,3 +113,17 @@ async def test_a_loop_waits_its_interval_between_iterations_and_keeps_no_old_wai
         "out:0/iter:2/0",
         "out:0/iter:3/0",
     ]
+
+
+async def test_a_wake_for_a_step_that_is_no_sleep_is_dead_lettered(cluster: Router) -> None:
+    wf = (await cluster.submit({"steps": [{"task": "echo"}]})).workflow_id
+    await cluster.wait(wf, timeout_s=30)
+    owner = (await cluster.status(wf))["owner"]  # type: ignore[index]
+    async with connected(cluster.settings) as (_, bus):
+        await bus.publish_to_shard(owner, encode(Wake(wf=wf, path="0")))
+        deadline = time.monotonic() + 20
+        while not (parked := await bus.peek_dead(5)):
+            assert time.monotonic() < deadline, "never parked"
+            await asyncio.sleep(0.05)
+    [(headers, _)] = parked
+    assert headers["x-shardflow-reason"] == f"{wf}: step 0 is not a sleep"
