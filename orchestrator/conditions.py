@@ -114,22 +114,29 @@ def evaluate(
 
     Blocks the calling thread for at most the budget; see `evaluate_async` for event loops.
     """
-    compile_condition(source)
-    budget = BUDGET_S if budget_s is None else budget_s
-    try:
-        context = {"input": input, "prev": prev, "iteration": iteration}
-        request = json.dumps({"source": source, "context": context, "budget_s": budget})
-    except (TypeError, ValueError) as exc:
-        raise ConditionError(f"input or prev is not JSON: {exc}") from None
-    try:
-        reply = EVALUATOR.run(request.encode() + b"\n", budget)
-    except EvaluatorError as exc:
-        raise ConditionError(str(exc)) from None
+    context = {"input": input, "prev": prev, "iteration": iteration}
+    reply = _run(source, context, budget_s, {})
     if "value" in reply:
         return bool(reply["value"])
     if "gave" in reply:
         raise ConditionError(f"gave {reply['gave']} {_cut(reply['repr'])}, not a bool")
     return _raise_error(reply, source)
+
+
+def _run(
+    source: str, context: dict[str, Any], budget_s: float | None, extra: dict[str, Any]
+) -> dict[str, Any]:
+    """One evaluation in the evaluator process: its reply, or ConditionError."""
+    compile_condition(source)
+    budget = BUDGET_S if budget_s is None else budget_s
+    try:
+        request = json.dumps({"source": source, "context": context, "budget_s": budget, **extra})
+    except (TypeError, ValueError) as exc:
+        raise ConditionError(f"input or prev is not JSON: {exc}") from None
+    try:
+        return EVALUATOR.run(request.encode() + b"\n", budget)
+    except EvaluatorError as exc:
+        raise ConditionError(str(exc)) from None
 
 
 def _raise_error(reply: dict[str, Any], source: str) -> NoReturn:
@@ -152,20 +159,8 @@ def evaluate_list(
 ) -> list[Any]:
     """Evaluate a map step's expression: a JSON list of at most `max_items` items and
     `max_bytes` bytes, within the budget (as `evaluate`); ConditionError naming the fault."""
-    compile_condition(source)
-    budget = BUDGET_S if budget_s is None else budget_s
-    try:
-        context = {"input": input, "prev": prev, "iteration": iteration}
-        request = json.dumps(
-            {"source": source, "context": context, "budget_s": budget,
-             "max_items": max_items, "max_bytes": max_bytes}
-        )  # fmt: skip
-    except (TypeError, ValueError) as exc:
-        raise ConditionError(f"input or prev is not JSON: {exc}") from None
-    try:
-        reply = EVALUATOR.run(request.encode() + b"\n", budget)
-    except EvaluatorError as exc:
-        raise ConditionError(str(exc)) from None
+    context = {"input": input, "prev": prev, "iteration": iteration}
+    reply = _run(source, context, budget_s, {"max_items": max_items, "max_bytes": max_bytes})
     if "items" in reply:
         items: list[Any] = reply["items"]
         return items

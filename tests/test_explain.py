@@ -9,36 +9,21 @@ import json
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 from orchestrator.connections import connected
 from orchestrator.owner import Orchestrator
 from orchestrator.settings import Settings
 from router.client import Router
 from router.explain import explain_text
+from tests.polling import until
 from tests.test_cli import EXAMPLE, dev, environment, shardflow  # noqa: F401  (dev: a fixture)
-
-
-async def _until(
-    check: Callable[[], Awaitable[dict[str, Any] | None]],
-    holds: Callable[[dict[str, Any]], bool],
-    timeout_s: float = 20,
-) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = await check()
-        if found is not None and holds(found):
-            return found
-        assert time.monotonic() < deadline, f"never held: {found}"
-        await asyncio.sleep(0.05)
 
 
 async def test_a_program_waiting_for_a_retry(cluster: Router) -> None:
     retry = {"max_attempts": 2, "backoff_s": 100}
     program = {"steps": [{"task": "flaky", "args": {"fail_until": 1}, "retry": retry}]}
     wf = (await cluster.submit(program)).workflow_id
-    report = await _until(lambda: cluster.explain(wf), lambda r: bool(r["attempts"]))
+    report = await until(lambda: cluster.explain(wf), lambda r: bool(r["attempts"]))
     now = time.time() * 1000
     task = report["step"]["tasks"][0]
     assert (task["task"], task["attempt"], task["max_attempts"]) == ("flaky", 1, 2)
@@ -64,7 +49,7 @@ async def test_a_program_waiting_for_a_pool_with_no_consumer(settings: Settings)
             router = Router(settings, store=store, bus=bus)
             one = (await router.submit({"name": "first", "steps": [{"task": "t"}]})).workflow_id
             await router.submit({"steps": [{"task": "t"}]})
-            report = await _until(
+            report = await until(
                 lambda: router.explain(one),
                 lambda r: r["status"] == "running" and r["pool"]["depth"] == 2,
             )
@@ -85,16 +70,16 @@ async def test_a_program_waiting_for_a_pool_with_no_consumer(settings: Settings)
 async def test_the_serial_lane_and_a_bag_half_done(cluster: Router) -> None:
     slow = {"task": "echo", "args": {"sleep_s": 30}}
     holder = (await cluster.submit({"steps": [slow]})).workflow_id
-    await _until(lambda: cluster.explain(holder), lambda r: bool(r["lane"] and r["lane"]["held"]))
+    await until(lambda: cluster.explain(holder), lambda r: bool(r["lane"] and r["lane"]["held"]))
     queued = (await cluster.submit({"steps": [{"task": "add"}]})).workflow_id
     bag = {"bag": [{"task": "add"}, {**slow, "retry": {"max_attempts": 3}}, {"task": "add"}]}
     half = (await cluster.submit({"steps": [bag]})).workflow_id
-    behind = await _until(lambda: cluster.explain(queued), lambda r: r["status"] == "running")
+    behind = await until(lambda: cluster.explain(queued), lambda r: r["status"] == "running")
     assert behind["waiting_for"] == (
         f"the serial lane, held by program {holder} (step 0, task 'echo')"
     )
     assert behind["lane"]["this_program"] is False
-    report = await _until(lambda: cluster.explain(half), lambda r: r["step"]["done"] == 2)
+    report = await until(lambda: cluster.explain(half), lambda r: r["step"]["done"] == 2)
     assert [(t["index"], t["done"]) for t in report["step"]["tasks"]] == [
         (0, True),
         (1, False),
@@ -154,7 +139,7 @@ async def test_status_names_the_tasks_of_the_current_step_and_its_loop(cluster: 
         "steps": [{"task": "echo", "args": {"sleep_s": 30}}],
     }
     wf = (await cluster.submit({"steps": [{"task": "add"}, loop]})).workflow_id
-    status = await _until(lambda: cluster.status(wf), lambda s: s["cursor"] == "1/iter:0/0")
+    status = await until(lambda: cluster.status(wf), lambda s: s["cursor"] == "1/iter:0/0")
     step = status["step"]
     assert (step["kind"], step["pool"], step["top"]) == ("task", "serial", 1)
     assert [t["task"] for t in step["tasks"]] == ["echo"]

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 import pytest
 
@@ -15,23 +13,12 @@ from orchestrator.settings import Settings
 from router.client import Router
 from router.explain import explain_text
 from shardflow.dev import Dev
+from tests.polling import until
 from worker.registry import Registry
 
 pytestmark = pytest.mark.e2e
 
 NAP = {"steps": [{"task": "echo", "args": {"k": 1}}, {"sleep_s": 1.0}, {"task": "echo"}]}
-
-
-async def _until(
-    check: Callable[[], Awaitable[dict[str, Any] | None]], holds: Callable[[dict], bool]
-) -> dict[str, Any]:
-    deadline = time.monotonic() + 20
-    while True:
-        found = await check()
-        if found is not None and holds(found):
-            return found
-        assert time.monotonic() < deadline, f"never held: {found}"
-        await asyncio.sleep(0.02)
 
 
 def _sleeping(report: dict) -> bool:
@@ -40,7 +27,7 @@ def _sleeping(report: dict) -> bool:
 
 async def test_a_sleep_waits_and_passes_its_prev_on(cluster: Router) -> None:
     wf = (await cluster.submit(NAP)).workflow_id
-    report = await _until(lambda: cluster.explain(wf), _sleeping)
+    report = await until(lambda: cluster.explain(wf), _sleeping)
     began = report["step"]["since_ms"]
     assert report["pool"] is None and report["waiting_for"].startswith("its timer: step 1 sleeps")
     assert "a sleep, for" in explain_text(report)
@@ -61,7 +48,7 @@ async def test_a_sleep_survives_its_orchestrators_going_away(
         first = Dev(settings, registry, store=store, bus=bus, concurrency=4)
         running = asyncio.create_task(first.run())
         wf = (await router.submit(NAP)).workflow_id
-        await _until(lambda: router.explain(wf), _sleeping)
+        await until(lambda: router.explain(wf), _sleeping)
         first.shutdown()
         await running
         await asyncio.sleep(1.5)  # the timer falls due while no orchestrator runs
@@ -78,7 +65,7 @@ async def test_a_sleep_survives_its_orchestrators_going_away(
 
 async def test_a_cancelled_sleep_never_wakes_its_program(cluster: Router) -> None:
     wf = (await cluster.submit(NAP)).workflow_id
-    await _until(lambda: cluster.explain(wf), _sleeping)
+    await until(lambda: cluster.explain(wf), _sleeping)
     await cluster.cancel(wf, "no longer needed")
     await asyncio.sleep(1.3)  # past the timer
     status = await cluster.status(wf)
@@ -98,7 +85,7 @@ async def test_a_loop_waits_its_interval_between_iterations_and_keeps_no_old_wai
         "steps": [{"task": "counter"}],
     }
     wf = (await cluster.submit({"steps": [loop]})).workflow_id
-    report = await _until(lambda: cluster.explain(wf), _sleeping)
+    report = await until(lambda: cluster.explain(wf), _sleeping)
     assert report["step"]["path"].endswith("/iter:1") and "its timer" in report["waiting_for"]
     status = await cluster.wait(wf, timeout_s=30)
     assert status["status"] == "completed", status
