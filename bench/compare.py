@@ -1,6 +1,6 @@
 """shardflow beside Celery canvas, in one run on one machine, on the same RabbitMQ and Redis.
 
-    make bench            (or: .venv/bin/python bench/compare.py [--quick])
+    make bench            (or: .venv/bin/python bench/compare.py [--quick] [--stamp NAME])
 
 Each system gets a fresh RabbitMQ vhost and its own Redis database. Workloads (no-op tasks
 returning small dicts; every result is checked):
@@ -112,6 +112,8 @@ def cost(meter: Meter, started: float, tasks: int) -> dict[str, Any]:
     return {
         "cpu_s_per_1000_tasks": round(total * 1000 / tasks, 3),
         "cpu_cores": round(total / wall, 2),
+        # the whole machine, to see what the groups above leave out (kernel, other processes)
+        "machine_cores": round(meter.machine_s / wall, 2),
         "cpu_s_per_1000_tasks_by_group": {k: round(v * 1000 / tasks, 3) for k, v in used.items()},
     }
 
@@ -376,6 +378,7 @@ def check_b(result: Any) -> bool:
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller M, for a smoke run")
+    parser.add_argument("--stamp", help="results' file name (default: the date, -quick)")
     args = parser.parse_args()
     big, small, repeats = (200, 50, 10) if args.quick else (1000, 200, 50)
     logs = ROOT / "bench" / "results" / "logs"
@@ -438,7 +441,7 @@ async def main() -> None:
                 )
         finally:
             celery.stop()
-    report(out, big, small, args.quick)
+    report(out, big, small, args.quick, args.stamp)
     cleanup()
 
 
@@ -456,7 +459,8 @@ def _per_step(runs: list[dict[str, Any]]) -> dict[str, float]:
     return {"step_p50_ms": round(cuts[49], 2), "step_p99_ms": round(cuts[98], 2)}
 
 
-def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool) -> None:
+def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool,
+           stamp: str | None = None) -> None:  # fmt: skip
     sf = out["shardflow"]
     celery = {k: v for k, v in out.items() if k.startswith("celery")}
 
@@ -499,7 +503,7 @@ def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool) ->
         "figures": out,
         "ratios": ratios,
     }  # fmt: skip
-    stamp = result["date"] + ("-quick" if quick else "")
+    stamp = stamp or result["date"] + ("-quick" if quick else "")
     path = ROOT / "bench" / "results" / f"{stamp}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(table(out, big, small))
@@ -518,7 +522,8 @@ def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool) ->
 
 def table(out: dict[str, dict[str, Any]], big: int, small: int) -> str:
     """Both systems side by side, one row per figure."""
-    cost = (("CPU-s/1000 tasks", "cpu_s_per_1000_tasks"), ("cores used", "cpu_cores"))
+    cost = (("CPU-s/1000 tasks", "cpu_s_per_1000_tasks"), ("cores used", "cpu_cores"),
+            ("machine cores busy", "machine_cores"))  # fmt: skip
     rows = [(f"A M={m}{label}: {name}", f"A_M{m}{variant}", figure)
             for m in (small, big) for variant, label in (("", ""), ("_chunk10", " chunk 10"))
             for name, figure in (("tasks/s", "tasks_per_s"), ("p50 ms", "latency_p50_ms"),

@@ -75,6 +75,12 @@ def tree_cpu_s(pid: int, kids: dict[int, list[int]]) -> float:
     return total
 
 
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine was busy (all but idle and iowait), from /proc/stat."""
+    fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(fields) - fields[3] - fields[4]) / TICKS
+
+
 class Meter:
     """CPU seconds of groups of process trees over an interval (`start()`, then `used()`), with
     the shared RabbitMQ (beam.smp on 5672), the shared Redis (6379) and this client. The client
@@ -83,6 +89,7 @@ class Meter:
     def __init__(self, groups: dict[str, list[int]]) -> None:
         self.groups = {**groups, "rabbitmq": [listener(5672)], "redis": [listener(6379)]}
         self.before: dict[str, float] = {}
+        self.machine_s = 0.0  # the whole machine's busy CPU seconds over the interval
 
     def _now(self) -> dict[str, float]:
         kids = children()
@@ -94,8 +101,10 @@ class Meter:
 
     def start(self) -> None:
         self.before = self._now()
+        self.machine_s = -machine_busy_s()
 
     def used(self) -> dict[str, float]:
+        self.machine_s += machine_busy_s()
         return {name: value - self.before[name] for name, value in self._now().items()}
 
 
