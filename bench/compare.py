@@ -1,6 +1,6 @@
 """shardflow beside Celery canvas, in one run on one machine, on the same RabbitMQ and Redis.
 
-    make bench            (or: .venv/bin/python bench/compare.py [--quick])
+    make bench            (or: .venv/bin/python bench/compare.py [--quick] [--stamp NAME])
 
 Each system gets a fresh RabbitMQ vhost and its own Redis database. Workloads (no-op tasks
 returning small dicts; every result is checked):
@@ -9,6 +9,11 @@ returning small dicts; every result is checked):
   B  a chain of 20 tasks: M = 1 fifty times (per-step overhead), and M = 200
   C  shape A at M = 1000 with 1, 2 and 4 orchestrator processes (shardflow only)
   memory: orchestrator RSS with 100 and 10,000 programs in flight; Redis bytes per program
+  cost: CPU seconds per 1,000 tasks of every process involved (orchestrators or Celery workers
+     with their children, the shared RabbitMQ and Redis, this client), from /proc/<pid>/stat
+     around each A and B run (bench/cpu.py); broker messages per task, counted in a separate
+     short run with RabbitMQ's firehose; during shape A at the larger M, each orchestrator's
+     CPU share and each shard queue's depth every 0.5 s
 shardflow runs every task on its parallel pool (2 worker processes, 16 each); Celery runs a
 prefork pool of 2 and a threads pool of 16 (acks_late, Redis result backend), and ratios are
 against the better of the two. Latency is from submit to the last task's own clock.
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -26,7 +32,8 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -34,10 +41,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import aio_pika  # noqa: E402
+from aio_pika.abc import AbstractIncomingMessage  # noqa: E402
 from redis.asyncio import Redis  # noqa: E402
 
-from bench.services import drop_vhost, vhost  # noqa: E402
+from bench.cpu import Meter, cpu_s  # noqa: E402
+from bench.services import AMQP, drop_vhost, vhost  # noqa: E402
 from orchestrator.connections import connected  # noqa: E402
+from orchestrator.keys import Names  # noqa: E402
 from orchestrator.settings import Settings  # noqa: E402
 from router.client import Router  # noqa: E402
 
@@ -55,6 +66,7 @@ def shape_a(chunk: int = 1) -> dict[str, Any]:
 SHAPE_A, SHAPE_A_CHUNKED = shape_a(), shape_a(chunk=10)
 SHAPE_B = {"name": "B", "steps": [{"task": "step", "pool": "parallel"}] * 20}
 SHARDS = 4
+COUNTED = 50  # programs in each run that counts broker messages (not a timed run)
 
 
 def spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -93,6 +105,60 @@ def figures(m: int, tasks_per_program: int, started: float, submits: list[float]
     }
 
 
+def cost(meter: Meter, started: float, tasks: int) -> dict[str, Any]:
+    """What a run cost: CPU seconds per 1,000 tasks (in all, and by group), cores used."""
+    used, wall = meter.used(), time.monotonic() - started
+    total = sum(used.values())
+    return {
+        "cpu_s_per_1000_tasks": round(total * 1000 / tasks, 3),
+        "cpu_cores": round(total / wall, 2),
+        # the whole machine, to see what the groups above leave out (kernel, other processes)
+        "machine_cores": round(meter.machine_s / wall, 2),
+        "cpu_s_per_1000_tasks_by_group": {k: round(v * 1000 / tasks, 3) for k, v in used.items()},
+    }
+
+
+def summary(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    return {
+        key: {"max": round(max(values), 2), "mean": round(statistics.mean(values), 2)}
+        for key, values in samples.items()
+        if values
+    }
+
+
+async def count_messages(name: str, run: Awaitable[object], tasks: int) -> dict[str, float]:
+    """Messages RabbitMQ took in (publish) and handed out (deliver) per task over `run`, in vhost
+    `name`. RabbitMQ 3.10 keeps no per-vhost message counters without the management plugin,
+    so this turns on its firehose for the vhost (a copy of each publish and delivery to
+    amq.rabbitmq.trace) and counts the copies. Tracing costs the broker: never in a CPU figure."""
+    ctl = ["rabbitmqctl", "-q"]
+    await asyncio.to_thread(subprocess.run, [*ctl, "trace_on", "-p", name], check=True,
+                            capture_output=True)  # fmt: skip
+    counts: Counter[str] = Counter()
+    try:
+        async with await aio_pika.connect(AMQP + name) as connection:
+            channel = await connection.channel()
+            queue = await channel.declare_queue(exclusive=True)
+            await queue.bind("amq.rabbitmq.trace", routing_key="#")
+
+            async def on(message: AbstractIncomingMessage) -> None:
+                counts[(message.routing_key or "").split(".", 1)[0]] += 1
+
+            await queue.consume(on, no_ack=True)
+            await run
+            seen = -1
+            while seen != counts.total():  # until the last copies have arrived
+                seen = counts.total()
+                await asyncio.sleep(1)
+    finally:
+        await asyncio.to_thread(subprocess.run, [*ctl, "trace_off", "-p", name],
+                                capture_output=True)  # fmt: skip
+    return {
+        "published_per_task": round(counts["publish"] / tasks, 2),
+        "delivered_per_task": round(counts["deliver"] / tasks, 2),
+    }
+
+
 class Shardflow:
     """Orchestrator and worker processes, driven through the Python API."""
 
@@ -113,14 +179,15 @@ class Shardflow:
         }
         self.processes: list[subprocess.Popen[bytes]] = []
         self.orchestrators: list[subprocess.Popen[bytes]] = []
+        self.shards: list[list[int]] = []  # each orchestrator's shards
 
     def start(self, orchestrators: int, worker_concurrency: int = 16, workers: int = 2) -> None:
-        groups = [list(range(SHARDS))[i::orchestrators] for i in range(orchestrators)]
+        self.shards = [list(range(SHARDS))[i::orchestrators] for i in range(orchestrators)]
         cli = [sys.executable, "-m", "shardflow"]
         self.orchestrators = [
             spawn([*cli, "orchestrator", "--shards", ",".join(map(str, group))], self.env,
                   self.logs / "orchestrator.log")
-            for group in groups
+            for group in self.shards
         ]  # fmt: skip
         self.processes = self.orchestrators + [
             spawn([*cli, "worker", "--pool", "parallel", "--app", "bench.tasks",
@@ -133,8 +200,64 @@ class Shardflow:
         stop(self.processes)
         self.processes = []
 
+    def groups(self) -> dict[str, list[int]]:
+        """The process trees a run's CPU figure counts, besides RabbitMQ, Redis and the client."""
+        workers = self.processes[len(self.orchestrators) :]
+        return {"orchestrators": [p.pid for p in self.orchestrators],
+                "workers": [p.pid for p in workers]}  # fmt: skip
+
+    async def sample(self, done: asyncio.Event, every_s: float = 0.5) -> dict[str, Any]:
+        """Until `done`: each orchestrator's CPU share (1.0 = one core; its process alone, one
+        event loop, so near 1.0 it is the bottleneck) and each shard queue's ready messages,
+        with the parallel pool's task queue beside them."""
+        names = Names(self.settings.prefix)
+        owners = {f"orchestrator {i} (shards {','.join(map(str, group))})": process.pid
+                  for i, (process, group) in enumerate(zip(self.orchestrators, self.shards,
+                                                           strict=True))}  # fmt: skip
+        queues = {f"shard {shard}": names.shard_queue(shard) for shard in range(SHARDS)}
+        queues["tasks.parallel"] = names.task_queue("parallel")
+        shares: dict[str, list[float]] = {key: [] for key in owners}
+        depths: dict[str, list[float]] = {key: [] for key in queues}
+        async with await aio_pika.connect(self.settings.amqp_url) as connection:
+            channel = await connection.channel()
+            last, then = {key: cpu_s(pid) for key, pid in owners.items()}, time.monotonic()
+            while not done.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(done.wait(), every_s)
+                now = time.monotonic()
+                if now - then < every_s / 2:
+                    break  # a short last interval: too few clock ticks to tell a share
+                for key, pid in owners.items():
+                    used = cpu_s(pid)
+                    shares[key].append((used - last[key]) / (now - then))
+                    last[key] = used
+                then = now
+                for key, name in queues.items():
+                    queue = await channel.declare_queue(name, passive=True)
+                    depths[key].append(queue.declaration_result.message_count or 0)
+        return {"every_s": every_s, "owner_cpu_share": summary(shares),
+                "queue_depth": summary(depths)}  # fmt: skip
+
     async def run(self, program: dict[str, Any], m: int, tasks: int,
-                  check: Callable[[Any], bool]) -> dict[str, float]:  # fmt: skip
+                  check: Callable[[Any], bool],
+                  sample: bool = False) -> dict[str, Any]:  # fmt: skip
+        """One measured run of `m` programs; `sample`: with `sample()`'s figures as "shards"."""
+        done = asyncio.Event()
+        sampler = asyncio.create_task(self.sample(done)) if sample else None
+        meter = Meter(self.groups())
+        meter.start()
+        started = time.monotonic()
+        try:
+            result = await self._run(program, m, tasks, check)
+            result.update(cost(meter, started, m * tasks))
+        finally:
+            done.set()
+        if sampler is not None:
+            result["shards"] = await sampler
+        return result
+
+    async def _run(self, program: dict[str, Any], m: int, tasks: int,
+                   check: Callable[[Any], bool]) -> dict[str, Any]:  # fmt: skip
         async with connected(self.settings, "bench") as (store, bus):
             router = Router(self.settings, store=store, bus=bus)
             ids = [uuid.uuid4().hex for _ in range(m)]
@@ -219,7 +342,17 @@ class CeleryRun:
         stop(self.processes)
 
     def run(self, make: Callable[[], Any], m: int, tasks: int,
-            check: Callable[[Any], bool]) -> dict[str, float]:  # fmt: skip
+            check: Callable[[Any], bool]) -> dict[str, Any]:  # fmt: skip
+        # the worker's tree: a prefork pool's children are counted with their parent
+        meter = Meter({"workers": [p.pid for p in self.processes]})
+        meter.start()
+        started = time.monotonic()
+        result: dict[str, Any] = self._run(make, m, tasks, check)
+        result.update(cost(meter, started, m * tasks))
+        return result
+
+    def _run(self, make: Callable[[], Any], m: int, tasks: int,
+             check: Callable[[Any], bool]) -> dict[str, Any]:  # fmt: skip
         submits, results = [], []
         started = time.time()
         for _ in range(m):
@@ -245,6 +378,7 @@ def check_b(result: Any) -> bool:
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller M, for a smoke run")
+    parser.add_argument("--stamp", help="results' file name (default: the date, -quick)")
     args = parser.parse_args()
     big, small, repeats = (200, 50, 10) if args.quick else (1000, 200, 50)
     logs = ROOT / "bench" / "results" / "logs"
@@ -261,12 +395,18 @@ async def main() -> None:
     try:
         for m in (small, big):
             for key, shape in ((f"A_M{m}", SHAPE_A), (f"A_M{m}_chunk10", SHAPE_A_CHUNKED)):
-                out["shardflow"][key] = await sf.run(shape, m, 12, check_a)
+                out["shardflow"][key] = await sf.run(shape, m, 12, check_a, sample=m == big)
                 print(f"shardflow {key}: {out['shardflow'][key]}", flush=True)
         steps = [await sf.run(SHAPE_B, 1, 20, check_b) for _ in range(repeats)]
         out["shardflow"]["B_M1"] = _per_step(steps)
         out["shardflow"][f"B_M{small}"] = await sf.run(SHAPE_B, small, 20, check_b)
         out["shardflow"]["redis_bytes_per_program"] = await sf.redis_bytes_per_program()
+        for key, shape, tasks, check in (("A", SHAPE_A, 12, check_a),
+                                         ("A_chunk10", SHAPE_A_CHUNKED, 12, check_a),
+                                         ("B", SHAPE_B, 20, check_b)):  # fmt: skip
+            out["shardflow"][f"messages_{key}"] = await count_messages(
+                "shardflow-bench", sf.run(shape, COUNTED, tasks, check), COUNTED * tasks
+            )
     finally:
         sf.stop()
     for orchestrators in (1, 2, 4):
@@ -292,9 +432,16 @@ async def main() -> None:
             steps = [celery.run(celery_app.shape_b, 1, 20, check_b) for _ in range(repeats)]
             out[name]["B_M1"] = _per_step(steps)
             out[name][f"B_M{small}"] = celery.run(celery_app.shape_b, small, 20, check_b)
+            for key, make, tasks, check in (("A", celery_app.shape_a, 12, check_a),
+                                            ("B", celery_app.shape_b, 20, check_b)):  # fmt: skip
+                out[name][f"messages_{key}"] = await count_messages(
+                    "celery-bench",
+                    asyncio.to_thread(celery.run, make, COUNTED, tasks, check),
+                    COUNTED * tasks,
+                )
         finally:
             celery.stop()
-    report(out, big, small, args.quick)
+    report(out, big, small, args.quick, args.stamp)
     cleanup()
 
 
@@ -306,13 +453,14 @@ def cleanup() -> None:
         subprocess.run(["redis-cli", "-n", db, "flushdb"], capture_output=True)
 
 
-def _per_step(runs: list[dict[str, float]]) -> dict[str, float]:
+def _per_step(runs: list[dict[str, Any]]) -> dict[str, float]:
     per_step = [run["latency_p50_ms"] / 20 for run in runs]
     cuts = statistics.quantiles(per_step, n=100)
     return {"step_p50_ms": round(cuts[49], 2), "step_p99_ms": round(cuts[98], 2)}
 
 
-def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool) -> None:
+def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool,
+           stamp: str | None = None) -> None:  # fmt: skip
     sf = out["shardflow"]
     celery = {k: v for k, v in out.items() if k.startswith("celery")}
 
@@ -330,26 +478,41 @@ def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool) ->
             ratios[f"{a}_tasks_per_s"] = ratio(f"A_M{m}", "tasks_per_s", True, variant)
             ratios[f"{a}_latency_p50"] = ratio(f"A_M{m}", "latency_p50_ms", False, variant)
             ratios[f"{a}_latency_p99"] = ratio(f"A_M{m}", "latency_p99_ms", False, variant)
+            # CPU seconds of every process per task: the cost, which a busy machine's noise
+            # moves much less than tasks/s; target <= 0.33
+            ratios[f"{a}_cpu_per_task"] = ratio(f"A_M{m}", "cpu_s_per_1000_tasks", False, variant)
     ratios["B_M1_step_p50"] = ratio("B_M1", "step_p50_ms", False)
     ratios["B_M1_step_p99"] = ratio("B_M1", "step_p99_ms", False)
     ratios[f"B_M{small}_tasks_per_s"] = ratio(f"B_M{small}", "tasks_per_s", True)
+    ratios[f"B_M{small}_cpu_per_task"] = ratio(f"B_M{small}", "cpu_s_per_1000_tasks", False)
     in_flight = [k for k in sf if k.startswith("rss_mb_")]
     ratios["rss_many_over_few"] = sf[in_flight[-1]] / sf[in_flight[0]]
     ratios = {k: round(v, 2) for k, v in ratios.items()}  # fmt: skip
-    result = {
+    result: dict[str, Any] = {
         "date": date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}",
         "command": "make bench" + (" (--quick)" if quick else ""),
         "note": "shardflow runs every task on its parallel pool in these shapes; "
-        "A_*_chunk10: the same bag sent as one task message (\"chunk\": 10)",
+        "A_*_chunk10: the same bag sent as one task message (\"chunk\": 10); "
+        "cpu_s_per_1000_tasks: CPU seconds of every process involved (orchestrators or Celery "
+        "workers with their children, the shared RabbitMQ and Redis, the client) per 1,000 "
+        "tasks; messages_*: broker publishes and deliveries per task (RabbitMQ's firehose, "
+        f"{COUNTED} programs, not a timed run); shards: each orchestrator's CPU share and "
+        "each shard queue's ready messages, sampled during the run",
         "figures": out,
         "ratios": ratios,
     }  # fmt: skip
-    stamp = result["date"] + ("-quick" if quick else "")
+    stamp = stamp or result["date"] + ("-quick" if quick else "")
     path = ROOT / "bench" / "results" / f"{stamp}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(table(out, big, small))
+    for key in (f"A_M{big}", f"A_M{big}_chunk10"):
+        shards = sf[key].get("shards", {})
+        for kind, samples in shards.items():
+            if isinstance(samples, dict):
+                print(f"{key} {kind} (max / mean): " + ", ".join(
+                    f"{k} {v['max']} / {v['mean']}" for k, v in samples.items()))  # fmt: skip
     print("ratios (shardflow / Celery's best):")
     for key, value in ratios.items():
         print(f"  {key:36} {value}")
@@ -359,20 +522,29 @@ def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool) ->
 
 def table(out: dict[str, dict[str, Any]], big: int, small: int) -> str:
     """Both systems side by side, one row per figure."""
+    cost = (("CPU-s/1000 tasks", "cpu_s_per_1000_tasks"), ("cores used", "cpu_cores"),
+            ("machine cores busy", "machine_cores"))  # fmt: skip
     rows = [(f"A M={m}{label}: {name}", f"A_M{m}{variant}", figure)
             for m in (small, big) for variant, label in (("", ""), ("_chunk10", " chunk 10"))
             for name, figure in (("tasks/s", "tasks_per_s"), ("p50 ms", "latency_p50_ms"),
-                                 ("p99 ms", "latency_p99_ms"))]  # fmt: skip
+                                 ("p99 ms", "latency_p99_ms"), *cost)]  # fmt: skip
     rows += [("B M=1: step p50 ms", "B_M1", "step_p50_ms"),
              ("B M=1: step p99 ms", "B_M1", "step_p99_ms"),
              (f"B M={small}: tasks/s", f"B_M{small}", "tasks_per_s")]  # fmt: skip
+    rows += [(f"B M={small}: {name}", f"B_M{small}", figure) for name, figure in cost]
+    rows += [(f"{shape}: broker {kind}/task", f"messages_{shape}", f"{kind}_per_task")
+             for shape in ("A", "A_chunk10", "B")
+             for kind in ("published", "delivered")]  # fmt: skip
     systems = list(out)
     lines = [f"{'figure':30}" + "".join(f"{name:>20}" for name in systems)]
     for label, key, figure in rows:
         cells = [out[name].get(key, {}).get(figure) for name in systems]
         lines.append(f"{label:30}" + "".join(f"{'-' if c is None else c:>20}" for c in cells))
     extra = {k: v for k, v in out["shardflow"].items() if not isinstance(v, dict)}
-    extra.update({k: v["tasks_per_s"] for k, v in out["shardflow"].items() if k.startswith("C_")})
+    for key, value in out["shardflow"].items():
+        if key.startswith("C_"):
+            extra[key] = value["tasks_per_s"]
+            extra[f"{key} CPU-s/1000 tasks"] = value["cpu_s_per_1000_tasks"]
     lines += [f"{key:48}{value:>10}" for key, value in extra.items()]
     return "\n".join(lines)
 
@@ -395,10 +567,11 @@ def chart(result: dict[str, Any], path: Path, big: int, small: int) -> None:
     panels = [
         (f"A M={big}: tasks/s (higher is better)", bars(f"A_M{big}", "tasks_per_s")),
         (f"A M={big}: latency p50 ms", bars(f"A_M{big}", "latency_p50_ms")),
+        (f"A M={big}: CPU-s per 1000 tasks", bars(f"A_M{big}", "cpu_s_per_1000_tasks")),
         ("B M=1: per-step p50 ms", bars("B_M1", "step_p50_ms")),
         (f"B M={small}: tasks/s", bars(f"B_M{small}", "tasks_per_s")),
     ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(17, 4))
+    fig, axes = plt.subplots(1, len(panels), figsize=(21, 4))
     for axis, (title, shown) in zip(axes, panels, strict=True):
         labels = [label for label, _ in shown]
         colours = ["#2a7" if label.startswith("shardflow") else "#c84" for label in labels]

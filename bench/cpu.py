@@ -4,13 +4,14 @@
 
 Uses `bench/compare.py`'s setup (fresh vhost, Redis database 2). Prints the run's figures and
 the cores each group of processes used over it (orchestrators, workers, RabbitMQ, Redis, this
-client), from /proc/<pid>/stat.
+client), from /proc/<pid>/stat. The helpers here are also `bench/compare.py`'s cost figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import subprocess
 import sys
@@ -19,13 +20,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.compare import ROOT, Shardflow, check_a, shape_a
-
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def _stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the command name (which may hold spaces)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = _stat(pid)
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
 
 
@@ -34,7 +38,79 @@ def pids(pattern: str) -> list[int]:
     return [int(pid) for pid in found.split()]
 
 
+@functools.cache  # the shared services keep their pids over a benchmark run
+def listener(port: int) -> int:
+    """The pid listening on a local TCP port: the shared RabbitMQ or Redis, not the private
+    brokers tests start (a pattern such as "beam.smp" also matches those, and rabbitmqctl)."""
+    out = subprocess.run(
+        ["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True, check=True
+    ).stdout
+    return int(out.split("pid=", 1)[1].split(",", 1)[0])
+
+
+def children() -> dict[int, list[int]]:
+    """Each live process's children, by parent pid (this kernel has no /proc/.../children)."""
+    found: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                found.setdefault(int(_stat(int(entry.name))[1]), []).append(int(entry.name))
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # ended while we looked
+    return found
+
+
+def tree_cpu_s(pid: int, kids: dict[int, list[int]]) -> float:
+    """CPU seconds of `pid`, its live descendants, and the children it has reaped (cutime and
+    cstime): an orchestrator's evaluator process, a Celery prefork pool's children."""
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            fields = _stat(current)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        total += sum(int(field) for field in fields[11:15]) / TICKS
+        todo += kids.get(current, [])
+    return total
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine was busy (all but idle and iowait), from /proc/stat."""
+    fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(fields) - fields[3] - fields[4]) / TICKS
+
+
+class Meter:
+    """CPU seconds of groups of process trees over an interval (`start()`, then `used()`), with
+    the shared RabbitMQ (beam.smp on 5672), the shared Redis (6379) and this client. The client
+    is this process alone: the trees it spawned are the other groups."""
+
+    def __init__(self, groups: dict[str, list[int]]) -> None:
+        self.groups = {**groups, "rabbitmq": [listener(5672)], "redis": [listener(6379)]}
+        self.before: dict[str, float] = {}
+        self.machine_s = 0.0  # the whole machine's busy CPU seconds over the interval
+
+    def _now(self) -> dict[str, float]:
+        kids = children()
+        now = {
+            name: sum(tree_cpu_s(root, kids) for root in roots)
+            for name, roots in self.groups.items()
+        }
+        return {**now, "client": cpu_s(os.getpid())}
+
+    def start(self) -> None:
+        self.before = self._now()
+        self.machine_s = -machine_busy_s()
+
+    def used(self) -> dict[str, float]:
+        self.machine_s += machine_busy_s()
+        return {name: value - self.before[name] for name, value in self._now().items()}
+
+
 async def main() -> None:
+    from bench.compare import ROOT, Shardflow, check_a, shape_a  # compare imports this module
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--programs", type=int, default=1000)
     parser.add_argument("--chunk", type=int, default=1, help="the bag's chunk")
@@ -49,18 +125,12 @@ async def main() -> None:
     sf = Shardflow(logs)
     sf.start(orchestrators=args.orchestrators)
     try:
-        groups = {
-            "orchestrators": [p.pid for p in sf.orchestrators],
-            "workers": [p.pid for p in sf.processes[len(sf.orchestrators) :]],
-            "rabbitmq": pids("beam.smp"),
-            "redis": pids("redis-server"),
-            "client": [os.getpid()],
-        }
-        before = {name: sum(map(cpu_s, group)) for name, group in groups.items()}
+        meter = Meter(sf.groups())
+        meter.start()
         started = time.monotonic()
         figures = await sf.run(shape, args.programs, 12, check_a)
         wall = time.monotonic() - started
-        used = {name: sum(map(cpu_s, group)) - before[name] for name, group in groups.items()}
+        used = meter.used()
     finally:
         sf.stop()
     print(f"shape A, M={args.programs}, chunk {args.chunk}: {figures}")

@@ -613,9 +613,9 @@ def test_a_step_run_again_after_its_program_moved_on_is_found(
     ]
     # The last step after the program ended.
     log = _clean(plans)
-    log.append(_start("f2", plans["f2"][-1], None))
+    log.append(_start("f2", plans["f2"][-1], 0))
     [problem] = late_runs(log, plans)
-    assert problem.startswith("f2: step 3 member None started again") and "it ended" in problem
+    assert problem.startswith("f2: step 4 member 0 started again") and "it ended" in problem
 
 
 def test_a_bag_joined_with_wrong_outputs_is_found(plans: dict[str, list[Leaf]]) -> None:
@@ -641,7 +641,7 @@ def test_a_program_without_end_is_found(plans: dict[str, list[Leaf]]) -> None:
     statuses["f1"] = {**statuses["f1"], "result": json.dumps(plans["f2"][-1].output)}
     del statuses["f2"]
     found = unended(statuses, plans)
-    expected = ["f0: running at 1, not completed", "f1: completed with {", "f2: no state at ?"]
+    expected = ["f0: running at 1, not completed", "f1: completed with [", "f2: no state at ?"]
     assert len(found) == len(expected), found
     assert all(p.startswith(e) for p, e in zip(found, expected, strict=True)), found
 
