@@ -679,7 +679,7 @@ BAD_INPUTS = [
     # The ingress parses the whole request strictly first (a duplicate key is refused too).
     (Raw(b"NaN"), "request: NaN is not JSON"),
     (Raw(b"1e999"), "request: number '1e999' is out of range"),
-    (_DEEP_ARGS, "input: nested deeper than 64"),
+    (_DEEP_ARGS, "request: nested deeper than 64"),
     (big(300_000), "input: 300002 bytes, more than the limit"),
 ]
 
