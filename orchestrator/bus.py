@@ -19,11 +19,14 @@ from aio_pika.abc import (
 )
 
 from orchestrator.keys import Names
+from orchestrator.program import PARALLEL, SERIAL
 from orchestrator.settings import Settings
 
 log = logging.getLogger(__name__)
 
-POOLS = ("serial", "parallel")
+# The pools every process declares at connect; any other (a named pool) is declared on first
+# use, by the owner before it publishes there and by a worker before it consumes.
+POOLS = (SERIAL, PARALLEL)
 # Message priorities on classic queues: work that continues a started program goes before
 # work that starts a new one, so programs already running finish first.
 NEW, GOING_ON = 0, 1
@@ -96,6 +99,8 @@ class Consumer(Protocol):
 
     async def consume(self, queue_name: str, prefetch: int) -> AbstractQueueIterator: ...
 
+    async def consume_pool(self, pool: str, prefetch: int) -> AbstractQueueIterator: ...
+
     async def consume_control(self) -> AbstractQueueIterator: ...
 
 
@@ -114,6 +119,7 @@ class Bus:
         self._publisher: AbstractChannel | None = None
         self._shard_exchange: AbstractExchange | None = None
         self._delay_queues: set[str] = set()
+        self._pools: set[str] = set()  # task queues declared on this connection
 
     async def connect(self) -> None:
         """Connect and declare the whole topology (idempotent; replayed after a reconnect)."""
@@ -163,12 +169,25 @@ class Bus:
             names.ingress_queue, durable=True, arguments=self._queue_arguments()
         )
         for pool in POOLS:
-            await channel.declare_queue(
-                names.task_queue(pool),
-                durable=True,
-                arguments=self._queue_arguments(single_active=pool == "serial", prioritized=True),
-            )
+            await self._declare_pool(channel, pool)
         return shards
+
+    async def _declare_pool(self, channel: AbstractChannel, pool: str) -> AbstractQueue:
+        """A pool's task queue: the serial one has a single active consumer, any other many."""
+        queue = await channel.declare_queue(
+            self.names.task_queue(pool),
+            durable=True,
+            arguments=self._queue_arguments(single_active=pool == SERIAL, prioritized=True),
+        )
+        self._pools.add(pool)
+        return queue
+
+    async def _ensure_pool(self, pool: str) -> None:
+        # A message published to a queue that does not exist is returned (mandatory), and a
+        # delay queue dead-lettering into one drops it: declare a named pool before either.
+        if pool not in self._pools:
+            await self._declare_pool(self._channel, pool)
+            log.info("declared the task queue of pool %r", pool)
 
     async def _declare_shard(self, channel: AbstractChannel, shard: int) -> AbstractQueue:
         queue = await channel.declare_queue(
@@ -233,17 +252,31 @@ class Bus:
         )
 
     async def publish_task(self, pool: str, body: bytes, priority: int = GOING_ON) -> None:
-        """Publish to a pool's task queue and wait for the broker's confirm."""
-        await self._channel.default_exchange.publish(
-            _message(body, priority=priority), routing_key=self.names.task_queue(pool)
-        )
+        """Publish to a pool's task queue (declared first) and wait for the broker's confirm."""
+        await self.publish_all(pool, [body], priority)
 
     async def publish_all(self, pool: str, bodies: list[bytes], priority: int = GOING_ON) -> None:
-        """Publish many task messages; confirms are awaited together."""
-        await asyncio.gather(*(self.publish_task(pool, body, priority) for body in bodies))
+        """Publish many task messages to a pool (declared first); confirms awaited together."""
+        await self._ensure_pool(pool)
+        try:
+            await self._publish_tasks(pool, bodies, priority)
+        except aio_pika.exceptions.PublishError:
+            # Returned unroutable: the queue was deleted since it was declared. Declare it
+            # again and publish once more (a duplicate is harmless, a lost task is not).
+            self._pools.discard(pool)
+            await self._ensure_pool(pool)
+            await self._publish_tasks(pool, bodies, priority)
+
+    async def _publish_tasks(self, pool: str, bodies: list[bytes], priority: int) -> None:
+        exchange, queue = self._channel.default_exchange, self.names.task_queue(pool)
+        await asyncio.gather(
+            *(exchange.publish(_message(body, priority=priority), queue) for body in bodies)
+        )
 
     async def publish_later(self, pool: str, body: bytes, delay_s: float) -> None:
-        """Publish a task after `delay_s`, through a TTL queue that dead-letters to the pool."""
+        """Publish a task after `delay_s`, through a TTL queue that dead-letters to the pool
+        (declared first: a dead-lettered message for a missing queue is dropped)."""
+        await self._ensure_pool(pool)
         await self._publish_delayed(pool, "", self.names.task_queue(pool), body, delay_s)
 
     async def publish_to_shard_later(self, owner: int, body: bytes, delay_s: float) -> None:
@@ -323,6 +356,11 @@ class Bus:
         channel = await self._consumer_channel(prefetch)
         queue = await channel.get_queue(queue_name, ensure=True)
         return queue.iterator()
+
+    async def consume_pool(self, pool: str, prefetch: int) -> AbstractQueueIterator:
+        """Consume a pool's task queue, declaring it first: a named pool may be new."""
+        channel = await self._consumer_channel(prefetch)
+        return (await self._declare_pool(channel, pool)).iterator()
 
     async def consume_shard(self, shard: int, prefetch: int) -> AbstractQueueIterator:
         """Consume a shard's queue, declaring it first: it may lie outside today's ring."""

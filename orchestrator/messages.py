@@ -168,6 +168,19 @@ _SHARD = TypeAdapter(ShardMessage)
 _TASK = TypeAdapter(TaskMessage)
 
 
+def _unused_new_fields(message: _Message) -> dict[str, Any]:
+    """Fields added since 0.1 (`item`), left out while unused: parts from before them refuse
+    unknown fields (extra="forbid"), and must keep reading messages during a rolling upgrade."""
+    unused: dict[str, Any] = {}
+    if isinstance(message, TaskMessage | Failed) and message.item is None:
+        unused["item"] = True
+    if isinstance(message, TaskMessage):
+        slots = {n: {"item"} for n, slot in enumerate(message.batch) if slot.item is None}
+        if slots:
+            unused["batch"] = slots
+    return unused
+
+
 class MessageTooLarge(ValueError):
     """A message over MAX_MESSAGE_BYTES: large values should have travelled by reference."""
 
@@ -198,7 +211,7 @@ def decode_task(body: bytes) -> TaskMessage:
 def encode(message: _Message) -> bytes:
     """The message's body; MessageTooLarge (a bug: every large value has a reference) when
     over MAX_MESSAGE_BYTES."""
-    body = message.model_dump_json().encode()
+    body = message.model_dump_json(exclude=_unused_new_fields(message)).encode()
     if len(body) > MAX_MESSAGE_BYTES:
         raise MessageTooLarge(f"{type(message).__name__} of {len(body)} bytes")
     return body

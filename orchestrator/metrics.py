@@ -2,9 +2,10 @@
 
 One registry per process (prometheus_client's default, with its process and GC collectors), so
 `shardflow dev` serves every part's metrics on one port. docs/observability.md lists each
-metric with its labels. Label values come only from bounded sets: pools, shards, statuses,
-queue names of this cluster, and task names this worker registered (any other is `unknown`:
-a task name in a message is untrusted and must not mint series).
+metric with its labels. Label values come only from bounded sets: pools (a worker's own, or
+at most MAX_POOL_LABELS that programs named), shards, statuses, queue names of this cluster,
+and task names this worker registered (any other is `unknown`: a task name in a message is
+untrusted and must not mint series).
 """
 
 from __future__ import annotations
@@ -100,6 +101,19 @@ DEPENDENCY_UP = Gauge(
     ["dependency"],
 )
 
+# Pools come from programs, and anyone who submits one may name a pool: the first few seen get
+# series of their own, any later one is counted as `other`.
+MAX_POOL_LABELS = 32
+_pool_labels: set[str] = {"serial", "parallel"}
+
+
+def pool_label(pool: str) -> str:
+    """The `pool` label of a pool a program named: itself, or `other` past MAX_POOL_LABELS."""
+    if pool not in _pool_labels and len(_pool_labels) < MAX_POOL_LABELS:
+        _pool_labels.add(pool)
+    return pool if pool in _pool_labels else "other"
+
+
 # wf -> (path of the step dispatched, its pool, its kind, when) for the owner's step timings.
 _open_steps: OrderedDict[str, tuple[str, str, str, float]] = OrderedDict()
 
@@ -121,7 +135,7 @@ def advanced(
             PROGRAMS_STARTED.inc()
         step = _open_steps.pop(wf, None)
         if step is not None and step[0] == expected:
-            STEP_DURATION.labels(step[1], step[2]).observe(now - step[3])
+            STEP_DURATION.labels(pool_label(step[1]), step[2]).observe(now - step[3])
         if dispatched is not None:
             _open_steps[wf] = (*dispatched, now)
             if len(_open_steps) > MAX_OPEN_STEPS:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Discriminator,
@@ -27,6 +29,55 @@ MAX_BAG = 1000
 # parser's stack (RecursionError).
 MAX_DEPTH = 64
 MAX_SLEEP_S = 30 * 86400
+# A pool names a task queue (`<prefix>.tasks.<pool>`) and its retry queues
+# (`<prefix>.delay.<pool>.<ms>`); `shard<N>` is taken by a shard's delayed messages there.
+POOL_NAME = r"^[a-z][a-z0-9_-]{0,39}$"
+SERIAL, PARALLEL = "serial", "parallel"
+_POOL_NAME = re.compile(POOL_NAME)
+_RESERVED_POOL = re.compile(r"^shard[0-9]+$")
+
+
+def check_pool_name(name: str) -> str:
+    """Return the pool name, or raise ValueError saying what a pool name may hold."""
+    if not _POOL_NAME.fullmatch(name):
+        raise ValueError(
+            f"{_short(name)} is not a pool name: use 1-40 of a-z, 0-9, '_' or '-', "
+            "starting with a letter"
+        )
+    if _RESERVED_POOL.fullmatch(name):
+        raise ValueError(f"{_short(name)} is not a pool name: shard<N> is reserved")
+    return name
+
+
+def _no_serial_bag(name: str) -> str:
+    if name == SERIAL:
+        raise ValueError(
+            "a bag or map runs its members side by side: the serial pool takes single tasks"
+        )
+    return name
+
+
+PoolName = Annotated[
+    str,
+    AfterValidator(check_pool_name),
+    Field(
+        json_schema_extra={"pattern": POOL_NAME, "not": {"pattern": _RESERVED_POOL.pattern}},
+        description="serial: one lane for the cluster; parallel, or any other name: a pool of "
+        "its own, with many consumers",
+    ),
+]
+BagPool = Annotated[
+    str,
+    AfterValidator(check_pool_name),
+    AfterValidator(_no_serial_bag),
+    Field(
+        json_schema_extra={
+            "pattern": POOL_NAME,
+            "not": {"anyOf": [{"pattern": _RESERVED_POOL.pattern}, {"const": SERIAL}]},
+        },
+        description="parallel, or any other name but serial: a pool with many consumers",
+    ),
+]
 
 
 class ProgramError(ValueError):
@@ -55,24 +106,27 @@ class Retry(_Model):
 
 
 class Member(_Model):
-    """One task of a bag; bag members always run on the parallel pool."""
+    """One task of a bag; it runs on the bag's pool unless it names its own (never serial)."""
 
     task: str = Field(pattern=TASK_NAME)
     args: dict[str, Any] = Field(default_factory=dict)
     retry: Retry | None = None
     timeout_s: float | None = Field(default=None, gt=0, le=86400)
+    pool: BagPool | None = None
 
 
 class Task(Member):
     """A single task: the next step starts only after it finished."""
 
-    pool: Literal["serial", "parallel"] = "serial"
+    pool: PoolName = SERIAL
 
 
 class Bag(_Model):
     """Tasks run in parallel; a join barrier holds the program until all finished."""
 
     bag: list[Member] = Field(min_length=1, max_length=MAX_BAG)
+    # The pool of every member that does not name its own.
+    pool: BagPool = PARALLEL
     # Members per task message. Above 1, one worker runs a chunk's members side by side:
     # fewer messages for bags of short tasks, less spreading for long ones.
     chunk: int = Field(
@@ -185,6 +239,33 @@ class Program(_Model):
     def task_names(self) -> set[str]:
         """Every task name the program may run."""
         return _names(self.steps)
+
+    def pools(self) -> set[str]:
+        """Every pool the program may send a task to."""
+        return _pools(self.steps)
+
+
+def pool_of(step: Task | Bag | Map, index: int | None = None) -> str:
+    """The pool of a single task, of bag member `index` (else the bag's own pool), or of a
+    map's members (its `pool`, else parallel)."""
+    if isinstance(step, Task):
+        return step.pool
+    if isinstance(step, Map):
+        return step.pool or PARALLEL
+    member = step.bag[index].pool if index is not None else None
+    return member or step.pool
+
+
+def _pools(steps: list[Task | Bag | Map | Sleep | Untiloop]) -> set[str]:
+    pools: set[str] = set()
+    for step in steps:
+        if isinstance(step, Task | Map):
+            pools.add(pool_of(step))
+        elif isinstance(step, Bag):
+            pools.update(pool_of(step, i) for i in range(len(step.bag)))
+        elif isinstance(step, Untiloop):
+            pools |= _pools(step.steps)
+    return pools
 
 
 def _names(steps: list[Task | Bag | Map | Sleep | Untiloop]) -> set[str]:

@@ -38,6 +38,7 @@ from orchestrator.program import (
     Task,
     Untiloop,
     parse_program,
+    pool_of,
 )
 from orchestrator.store import TERMINAL, Store
 
@@ -100,59 +101,64 @@ def task_messages(
     only: int | None = None,
     *,
     prev_ref: bool = False,
-) -> tuple[str, list[bytes]]:
-    """The pool and the task messages that run one leaf (or only its member `only`). A large
-    input is referred to (the plan says so), and the prev when `prev_ref`: both must be
-    stashed first (`Transitions._stash`)."""
+) -> dict[str, list[bytes]]:
+    """The task messages that run one leaf (or only its member `only`), by pool. A bag's
+    members go out in chunks of members of the same pool. A large input is referred to (the
+    plan says so), and the prev when `prev_ref`: both must be stashed first
+    (`Transitions._stash`)."""
     step = leaf.step
     assert not isinstance(step, Sleep), "a sleep runs no task"
     members: list[Member] = step.bag if isinstance(step, Bag) else [step] * (leaf.size or 1)
     items = leaf.items or ()
     indices = list(range(len(members))) if only is None else [only]
     chunk = 1 if isinstance(step, Task) else step.chunk
-    bodies = []
-    for start in range(0, len(indices), chunk):
-        first, *rest = indices[start : start + chunk]
-        message = TaskMessage(
-            wf=wf,
-            path=leaf.path,
-            index=None if leaf.size is None else first,
-            size=len(members),
-            task=members[first].task,
-            args=members[first].args,
-            item=items[first] if items else None,
-            input=None if plan.big_input else plan.input,
-            prev=None if prev_ref else leaf.prev,
-            input_ref=plan.big_input is not None,
-            prev_ref=prev_ref,
-            iteration=leaf.iteration,
-            attempt=attempt,
-            owner=plan.owner,
-            timeout_s=members[first].timeout_s,
-            batch=[
-                Slot(
-                    index=i,
-                    task=members[i].task,
-                    args=members[i].args,
-                    timeout_s=members[i].timeout_s,
-                    item=items[i] if items else None,
-                )
-                for i in rest
-            ],
-        )
-        bodies.append(encode(message))
-    return (step.pool if isinstance(step, Task) else "parallel"), bodies
+    by_pool: dict[str, list[int]] = {}
+    for i in indices:
+        by_pool.setdefault(pool_of(step, i if isinstance(step, Bag) else None), []).append(i)
+    messages: dict[str, list[bytes]] = {}
+    for pool, ours in by_pool.items():
+        bodies = messages[pool] = []
+        for start in range(0, len(ours), chunk):
+            first, *rest = ours[start : start + chunk]
+            message = TaskMessage(
+                wf=wf,
+                path=leaf.path,
+                index=None if leaf.size is None else first,
+                size=len(members),
+                task=members[first].task,
+                args=members[first].args,
+                item=items[first] if items else None,
+                input=None if plan.big_input else plan.input,
+                prev=None if prev_ref else leaf.prev,
+                input_ref=plan.big_input is not None,
+                prev_ref=prev_ref,
+                iteration=leaf.iteration,
+                attempt=attempt,
+                owner=plan.owner,
+                timeout_s=members[first].timeout_s,
+                batch=[
+                    Slot(
+                        index=i,
+                        task=members[i].task,
+                        args=members[i].args,
+                        timeout_s=members[i].timeout_s,
+                        item=items[i] if items else None,
+                    )
+                    for i in rest
+                ],
+            )
+            bodies.append(encode(message))
+    return messages
 
 
 def _dispatched(outcome: machine.Outcome) -> tuple[str, str, str] | None:
-    """The next leaf's path, pool and kind, for the step timings."""
+    """The next leaf's path, pool and kind, for the step timings (a bag: the bag's pool)."""
     if not isinstance(outcome, machine.Leaf):
         return None
-    if isinstance(outcome.step, Task):
-        return outcome.path, outcome.step.pool, "task"
     if isinstance(outcome.step, Sleep):
         return outcome.path, "timer", "sleep"
-    return outcome.path, "parallel", "bag" if isinstance(outcome.step, Bag) else "map"
+    kind = "task" if isinstance(outcome.step, Task) else type(outcome.step).__name__.lower()
+    return outcome.path, pool_of(outcome.step), kind
 
 
 def _failure(message: Failed, errors: list[str]) -> machine.Failed:
@@ -382,7 +388,7 @@ class Transitions:
             prev_ref = message.prev_ref  # stashed when the first attempt was sent
             if not prev_ref and (await self._stash(message.wf, plan, leaf)) is None:
                 return "stale"
-            pool, bodies = task_messages(
+            by_pool = task_messages(
                 message.wf,
                 plan,
                 leaf,
@@ -392,7 +398,8 @@ class Transitions:
             )
             delay_s = policy.delay_s(message.attempt)
             await self.marks.failed(message, delay_s)
-            await self.bus.publish_later(pool, bodies[0], delay_s)
+            for pool, bodies in by_pool.items():  # one member: one pool, one message
+                await self.bus.publish_later(pool, bodies[0], delay_s)
             return "retried"
         return "stale"
 
@@ -423,8 +430,9 @@ class Transitions:
             prev_ref = await self._stash(wf, plan, outcome)
             if prev_ref is None:
                 return  # ended meanwhile (cancelled): nothing to run
-            pool, bodies = task_messages(wf, plan, outcome, prev_ref=prev_ref)
-            await self.bus.publish_all(pool, bodies, priority)
+            # One pool after the other: a failure leaves no publish running unawaited.
+            for pool, bodies in task_messages(wf, plan, outcome, prev_ref=prev_ref).items():
+                await self.bus.publish_all(pool, bodies, priority)
 
     async def _sleep(self, wf: str, plan: Plan, leaf: machine.Leaf) -> None:
         """Start a sleep: keep what it passes on in Redis, and send its wake, delayed. The

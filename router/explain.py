@@ -17,6 +17,7 @@ from typing import Any
 from orchestrator.bus import Bus, ladder_ms
 from orchestrator.marks import attempt_field, redis_of
 from orchestrator.program import (
+    SERIAL,
     Bag,
     Map,
     Program,
@@ -25,6 +26,7 @@ from orchestrator.program import (
     Task,
     Untiloop,
     parse_program,
+    pool_of,
 )
 from orchestrator.store import TERMINAL, Store
 from router.listing import as_int, clean
@@ -198,7 +200,8 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
         else:
             done = [0] if done_marker else []
         tasks = []
-        for index, member in listed:
+        leaf = where.step
+        for index, member in listed:  # none for a sleep
             position = 0 if index is None else index
             failed = _failed(here_errors, index)
             mark = _mark(marks.get(attempt_field(cursor, index), ""))
@@ -207,6 +210,7 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
                 {
                     "index": index,
                     "task": member.task,
+                    "pool": "" if isinstance(leaf, Sleep) else pool_of(leaf, index),
                     "done": position in done,
                     "attempt": (max(f["attempt"] for f in failed) + 1) if failed else 0,
                     "max_attempts": retry.max_attempts if retry else 1,
@@ -219,7 +223,7 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
             "path": cursor,
             "top": where.top,
             "kind": _kind(where.step),
-            "pool": _pool(where.step),
+            "pool": _pool(where.step),  # a bag's own; a member may name another
             "wakes_ms": _wakes_ms(where.step, updated),
             "tasks": tasks,
             "size": len(tasks),
@@ -241,7 +245,7 @@ def _kind(step: Task | Bag | Map | Sleep) -> str:
 def _pool(step: Task | Bag | Map | Sleep) -> str | None:
     if isinstance(step, Sleep):
         return None  # a timer in the broker: no pool
-    return step.pool if isinstance(step, Task) else "parallel"
+    return pool_of(step)
 
 
 def _wakes_ms(step: Task | Bag | Map | Sleep, began_ms: int | None) -> int | None:
@@ -338,6 +342,7 @@ async def explain(store: Store, bus: Bus | None, wf: str) -> dict[str, Any] | No
         "attempts": found.attempts,
         "deadline": None,
         "pool": None,
+        "pools": [],
         "retry_queue": None,
         "lane": None,
         "shard": None,
@@ -353,16 +358,23 @@ async def explain(store: Store, bus: Bus | None, wf: str) -> dict[str, Any] | No
     step = found.step
     if status == "running" and step is not None:
         if bus is not None and step["pool"] is not None:
-            report["pool"] = await _queue(bus, bus.names.task_queue(step["pool"]))
+            # The pools of the members not done yet (all of them when every one is done).
+            open_pools = [t["pool"] for t in step["tasks"] if not t["done"]]
+            every = [t["pool"] for t in step["tasks"]] or [step["pool"]]  # a map over none
+            pools = dict.fromkeys(open_pools or every)
+            for pool in pools:
+                queue = await _queue(bus, bus.names.task_queue(pool))
+                report["pools"].append({"pool": pool, **queue})
+            report["pool"] = _without_name(report["pools"][0])
             waiting = [t for t in step["tasks"] if not t["done"] and t["retry_due_ms"]]
             due = [t for t in waiting if t["retry_due_ms"] > now and t["failed"]]
             if due and found.where is not None:
                 first = min(due, key=lambda t: t["retry_due_ms"])
                 delay_s = _retry_delay(found.where, first)
                 if delay_s is not None:
-                    name = bus.names.delay_queue(step["pool"], ladder_ms(delay_s))
+                    name = bus.names.delay_queue(first["pool"], ladder_ms(delay_s))
                     report["retry_queue"] = await _queue(bus, name)
-        if step["pool"] == "serial":
+        if step["pool"] == SERIAL:
             report["lane"] = await _lane(store, wf)
     report["waiting_for"] = _waiting_for(report, cursor=state.get("cursor") or "", now=now)
     return report
@@ -374,6 +386,10 @@ def _retry_delay(where: Where, task: dict[str, Any]) -> float | None:
     if isinstance(member, Sleep) or member.retry is None or not task["failed"]:
         return None
     return member.retry.delay_s(task["failed"][-1]["attempt"])
+
+
+def _without_name(pool: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in pool.items() if key != "pool"}
 
 
 async def _queue(bus: Bus, name: str) -> dict[str, Any]:
@@ -447,27 +463,33 @@ def _waiting_for(report: dict[str, Any], *, cursor: str, now: float) -> str:
             f"a retry: task {t['task']!r} attempt {t['attempt'] + 1} of {t['max_attempts']} "
             f"is due at {_clock(t['retry_due_ms'])} (in {_span((t['retry_due_ms'] - now) / 1000)})"
         )
-    pool = report["pool"]
-    if pool is not None and not pool["consumers"]:
-        return (
-            f"a worker: the {step['pool']} pool has no consumer "
-            f"({pool['depth']} message(s) queued in {pool['queue']})"
-        )
+    # A pool with no consumer: its tasks wait until a worker for it starts.
+    waiting_pools = {t["pool"] for t in open_tasks if t not in retries}
+    for pool in report["pools"]:
+        if pool["pool"] in waiting_pools and not pool["consumers"]:
+            return (
+                f"a worker: the {pool['pool']} pool has no consumer "
+                f"({pool['depth']} message(s) queued in {pool['queue']})"
+            )
     lane = report["lane"]
     if lane and lane.get("held") and not lane.get("this_program"):
         return (
             f"the serial lane, held by program {lane['workflow_id']} "
             f"(step {lane['path']}, task {lane['task']!r})"
         )
-    names = ", ".join(_task_label(t) for t in open_tasks[:10])
+    names = ", ".join(_task_label(t, step["pool"]) for t in open_tasks[:10])
     more = f" and {len(open_tasks) - 10} more" if len(open_tasks) > 10 else ""
-    return f"{names}{more} on the {step['pool']} pool"
+    pools = {t["pool"] for t in open_tasks}
+    return f"{names}{more}" + (f" on the {step['pool']} pool" if pools == {step["pool"]} else "")
 
 
-def _task_label(task: dict[str, Any]) -> str:
+def _task_label(task: dict[str, Any], step_pool: str | None = None) -> str:
+    """`member 1 task 'echo' (attempt 1 of 3)`; its pool too when not `step_pool`."""
     member = "" if task["index"] is None else f"member {task['index']} "
     attempt = f"attempt {task['attempt'] + 1} of {task['max_attempts']}"
-    return f"{member}task {task['task']!r} ({attempt})"
+    pool = task.get("pool", step_pool)
+    where = f" on the {pool} pool" if step_pool is not None and pool != step_pool else ""
+    return f"{member}task {task['task']!r} ({attempt}){where}"
 
 
 def _clock(ms: float) -> str:
@@ -538,12 +560,18 @@ def explain_text(report: dict[str, Any], now_ms: float | None = None) -> str:
                 when = f"in {_span((due - now) / 1000)}" if due > now else "due, queued"
                 lines.append(f"  {label}: retry due at {_clock(due)} ({when}).")
     lines.append(f"Waiting for: {report['waiting_for']}.")
-    for label, queue in (("Pool", report["pool"]), ("Retry", report["retry_queue"])):
-        if queue is not None:
-            lines.append(
-                f"{label} queue {queue['queue']}: {queue['depth']} message(s) ready, "
-                f"{queue['consumers']} consumer(s)."
-            )
+    pools = report.get("pools") or ([report["pool"]] if report["pool"] else [])
+    queues = [("Pool", queue) for queue in pools] + [("Retry", report["retry_queue"])]
+    for label, queue in queues:
+        if queue is None:
+            continue
+        line = (
+            f"{label} queue {queue['queue']}: {queue['depth']} message(s) ready, "
+            f"{queue['consumers']} consumer(s)."
+        )
+        if label == "Pool" and not queue["consumers"] and "pool" in queue:
+            line += f" No worker runs it: start one with shardflow worker --pool {queue['pool']}."
+        lines.append(line)
     lane = report["lane"]
     if lane is not None:
         if not lane["held"]:

@@ -18,13 +18,13 @@ import uvloop
 from pydantic import ValidationError
 
 from orchestrator import logs
-from orchestrator.bus import TopologyError
+from orchestrator.bus import Bus, TopologyError
 from orchestrator.connections import UNREACHABLE, connected
 from orchestrator.delivery import first_error
 from orchestrator.health import serving
 from orchestrator.keys import check_workflow_id
 from orchestrator.owner import Orchestrator, ShardError
-from orchestrator.program import ProgramError, parse_input, program_schema
+from orchestrator.program import ProgramError, check_pool_name, parse_input, program_schema
 from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
 from orchestrator.store import TERMINAL
@@ -33,7 +33,7 @@ from router.explain import explain_text
 from router.ingress import Ingress
 from router.listing import DEFAULT_LIMIT, SCAN_MAX, STATUSES, ListError, parse_duration
 from router.retention import purge
-from shardflow.dev import Dev
+from shardflow.dev import Dev, Together, workers
 from shardflow.views import LiveProgress, list_table
 from worker.pool import Worker
 from worker.registry import Registry
@@ -72,6 +72,14 @@ def _parser() -> argparse.ArgumentParser:
     dev.add_argument("--shards", type=int, help="shard count N (default: SHARDFLOW_SHARDS)")
     _app_argument(dev, "import MODULE and use its @task() handlers")
     dev.add_argument("--concurrency", type=int, help="parallel pool concurrency")
+    dev.add_argument(
+        "--pool",
+        action="append",
+        default=[],
+        type=_pool_list,
+        metavar="NAME[,NAME...]",
+        help="also run workers for these named pools (repeatable)",
+    )
 
     orch = commands.add_parser("orchestrator", help="consume some shards' queues")
     orch.add_argument(
@@ -83,13 +91,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     _app_argument(router, "refuse programs naming tasks that MODULE does not define")
 
-    work = commands.add_parser("worker", help="run tasks from one pool")
-    work.add_argument("--pool", choices=("serial", "parallel"), required=True)
+    work = commands.add_parser("worker", help="run tasks from one pool (or a few)")
+    work.add_argument(
+        "--pool",
+        action="append",
+        required=True,
+        type=_pool_list,
+        metavar="NAME[,NAME...]",
+        help="serial, parallel, or a named pool (1-40 of a-z 0-9 _ -); repeatable or "
+        "comma-separated: one worker per pool in this process",
+    )
     _app_argument(work, "import MODULE and use its @task() handlers", required=True)
     work.add_argument(
         "--concurrency",
         type=int,
-        help="task messages at once (parallel pool only; a chunked bag message counts once)",
+        help="task messages at once, per pool (not the serial pool: one); a chunked bag "
+        "message counts once",
     )
 
     for long_running in (dev, orch, router, work):
@@ -219,6 +236,21 @@ def _shard_list(text: str) -> list[int]:
     return shards
 
 
+def _pool_list(text: str) -> list[str]:
+    pools = [part.strip() for part in text.split(",") if part.strip()]
+    if not pools:
+        raise argparse.ArgumentTypeError("name at least one pool")
+    try:
+        return [check_pool_name(pool) for pool in pools]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _pools(groups: list[list[str]]) -> list[str]:
+    """`--pool a,b --pool c`: every pool named, once each, in order."""
+    return list(dict.fromkeys(pool for group in groups for pool in group))
+
+
 def main(argv: list[str] | None = None) -> NoReturn:
     """Entry point of the `shardflow` console script."""
     args = _parser().parse_args(argv)
@@ -318,7 +350,12 @@ async def _dev(settings: Settings, args: argparse.Namespace) -> int:
     registry = _registry(args.app)
     return await _serve(
         lambda store, bus: Dev(
-            settings, registry, store=store, bus=bus, concurrency=args.concurrency
+            settings,
+            registry,
+            store=store,
+            bus=bus,
+            concurrency=args.concurrency,
+            pools=_pools(args.pool),
         ),
         settings,
         "shardflow-dev",
@@ -352,18 +389,15 @@ async def _router(settings: Settings, args: argparse.Namespace) -> int:
 async def _worker(settings: Settings, args: argparse.Namespace) -> int:
 
     registry = _registry(args.app)
-    return await _serve(
-        lambda store, bus: Worker(
-            settings,
-            registry,
-            pool=args.pool,
-            store=store,
-            bus=bus,
-            concurrency=args.concurrency,
-        ),
-        settings,
-        f"shardflow-worker-{args.pool}",
-    )
+    pools = _pools(args.pool)
+
+    def make(store: RedisStore, bus: Bus) -> Worker | Together:
+        parts = workers(
+            settings, registry, pools, store=store, bus=bus, concurrency=args.concurrency
+        )
+        return parts[0] if len(parts) == 1 else Together(parts)
+
+    return await _serve(make, settings, f"shardflow-worker-{','.join(pools)}")
 
 
 async def _submit(settings: Settings, args: argparse.Namespace) -> int:

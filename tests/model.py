@@ -77,9 +77,17 @@ def _flakies(pool: st.SearchStrategy[str | None]) -> st.SearchStrategy[dict[str,
     )
 
 
-def _bag(members: list[dict[str, Any]], chunk: int) -> dict[str, Any]:
-    # chunk 1 (one message per member) is the default, and where a bag shrinks to.
-    return {"bag": members, "chunk": chunk} if chunk > 1 else {"bag": members}
+# A named pool: tests/test_drawn_programs.py runs a worker for it beside serial and parallel.
+NAMED_POOL = "drawn"
+
+
+def _bag(members: list[dict[str, Any]], chunk: int, pool: str | None) -> dict[str, Any]:
+    # chunk 1 (one message per member) is the default, and where a bag shrinks to; so is
+    # the bag's pool (parallel).
+    bag: dict[str, Any] = {"bag": members, "chunk": chunk} if chunk > 1 else {"bag": members}
+    if pool is not None:
+        bag["pool"] = pool
+    return bag
 
 
 SLEEP_S = 0.002
@@ -114,15 +122,16 @@ def steps(
     """
     # 0 is where integers shrink to: make it mean "does not fail".
     fails = st.integers(0, fail_rate).map(lambda drawn: drawn == fail_rate)
-    pools = st.sampled_from([None, "serial", "parallel"])
+    pools = st.sampled_from([None, "serial", "parallel", NAMED_POOL])
+    bag_pools = st.sampled_from([None, NAMED_POOL, "parallel"])  # a bag's, or a member's own
     task = st.builds(_task, pools, fails)
-    member = st.builds(_task, st.none(), fails)
+    member = st.builds(_task, bag_pools, fails)
     if faults:  # one in three flaky
         task = st.one_of(task, task, _flakies(pools))
-        member = st.one_of(member, member, _flakies(st.none()))
+        member = st.one_of(member, member, _flakies(bag_pools))
     bag_size = max_bag if depth == 0 else min(max_bag, 5)
     bag = st.builds(
-        _bag, st.lists(member, min_size=1, max_size=bag_size), st.integers(1, 4)
+        _bag, st.lists(member, min_size=1, max_size=bag_size), st.integers(1, 4), bag_pools
     )  # fmt: skip
     mapped = _maps(member)
     # A durable timer: its output is its prev. Kept tiny, as the property test waits for it.
@@ -152,7 +161,8 @@ def untiloops(
 def programs(
     max_bag: int = 50, fail_rate: int = 25, faults: bool = False
 ) -> st.SearchStrategy[dict[str, Any]]:
-    """Whole programs of the grammar: tasks, bags of 1..max_bag, nested untiloops, both pools;
+    """Whole programs of the grammar: tasks, bags of 1..max_bag, nested untiloops, serial,
+    parallel and a named pool (bags and members too);
     with `faults`, also flaky tasks with retry policies and timeouts, and deadlines."""
     drawn = steps(0, max_bag, fail_rate, faults).map(lambda s: {"name": "drawn", "steps": s})
     if not faults:

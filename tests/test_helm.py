@@ -224,6 +224,51 @@ def test_workers_and_router_get_the_app_modules_and_connections() -> None:
     assert env["SHARDFLOW_AMQP_URL"] == {"name": "demo-connection", "key": "amqp-url"}
 
 
+def test_named_pools_get_a_deployment_each_defaulting_to_the_parallel_workers() -> None:
+    found = deployments(
+        manifests(
+            "workers.pools[0].name=reports",
+            "workers.pools[0].replicas=1",
+            "workers.pools[0].concurrency=4",
+            "workers.pools[0].resources.limits.memory=4Gi",
+            "workers.pools[0].nodeSelector.pool=batch",
+            "workers.pools[1].name=gpu-2",
+            "workers.parallel.replicas=3",
+        )
+    )
+    apps = ["--app", "tasks"]
+    reports, gpu = found["demo-worker-reports"], found["demo-worker-gpu-2"]
+    assert container(reports)["args"] == [
+        "worker", "--pool", "reports", "--concurrency", "4", *apps
+    ]  # fmt: skip
+    assert container(gpu)["args"] == ["worker", "--pool", "gpu-2", "--concurrency", "16", *apps]
+    assert (reports["spec"]["replicas"], gpu["spec"]["replicas"]) == (1, 3)
+    assert container(reports)["resources"]["limits"] == {"memory": "4Gi"}
+    parallel = container(found["demo-worker-parallel"])["resources"]
+    assert container(gpu)["resources"] == parallel
+    assert reports["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "batch"}
+    labels = reports["spec"]["template"]["metadata"]["labels"]
+    assert labels["app.kubernetes.io/component"] == "worker-reports"
+    assert len(found) == 4 + 2 + 2 + 1  # shards, serial and parallel, named, the router
+
+
+@pytest.mark.parametrize(
+    ("values", "fault"),
+    [
+        (["workers.pools[0].name=serial"], "at '/workers/pools/0/name'"),
+        (["workers.pools[0].name=shard1"], "at '/workers/pools/0/name'"),
+        (["workers.pools[0].name=long_tasks"], "at '/workers/pools/0/name'"),
+        (["workers.pools[0].replicas=2"], "at '/workers/pools/0': missing property 'name'"),
+        (["workers.pools[0].name=a", "workers.pools[0].speed=9"], "'speed' not allowed"),
+        (["workers.pools[0].name=a", "workers.pools[1].name=a"], '"a" is named twice'),
+    ],
+)
+def test_bad_named_pools_are_refused(values: list[str], fault: str) -> None:
+    result = render(*values)
+    assert result.returncode != 0
+    assert fault in result.stderr, result.stderr
+
+
 def test_an_existing_secret_is_used_and_none_is_made() -> None:
     documents = manifests("connection.existingSecret=prod-urls", "router.enabled=false")
     assert not [d for d in documents if d["kind"] == "Secret"]

@@ -4,6 +4,7 @@ import json
 import math
 from pathlib import Path
 
+import jsonschema
 import pytest
 from pydantic import ValidationError
 
@@ -17,6 +18,7 @@ from orchestrator.program import (
     Untiloop,
     parse_input,
     parse_program,
+    pool_of,
     program_schema,
 )
 from orchestrator.program import program_schema as schema
@@ -115,12 +117,14 @@ def test_untiloops_nest() -> None:
                     }
                 ]
             },
-            "steps[0].steps[0].bag[0].pool: Extra inputs are not permitted",
+            "steps[0].steps[0].bag[0].pool: a bag or map runs its members side by side: the "
+            "serial pool takes single tasks",
         ),
         ({"steps": [{"task": "no spaces"}]}, "steps[0].task: String should match pattern"),
         (
-            {"steps": [{"task": "a", "pool": "fast"}]},
-            "steps[0].pool: Input should be 'serial' or 'parallel'",
+            {"steps": [{"task": "a", "pool": "Fast"}]},
+            "steps[0].pool: 'Fast' is not a pool name: use 1-40 of a-z, 0-9, '_' or '-', "
+            "starting with a letter",
         ),
         ({"steps": [{"task": "a", "retry": {"max_attempts": 0}}]}, "steps[0].retry.max_attempts"),
         (
@@ -141,7 +145,7 @@ def test_untiloops_nest() -> None:
         ),
         (
             {"steps": [{"map": "input", "task": "a", "max_items": 2, "pool": "serial"}]},
-            "steps[0].pool: Extra inputs are not permitted",
+            "steps[0].pool: a bag or map runs its members side by side",
         ),
         ({"steps": [{"map": "input", "bag": [], "max_items": 2}]}, "steps[0]: a step needs"),
         ({"steps": [{"sleep_s": 0}]}, "steps[0].sleep_s: Input should be greater than 0"),
@@ -270,3 +274,66 @@ def test_conditions_are_bounded_when_a_program_is_validated() -> None:
         parse_program(loop('bool("true")'))
     assert parse_program(loop("prev.all(a, a.all(b, b.all(c, c > 0)))"))
     assert program_schema()["$defs"]["Untiloop"]["properties"]["until"]["maxLength"] == 1000
+
+
+# --- Pools: serial, parallel, and named pools --------------------------------------------------
+
+
+def test_a_task_a_bag_and_a_member_may_name_a_pool() -> None:
+    program = parse_program(
+        {
+            "steps": [
+                {"task": "a"},
+                {"task": "a", "pool": "reports"},
+                {"bag": [{"task": "b"}, {"task": "b", "pool": "gpu-2"}], "pool": "reports"},
+                {"bag": [{"task": "b"}, {"task": "b", "pool": "parallel"}]},
+            ]
+        }
+    )
+    first, named, bag, plain = program.steps
+    assert isinstance(first, Task) and isinstance(named, Task)
+    assert isinstance(bag, Bag) and isinstance(plain, Bag)
+    assert (pool_of(first), pool_of(named)) == ("serial", "reports")
+    assert [pool_of(bag), pool_of(bag, 0), pool_of(bag, 1)] == ["reports", "reports", "gpu-2"]
+    assert [pool_of(plain), pool_of(plain, 0), pool_of(plain, 1)] == ["parallel"] * 3
+    assert program.pools() == {"serial", "reports", "gpu-2", "parallel"}
+
+
+BAD_POOLS = ["", "Reports", "9lives", "-x", "a.b", "a b", "x" * 41, "shard0", "shard12", "é"]
+GOOD_POOLS = ["a", "reports", "gpu_2", "long-tasks", "x" * 40, "shard", "shards1", "parallel"]
+
+
+@pytest.mark.parametrize("pool", BAD_POOLS)
+def test_a_bad_pool_name_is_refused_naming_its_path(pool: str) -> None:
+    for program, path in [
+        ({"steps": [{"task": "a", "pool": pool}]}, "steps[0].pool"),
+        ({"steps": [{"task": "a"}, {"bag": [{"task": "b"}], "pool": pool}]}, "steps[1].pool"),
+        (
+            {"steps": [{"bag": [{"task": "b"}, {"task": "b", "pool": pool}]}]},
+            "steps[0].bag[1].pool",
+        ),
+    ]:
+        with pytest.raises(ProgramError) as caught:
+            parse_program(program)
+        assert str(caught.value).startswith(f"{path}: "), str(caught.value)
+        assert "is not a pool name" in str(caught.value)
+
+
+def test_the_schema_accepts_and_refuses_the_pool_names_the_format_does() -> None:
+    validator = jsonschema.Draft202012Validator(schema())
+    for pool in GOOD_POOLS + BAD_POOLS:
+        for program in [
+            {"steps": [{"task": "a", "pool": pool}]},
+            {"steps": [{"bag": [{"task": "b"}], "pool": pool}]},
+            {"steps": [{"bag": [{"task": "b", "pool": pool}]}]},
+        ]:
+            assert validator.is_valid(program) == (pool in GOOD_POOLS), program
+            assert parse_program(program) if pool in GOOD_POOLS else True
+    for program in [
+        {"steps": [{"bag": [{"task": "b"}], "pool": "serial"}]},
+        {"steps": [{"bag": [{"task": "b", "pool": "serial"}]}]},
+    ]:
+        assert not validator.is_valid(program)
+        with pytest.raises(ProgramError, match=r"the serial pool takes single tasks"):
+            parse_program(program)
+    assert validator.is_valid({"steps": [{"task": "a", "pool": "serial"}]})

@@ -39,9 +39,11 @@ from hypothesis.stateful import (
 from redis.asyncio import Redis
 
 from orchestrator.keys import Keys
+from orchestrator.machine import leaf_at
 from orchestrator.memory_store import MemoryStore
 from orchestrator.messages import Cancelled, TaskMessage, decode_task
 from orchestrator.owner import handle_shard_message
+from orchestrator.program import Program, parse_program, pool_of
 from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
 from orchestrator.store import TERMINAL, Completion, Ended, Store, Verdict
@@ -109,9 +111,9 @@ class Transport:
                 raise Crash
             self.crash_after -= 1
 
-    def _task(self, body: bytes, *, retry: bool) -> Envelope:
+    def _task(self, body: bytes, *, retry: bool, pool: str) -> Envelope:
         task = decode_task(body)
-        self._on_task(task, retry=retry)
+        self._on_task(task, retry=retry, pool=pool)
         timed = any(t.timeout_s is not None for t in task.split())
         return Envelope("task", body, wf=task.wf, timed=timed)
 
@@ -126,12 +128,12 @@ class Transport:
     async def publish_all(self, pool: str, bodies: list[bytes], priority: int = 1) -> None:
         for body in bodies:
             self._count()
-            self._keep(self._task(body, retry=False))
+            self._keep(self._task(body, retry=False, pool=pool))
 
     async def publish_later(self, pool: str, body: bytes, delay_s: float) -> None:
         assert delay_s >= 0, delay_s
         self._count()
-        self._keep(self._task(body, retry=True), delayed=True)
+        self._keep(self._task(body, retry=True, pool=pool), delayed=True)
 
     async def publish_to_shard_later(self, owner: int, body: bytes, delay_s: float) -> None:
         assert delay_s > 0, delay_s
@@ -233,6 +235,7 @@ class Cluster(RuleBasedStateMachine):
         )
         self.router = Router(settings, store=self.store, bus=self.transport)
         self.expected: dict[str, Expected] = {}
+        self.programs: dict[str, Program] = {}
         self.furthest: dict[str, int] = {}  # per program, the latest leaf dispatched so far
         # (wf, path, index, attempt) -> retries of it published by a first delivery
         self.retried: Counter[tuple[str, str, int | None, int]] = Counter()
@@ -291,9 +294,10 @@ class Cluster(RuleBasedStateMachine):
 
     # --- what must always hold -------------------------------------------------------
 
-    def _check_dispatch(self, task: TaskMessage, *, retry: bool) -> None:
+    def _check_dispatch(self, task: TaskMessage, *, retry: bool, pool: str) -> None:
         """Called as each task message is published: every earlier step must be complete,
-        the program still live, a retry within the member's attempts and scheduled once."""
+        the program still live, a retry within the member's attempts and scheduled once, and
+        every task it carries sent to its own pool (the member's, the bag's, the task's)."""
         violations = self.store.violations
         expected = self.expected[task.wf]
         paths = [path for path, _ in expected.leaves]
@@ -302,6 +306,10 @@ class Cluster(RuleBasedStateMachine):
         if task.path not in paths:
             violations.append(f"{task.wf}: dispatched {task.path}, not in {paths}")
             return
+        step = leaf_at(self.programs[task.wf], task.path)
+        pools = {pool_of(step, one.index) for one in task.split()}
+        if pools != {pool}:
+            violations.append(f"{task.wf} {task.path}: tasks of pools {pools} sent to {pool}")
         position = paths.index(task.path)
         for path, size in expected.leaves[:position]:
             if len(self.store.recorded[(task.wf, path)]) < size:
@@ -393,6 +401,7 @@ class Cluster(RuleBasedStateMachine):
         for program in drawn:
             wf = f"w{uuid.uuid4().hex[:8]}"
             self.expected[wf] = expect(program)
+            self.programs[wf] = parse_program(program)
             self.run(self.router.submit(program, None, wf))
 
     def _deliver(self, index: int, crash_after: int | None = None) -> None:

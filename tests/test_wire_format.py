@@ -75,8 +75,9 @@ def test_a_bag_goes_out_in_chunks_that_split_back_into_its_members(
     )
     leaf = first(program)
     assert isinstance(leaf, Leaf)
-    pool, bodies = task_messages("wf-1", Plan(program, {"x": 1}, owner=2), leaf)
-    assert pool == "parallel"
+    by_pool = task_messages("wf-1", Plan(program, {"x": 1}, owner=2), leaf)
+    assert list(by_pool) == ["parallel"]
+    bodies = by_pool["parallel"]
     messages = [decode_task(body) for body in bodies]
     assert [len(message.split()) for message in messages] == sizes
     tasks = [task for message in messages for task in message.split()]
@@ -85,8 +86,54 @@ def test_a_bag_goes_out_in_chunks_that_split_back_into_its_members(
     ]
     assert all(t.batch == [] and t.input == {"x": 1} and t.owner == 2 for t in tasks)
     # A retry sends one member alone, whatever the chunk.
-    _, alone = task_messages("wf-1", Plan(program, None, owner=2), leaf, attempt=1, only=5)
-    assert [(t.index, t.attempt) for t in decode_task(alone[0]).split()] == [(5, 1)]
+    alone = task_messages("wf-1", Plan(program, None, owner=2), leaf, attempt=1, only=5)
+    assert [(t.index, t.attempt) for t in decode_task(alone["parallel"][0]).split()] == [(5, 1)]
+
+
+def test_a_bag_goes_to_its_pool_and_its_members_to_theirs_in_chunks_of_one_pool() -> None:
+    members = [{"task": f"t{i}"} for i in range(7)]
+    for i in (1, 4, 5):
+        members[i]["pool"] = "gpu"
+    program = parse_program({"steps": [{"bag": members, "chunk": 2, "pool": "reports"}]})
+    leaf = first(program)
+    assert isinstance(leaf, Leaf)
+    by_pool = task_messages("wf-1", Plan(program, None, owner=0), leaf)
+    chunks = {
+        pool: [[t.index for t in decode_task(body).split()] for body in bodies]
+        for pool, bodies in by_pool.items()
+    }
+    assert chunks == {"reports": [[0, 2], [3, 6]], "gpu": [[1, 4], [5]]}
+    # A retry of one member goes to that member's pool.
+    assert list(task_messages("wf-1", Plan(program, None, owner=0), leaf, only=4)) == ["gpu"]
+    single = parse_program({"steps": [{"task": "t", "pool": "reports"}]})
+    leaf = first(single)
+    assert isinstance(leaf, Leaf)
+    assert list(task_messages("wf-1", Plan(single, None, owner=0), leaf)) == ["reports"]
+
+
+def test_a_task_message_has_no_pool_field_so_every_worker_version_reads_it() -> None:
+    # The pool is the queue a message is published to, never a field of it: a worker that
+    # predates named pools decodes every task message a newer owner sends, and the reverse.
+    program = parse_program({"steps": [{"task": "t", "pool": "reports"}]})
+    leaf = first(program)
+    assert isinstance(leaf, Leaf)
+    (body,) = task_messages("wf-1", Plan(program, None, owner=1), leaf)["reports"]
+    assert set(json.loads(body)) == {
+        "wf", "path", "index", "size", "task", "args", "input", "prev", "input_ref",
+        "prev_ref", "iteration", "attempt", "owner", "timeout_s", "batch",
+    }  # fmt: skip
+    # A map member's item is carried (and only then: older workers refuse unknown fields).
+    mapped = parse_program({"steps": [{"map": "[7, null]", "task": "t", "max_items": 2,
+                                       "chunk": 2}]})  # fmt: skip
+    leaf = first(mapped)
+    assert isinstance(leaf, Leaf)
+    (body,) = task_messages("wf-1", Plan(mapped, None, owner=1), leaf)["parallel"]
+    carried = json.loads(body)
+    assert (carried["item"], carried["batch"][0].keys()) == (7, {"index", "task", "args",
+                                                                "timeout_s"})  # fmt: skip
+    assert decode_task(body).split()[1].item is None
+    old = b'{"wf": "w", "path": "0", "task": "t", "owner": 1}'  # the minimal, older shape
+    assert decode_task(old) == TaskMessage(wf="w", path="0", task="t", owner=1)
 
 
 def test_a_large_value_is_referred_to_or_carried_never_both() -> None:

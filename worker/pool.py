@@ -8,7 +8,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Coroutine
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -26,6 +26,7 @@ from orchestrator.messages import (
     decode_task,
     encode,
 )
+from orchestrator.program import SERIAL, check_pool_name
 from orchestrator.settings import Settings
 from orchestrator.store import TERMINAL, Store
 from worker.context import TaskContext
@@ -33,25 +34,26 @@ from worker.registry import Registry, UnknownTask
 
 log = logging.getLogger(__name__)
 
-Pool = Literal["serial", "parallel"]
 Report = Next | Failed
 
 
 class Worker(Service):
-    """Runs up to `concurrency` tasks at once from one pool (the serial pool: exactly one)."""
+    """Runs up to `concurrency` tasks at once from one pool (the serial pool: exactly one):
+    serial, parallel, or a named pool (parallel in kind, its queue declared here if new)."""
 
     def __init__(
         self,
         settings: Settings,
         registry: Registry,
         *,
-        pool: Pool,
+        pool: str,
         store: Store,
         bus: Transport,
         concurrency: int | None = None,
     ) -> None:
         super().__init__(settings.grace_s)
-        if pool == "serial":
+        check_pool_name(pool)
+        if pool == SERIAL:
             concurrency = 1  # one lane for the whole cluster
         self.name = f"worker[{pool}]"
         self.settings = settings
@@ -95,7 +97,7 @@ class Worker(Service):
 
     async def _consume(self) -> None:
         queue = self.bus.names.task_queue(self.pool)
-        iterator = self._track(await self.bus.consume(queue, self.concurrency))
+        iterator = self._track(await self.bus.consume_pool(self.pool, self.concurrency))
         log.info("%s: consuming %s with concurrency %d", self.name, queue, self.concurrency)
         async for message in iterator:
             # The prefetch bounds how many of these run at once.
@@ -105,7 +107,7 @@ class Worker(Service):
         """Run one task message; ack only after the report to the owner is confirmed."""
         async with process(delivery, self.bus, source, limit=self.settings.delivery_limit):
             task = decode_task(delivery.body)
-            if self.pool == "serial":
+            if self.pool == SERIAL:
                 await self.marks.lane(task.wf, task.path, task.task)
             reports = await self.run_tasks(task.split(), redelivered=redelivered(delivery))
             for report in reports:

@@ -1,0 +1,206 @@
+"""Named pools on a real cluster: a task waits for its pool's worker (and `explain` says so),
+bags and their members go to the pools they name, retries come back to the same pool."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aio_pika
+import pytest
+
+from orchestrator import metrics
+from orchestrator.bus import Bus
+from orchestrator.connections import connected
+from orchestrator.settings import Settings
+from router.client import Router
+from router.explain import explain_text
+from shardflow.cli import _parser, _pools
+from shardflow.dev import Together, workers
+from worker.context import TaskContext
+from worker.registry import Registry
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(params=["classic", "quorum"])
+def queue_type(request: pytest.FixtureRequest) -> str:
+    """Named pools on classic queues, and again on quorum queues."""
+    return str(request.param)
+
+
+def _registry_of(pool: str) -> Registry:
+    """tests.app, plus tasks that only this pool's workers know: a task that reaches any other
+    worker fails as unknown, so a result proves where it ran."""
+    registry = Registry.from_modules(["tests.app"])
+
+    async def whoami(ctx: TaskContext) -> dict[str, Any]:
+        return {"pool": pool, "attempt": ctx.attempt}
+
+    async def flaky_here(ctx: TaskContext) -> dict[str, Any]:
+        if ctx.attempt < ctx.args.get("fail_until", 1):
+            raise RuntimeError(f"attempt {ctx.attempt} fails on {pool}")
+        return {"pool": pool, "attempt": ctx.attempt}
+
+    registry.add(f"{pool}.whoami", whoami)
+    registry.add(f"{pool}.flaky", flaky_here)
+    return registry
+
+
+@asynccontextmanager
+async def _workers(settings: Settings, *pools: str) -> AsyncIterator[None]:
+    """Workers for these pools in one service, on connections of their own (as `shardflow
+    worker --pool a,b` runs them), each knowing its own pool's tasks."""
+    async with connected(settings, "named-pools") as (store, bus):
+        parts = [
+            part
+            for pool in pools
+            for part in workers(settings, _registry_of(pool), [pool], store=store, bus=bus)
+        ]
+        service = Together(parts)
+        running = asyncio.create_task(service.run())
+        try:
+            yield
+        finally:
+            service.shutdown()
+            await running
+
+
+async def _until(
+    check: Callable[[], Awaitable[dict[str, Any] | None]],
+    holds: Callable[[dict[str, Any]], bool],
+    timeout_s: float = 20,
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = await check()
+        if found is not None and holds(found):
+            return found
+        assert time.monotonic() < deadline, f"never held: {found}"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_task_on_a_named_pool_waits_for_its_worker_then_completes(
+    cluster: Router, settings: Settings
+) -> None:
+    program = {
+        "steps": [
+            {"task": "add", "args": {"n": 1}},
+            {"task": "reports.whoami", "pool": "reports"},
+            {"task": "echo", "pool": "parallel"},
+        ]
+    }
+    wf = (await cluster.submit(program)).workflow_id
+    queue = f"{settings.prefix}.tasks.reports"
+    report = await _until(
+        lambda: cluster.explain(wf),
+        lambda r: r["step"] is not None and r["step"]["path"] == "1" and r["pool"]["depth"] == 1,
+    )
+    assert report["waiting_for"] == (
+        f"a worker: the reports pool has no consumer (1 message(s) queued in {queue})"
+    )
+    assert report["step"]["pool"] == "reports"
+    assert report["step"]["tasks"][0]["pool"] == "reports"
+    assert report["pool"] == {"queue": queue, "exists": True, "depth": 1, "consumers": 0}
+    assert report["pools"] == [{"pool": "reports", **report["pool"]}]
+    assert report["lane"] is None  # not the serial pool
+    text = explain_text(report)
+    assert "task 'reports.whoami' on the reports pool" in text
+    assert "No worker runs it: start one with shardflow worker --pool reports." in text
+    status = await cluster.status(wf)
+    assert status is not None and status["step"]["pool"] == "reports"
+
+    # The owner declared the queue as the parallel pool's: the same arguments declare again.
+    bus = cluster.bus
+    assert isinstance(bus, Bus)
+    arguments = bus._queue_arguments(prioritized=True)
+    connection = await aio_pika.connect(settings.amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        await channel.declare_queue(queue, durable=True, arguments=arguments)
+
+    async with _workers(settings, "reports"):
+        status = await cluster.wait(wf, timeout_s=30)
+        assert status["status"] == "completed", status
+        assert status["result"] == {"args": {}, "prev": {"pool": "reports", "attempt": 0}}
+        report = await _until(lambda: cluster.explain(wf), lambda r: r["status"] == "completed")
+        assert report["waiting_for"] == "nothing: it ended completed"
+
+
+async def test_a_bag_on_a_pool_its_members_overrides_and_their_retries(
+    cluster: Router, settings: Settings
+) -> None:
+    retry = {"max_attempts": 3, "backoff_s": 0.05}
+    bag = {
+        "pool": "reports",
+        "chunk": 2,
+        "bag": [
+            {"task": "reports.whoami"},
+            {"task": "gpu.whoami", "pool": "gpu"},
+            {"task": "reports.flaky", "args": {"fail_until": 2}, "retry": retry},
+            {"task": "add", "args": {"n": 3}, "pool": "parallel"},
+            {"task": "gpu.flaky", "pool": "gpu", "retry": retry},
+            {"task": "reports.whoami"},
+        ],
+    }
+    async with _workers(settings, "reports", "gpu"):
+        wf = (await cluster.submit({"steps": [bag]})).workflow_id
+        status = await cluster.wait(wf, timeout_s=30)
+    assert status["status"] == "completed", status
+    assert status["result"] == [
+        {"pool": "reports", "attempt": 0},
+        {"pool": "gpu", "attempt": 0},
+        {"pool": "reports", "attempt": 2},  # retried twice, each time on its own pool
+        3,
+        {"pool": "gpu", "attempt": 1},
+        {"pool": "reports", "attempt": 0},
+    ]
+    failed = {(a["index"], len(a["failed"])) for a in status["attempts"]}
+    assert failed == {(2, 2), (4, 1)}
+
+
+async def test_a_bag_member_waits_for_its_own_pool(cluster: Router, settings: Settings) -> None:
+    bag = {"bag": [{"task": "add"}, {"task": "late.whoami", "pool": "late"}, {"task": "add"}]}
+    wf = (await cluster.submit({"steps": [bag]})).workflow_id
+    report = await _until(lambda: cluster.explain(wf), lambda r: (r["step"] or {}).get("done") == 2)
+    queue = f"{settings.prefix}.tasks.late"
+    assert report["step"]["pool"] == "parallel"
+    assert [t["pool"] for t in report["step"]["tasks"]] == ["parallel", "late", "parallel"]
+    assert report["waiting_for"] == (
+        f"a worker: the late pool has no consumer (1 message(s) queued in {queue})"
+    )
+    assert [p["pool"] for p in report["pools"]] == ["late"]  # the pools of the open members
+    async with _workers(settings, "late"):
+        status = await cluster.wait(wf, timeout_s=30)
+    assert status["result"] == [1, {"pool": "late", "attempt": 0}, 1]
+
+
+def test_the_worker_command_takes_pools_repeated_or_comma_separated(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = _parser().parse_args(
+        ["worker", "--pool", "reports,gpu", "--pool", "serial", "--pool", "gpu", "--app", "m"]
+    )
+    assert _pools(args.pool) == ["reports", "gpu", "serial"]
+    for bad in ["Reports", "a.b", ",", "shard3"]:
+        with pytest.raises(SystemExit) as caught:
+            _parser().parse_args(["worker", "--pool", bad, "--app", "m"])
+        assert caught.value.code == 2
+        assert "--pool" in capsys.readouterr().err
+    args = _parser().parse_args(["dev", "--pool", "reports"])
+    assert _pools(args.pool) == ["reports"]
+    assert isinstance(args, argparse.Namespace)
+
+
+def test_pool_labels_are_bounded_whatever_programs_name() -> None:
+    assert metrics.pool_label("serial") == "serial"
+    names = [f"labels-{i}" for i in range(2 * metrics.MAX_POOL_LABELS)]
+    labels = [metrics.pool_label(name) for name in names]
+    assert labels[0] == "labels-0"
+    assert labels[-1] == "other"
+    assert len(set(labels) - {"other"}) <= metrics.MAX_POOL_LABELS
+    assert metrics.pool_label("labels-0") == "labels-0"  # a pool keeps its series
