@@ -113,7 +113,11 @@ def _items(source: str, iteration: int) -> int:
 
 
 def steps(
-    depth: int = 0, max_bag: int = 50, fail_rate: int = 25, faults: bool = False
+    depth: int = 0,
+    max_bag: int = 50,
+    fail_rate: int = 25,
+    faults: bool = False,
+    newer: bool = False,
 ) -> st.SearchStrategy[list[Any]]:
     """A list of 1-4 steps; untiloops nest up to two deep. Shrinks toward plain passing tasks.
 
@@ -136,35 +140,42 @@ def steps(
     mapped = _maps(member)
     # A durable timer: its output is its prev. Kept tiny, as the property test waits for it.
     sleep = st.just({"sleep_s": SLEEP_S})
-    kinds = [task, bag, mapped, sleep]
+    # `newer`: mostly maps and sleeps, in loops (with waits) more often, for their bugs.
+    kinds = [mapped, mapped, sleep, task] if newer else [task, bag, mapped, sleep]
     if depth < 2:
-        kinds.append(untiloops(depth + 1, max_bag, fail_rate, faults))
+        kinds.append(untiloops(depth + 1, max_bag, fail_rate, faults, newer))
     return st.lists(st.one_of(kinds), min_size=1, max_size=4 if depth == 0 else 2)
 
 
 @st.composite
 def untiloops(
-    draw: st.DrawFn, depth: int, max_bag: int, fail_rate: int, faults: bool = False
+    draw: st.DrawFn,
+    depth: int,
+    max_bag: int,
+    fail_rate: int,
+    faults: bool = False,
+    newer: bool = False,
 ) -> dict[str, Any]:
-    body = draw(steps(depth, max_bag, fail_rate, faults))
+    body = draw(steps(depth, max_bag, fail_rate, faults, newer))
     single = "task" in body[-1] and "map" not in body[-1]  # its prev is {"v": ...}
     templates = ["iteration >= {k}"] + (["prev.v % {m} == 0"] if single else [])
     until = draw(st.sampled_from(templates)).format(
         k=draw(st.integers(0, 3)), m=draw(st.integers(1, 3))
     )
     loop = {"until": until, "max_iterations": draw(st.integers(1, 4)), "steps": body}
-    if draw(st.integers(0, 3)) == 3:  # now and then a wait between iterations
+    if draw(st.integers(0, 3)) >= (2 if newer else 3):  # now and then a wait between them
         loop["interval_s"] = SLEEP_S
     return loop
 
 
 def programs(
-    max_bag: int = 50, fail_rate: int = 25, faults: bool = False
+    max_bag: int = 50, fail_rate: int = 25, faults: bool = False, newer: bool = False
 ) -> st.SearchStrategy[dict[str, Any]]:
-    """Whole programs of the grammar: tasks, bags of 1..max_bag, nested untiloops, serial,
-    parallel and a named pool (bags and members too);
-    with `faults`, also flaky tasks with retry policies and timeouts, and deadlines."""
-    drawn = steps(0, max_bag, fail_rate, faults).map(lambda s: {"name": "drawn", "steps": s})
+    """Whole programs of the grammar: tasks, bags of 1..max_bag, maps, sleeps, nested
+    untiloops (some with waits between iterations), serial, parallel and a named pool (bags
+    and members too); with `faults`, also flaky tasks with retry policies and timeouts, and
+    deadlines. `newer` draws mostly the newer kinds (maps, sleeps, waits)."""
+    drawn = steps(0, max_bag, fail_rate, faults, newer).map(lambda s: {"name": "drawn", "steps": s})
     if not faults:
         return drawn
     # Now and then: a deadline ends most programs early (it is due at any time).

@@ -388,8 +388,12 @@ class Cluster(RuleBasedStateMachine):
 
     # --- the transport's moves ---------------------------------------------------------
 
+    grammar = programs(faults=True)  # what `submit` draws programs from
+
     @initialize(
-        drawn=st.lists(programs(faults=True), min_size=1, max_size=2),
+        drawn=st.runner().flatmap(
+            lambda cluster: st.lists(cluster.grammar, min_size=1, max_size=2)
+        ),
         cancels=st.sampled_from([0, 0, 0, 1, 2]),
         interleavings=st.integers(0, 3),
     )
@@ -635,6 +639,19 @@ def test_transitions_keep_order_under_duplicates_reordering_and_crashes(
     Cluster.redis_url, Cluster.prefix = keyspace
     Cluster.store_kind = store_kind
     run_state_machine_as_test(Cluster)
+
+
+def test_maps_sleeps_and_waits_keep_order_under_duplicates_reordering_and_crashes(
+    keyspace: tuple[str, str],
+) -> None:
+    """The same machine over programs made mostly of the newer step kinds, on the real Lua."""
+    Cluster.redis_url, Cluster.prefix = keyspace
+    Cluster.store_kind = "redis"
+    Cluster.grammar = programs(faults=True, newer=True)
+    try:
+        run_state_machine_as_test(Cluster)
+    finally:
+        Cluster.grammar = programs(faults=True)
 
 
 @pytest.mark.parametrize("seed", [0])
