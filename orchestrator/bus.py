@@ -200,15 +200,7 @@ class Bus:
 
     async def shard_queue_state(self, shard: int) -> tuple[int, int] | None:
         """(messages ready, consumers) of a shard's queue, or None when it does not exist."""
-        channel = await self._consumer_channel()
-        try:
-            queue = await channel.declare_queue(self.names.shard_queue(shard), passive=True)
-        except aio_pika.exceptions.ChannelClosed:
-            return None
-        result = queue.declaration_result
-        with contextlib.suppress(Exception):
-            await channel.close()
-        return result.message_count or 0, result.consumer_count or 0
+        return await self.queue_state(self.names.shard_queue(shard))
 
     async def queue_state(self, name: str) -> tuple[int, int] | None:
         """(messages ready, consumers) of any queue, or None when it does not exist."""

@@ -437,11 +437,7 @@ def _read_program(path: Path) -> str:
 
 
 async def _status(settings: Settings, args: argparse.Namespace) -> int:
-
-    try:
-        check_workflow_id(args.id)
-    except ValueError as exc:
-        raise CliError(f"id: {exc}") from None
+    _check_id(args.id)
     store = RedisStore.connect(settings)
     try:
         router = Router(settings, store=store)
@@ -480,12 +476,15 @@ async def _list(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-async def _explain(settings: Settings, args: argparse.Namespace) -> int:
-
+def _check_id(workflow_id: str) -> None:
     try:
-        check_workflow_id(args.id)
+        check_workflow_id(workflow_id)
     except ValueError as exc:
         raise CliError(f"id: {exc}") from None
+
+
+async def _explain(settings: Settings, args: argparse.Namespace) -> int:
+    _check_id(args.id)
     async with connected(settings, "shardflow-explain") as (store, bus):
         report = await Router(settings, store=store, bus=bus).explain(args.id)
     if report is None:
@@ -495,11 +494,7 @@ async def _explain(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
-
-    try:
-        check_workflow_id(args.id)
-    except ValueError as exc:
-        raise CliError(f"id: {exc}") from None
+    _check_id(args.id)
     async with connected(settings, "shardflow-cancel") as (store, bus):
         try:
             status = await Router(settings, store=store, bus=bus).cancel(args.id, args.reason)

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -21,6 +20,7 @@ from router.client import Router
 from router.explain import explain_text
 from shardflow.cli import _parser, _pools
 from shardflow.dev import Together, workers
+from tests.polling import until
 from worker.context import TaskContext
 from worker.registry import Registry
 
@@ -70,20 +70,6 @@ async def _workers(settings: Settings, *pools: str) -> AsyncIterator[None]:
             await running
 
 
-async def _until(
-    check: Callable[[], Awaitable[dict[str, Any] | None]],
-    holds: Callable[[dict[str, Any]], bool],
-    timeout_s: float = 20,
-) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = await check()
-        if found is not None and holds(found):
-            return found
-        assert time.monotonic() < deadline, f"never held: {found}"
-        await asyncio.sleep(0.05)
-
-
 async def test_a_task_on_a_named_pool_waits_for_its_worker_then_completes(
     cluster: Router, settings: Settings
 ) -> None:
@@ -96,7 +82,7 @@ async def test_a_task_on_a_named_pool_waits_for_its_worker_then_completes(
     }
     wf = (await cluster.submit(program)).workflow_id
     queue = f"{settings.prefix}.tasks.reports"
-    report = await _until(
+    report = await until(
         lambda: cluster.explain(wf),
         lambda r: r["step"] is not None and r["step"]["path"] == "1" and r["pool"]["depth"] == 1,
     )
@@ -127,7 +113,7 @@ async def test_a_task_on_a_named_pool_waits_for_its_worker_then_completes(
         status = await cluster.wait(wf, timeout_s=30)
         assert status["status"] == "completed", status
         assert status["result"] == {"args": {}, "prev": {"pool": "reports", "attempt": 0}}
-        report = await _until(lambda: cluster.explain(wf), lambda r: r["status"] == "completed")
+        report = await until(lambda: cluster.explain(wf), lambda r: r["status"] == "completed")
         assert report["waiting_for"] == "nothing: it ended completed"
 
 
@@ -166,7 +152,7 @@ async def test_a_bag_on_a_pool_its_members_overrides_and_their_retries(
 async def test_a_bag_member_waits_for_its_own_pool(cluster: Router, settings: Settings) -> None:
     bag = {"bag": [{"task": "add"}, {"task": "late.whoami", "pool": "late"}, {"task": "add"}]}
     wf = (await cluster.submit({"steps": [bag]})).workflow_id
-    report = await _until(lambda: cluster.explain(wf), lambda r: (r["step"] or {}).get("done") == 2)
+    report = await until(lambda: cluster.explain(wf), lambda r: (r["step"] or {}).get("done") == 2)
     queue = f"{settings.prefix}.tasks.late"
     assert report["step"]["pool"] == "parallel"
     assert [t["pool"] for t in report["step"]["tasks"]] == ["parallel", "late", "parallel"]
