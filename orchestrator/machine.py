@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.conditions import ConditionError, evaluate, evaluate_list, quote
-from orchestrator.program import Bag, Map, Program, Sleep, Task, Untiloop
+from orchestrator.program import Bag, Choice, Map, Program, Sleep, Task, Untiloop
 
-Step = Task | Bag | Map | Sleep | Untiloop
+Step = Task | Bag | Map | Sleep | Untiloop | Choice
 LeafStep = Task | Bag | Map | Sleep
 # A map's items travel inside its task messages: each item, and all of them, stay this small.
 MAX_ITEM_BYTES = 65536
@@ -81,9 +81,12 @@ def leaf_at(program: Program, path: str) -> LeafStep:
         index, parts = _index(parts, len(steps), path)
         step = steps[index]
         if not parts:
-            if isinstance(step, Untiloop):
-                raise PathError(f"{path}: an untiloop, not a leaf")
+            if isinstance(step, Untiloop | Choice):
+                raise PathError(f"{path}: a {type(step).__name__.lower()}, not a leaf")
             return step
+        if isinstance(step, Choice):
+            steps, parts = _case(step, parts, path), parts[1:]
+            continue
         if not isinstance(step, Untiloop) or not parts[0].startswith("iter:"):
             raise PathError(f"{path}: no such step")
         if len(parts) == 1:  # `3/iter:4`: the wait before that iteration
@@ -102,6 +105,10 @@ def dropped(program: Program, finished: str, path: str) -> str:
     while len(parts) >= 2:
         index, parts = _index(parts, len(steps), path)
         step = steps[index]
+        if isinstance(step, Choice):  # a loop inside a case drops its iterations too
+            steps, prefix = _case(step, parts, path), f"{prefix}{index}/{parts[0]}/"
+            parts = parts[1:]
+            continue
         if not isinstance(step, Untiloop) or not parts[0].startswith("iter:"):
             return ""
         here = f"{prefix}{index}/{parts[0]}/"
@@ -169,6 +176,18 @@ def _after(
                 iteration=loop_iteration + 1,
                 input=input,
             )
+    elif isinstance(step, Choice):
+        inner = _after(
+            _case(step, rest, here),
+            rest[1:],
+            output,
+            input,
+            prefix=f"{here}/{rest[0]}/",
+            iteration=iteration,
+        )
+        if not isinstance(inner, Done):
+            return inner
+        output = inner.result  # the case's output is the choice's
     elif rest:
         raise PathError(f"{here}: a {type(step).__name__.lower()} has no inner steps")
     if index + 1 < len(steps):
@@ -189,7 +208,39 @@ def _descend(
         )
     if isinstance(step, Map):
         return _mapped(step, path, prev, iteration, input)
+    if isinstance(step, Choice):
+        return _chosen(step, path, prev, iteration, input)
     return Leaf(path=path, step=step, prev=prev, iteration=iteration)
+
+
+def _chosen(step: Choice, path: str, prev: Any, iteration: int, input: Any) -> Outcome:
+    """Run the first case whose `when` holds (in order), else `otherwise`."""
+    for k, case in enumerate(step.choice):
+        try:
+            holds = evaluate(case.when, input=input, prev=prev, iteration=iteration)
+        except ConditionError as exc:
+            return Failed(f"step {path}: choice {k} when {quote(case.when)}: {exc}")
+        if holds:
+            break
+    else:
+        if step.otherwise is None:
+            return Failed(f"step {path}: no case of the choice held, and it has no otherwise")
+        k = len(step.choice)
+    branch = step.branch(k)
+    assert branch is not None
+    return _descend(
+        branch, 0, prefix=f"{path}/case:{k}/", prev=prev, iteration=iteration, input=input
+    )
+
+
+def _case(step: Choice, parts: list[str], path: str) -> list[Step]:
+    """The steps of the case a path names at `parts[0]` (`case:K`); PathError if none."""
+    head = parts[0] if parts else ""
+    number = head.removeprefix("case:")
+    branch = step.branch(int(number)) if head.startswith("case:") and number.isdigit() else None
+    if branch is None or len(parts) < 2:
+        raise PathError(f"{path!r}: no such step")
+    return branch
 
 
 def _mapped(step: Map, path: str, prev: Any, iteration: int, input: Any) -> Outcome:

@@ -198,6 +198,37 @@ def _compiles(source: str) -> str:
     return source
 
 
+MAX_CASES = 20
+
+
+class Case(_Model):
+    """One branch of a choice: its steps run when `when` holds."""
+
+    when: str = Field(min_length=1, max_length=MAX_SOURCE_CHARS)
+    steps: list[Step] = Field(min_length=1)
+
+    @field_validator("when")
+    @classmethod
+    def _when_compiles(cls, value: str) -> str:
+        return _compiles(value)
+
+
+class Choice(_Model):
+    """The first case whose `when` holds runs (else `otherwise`); its output is the step's."""
+
+    choice: list[Case] = Field(min_length=1, max_length=MAX_CASES)
+    otherwise: list[Step] | None = Field(default=None, min_length=1)
+
+    def branch(self, k: int) -> list[Step] | None:
+        """The steps of case `k`, `otherwise` as case len(choice); None when there is none."""
+        if 0 <= k < len(self.choice):
+            return self.choice[k].steps
+        return self.otherwise if k == len(self.choice) else None
+
+    def branches(self) -> list[list[Step]]:
+        return [case.steps for case in self.choice] + ([self.otherwise] if self.otherwise else [])
+
+
 def _step_kind(value: Any) -> str | None:
     if isinstance(value, BaseModel):
         return type(value).__name__
@@ -209,23 +240,33 @@ def _step_kind(value: Any) -> str | None:
     return kinds[0] if len(kinds) == 1 else None
 
 
-_KINDS = {"task": "Task", "bag": "Bag", "until": "Untiloop", "map": "Map", "sleep_s": "Sleep"}
+_KINDS = {
+    "task": "Task",
+    "bag": "Bag",
+    "until": "Untiloop",
+    "map": "Map",
+    "sleep_s": "Sleep",
+    "choice": "Choice",
+}
 
 Step = Annotated[
     Annotated[Task, Tag("Task")]
     | Annotated[Bag, Tag("Bag")]
     | Annotated[Map, Tag("Map")]
     | Annotated[Sleep, Tag("Sleep")]
-    | Annotated[Untiloop, Tag("Untiloop")],
+    | Annotated[Untiloop, Tag("Untiloop")]
+    | Annotated[Choice, Tag("Choice")],
     Discriminator(
         _step_kind,
         custom_error_type="step_kind",
         custom_error_message=(
-            "a step needs exactly one of 'task', 'bag', 'map', 'sleep_s' or 'until'"
+            "a step needs exactly one of 'task', 'bag', 'map', 'sleep_s', 'until' or 'choice'"
         ),
     ),
 ]
 Untiloop.model_rebuild()
+Case.model_rebuild()
+Choice.model_rebuild()
 
 
 class Program(_Model):
@@ -256,7 +297,7 @@ def pool_of(step: Task | Bag | Map, index: int | None = None) -> str:
     return member or step.pool
 
 
-def _pools(steps: list[Task | Bag | Map | Sleep | Untiloop]) -> set[str]:
+def _pools(steps: list[Step]) -> set[str]:
     pools: set[str] = set()
     for step in steps:
         if isinstance(step, Task | Map):
@@ -265,10 +306,13 @@ def _pools(steps: list[Task | Bag | Map | Sleep | Untiloop]) -> set[str]:
             pools.update(pool_of(step, i) for i in range(len(step.bag)))
         elif isinstance(step, Untiloop):
             pools |= _pools(step.steps)
+        elif isinstance(step, Choice):
+            for branch in step.branches():
+                pools |= _pools(branch)
     return pools
 
 
-def _names(steps: list[Task | Bag | Map | Sleep | Untiloop]) -> set[str]:
+def _names(steps: list[Step]) -> set[str]:
     names: set[str] = set()
     for step in steps:
         if isinstance(step, Task | Map):
@@ -277,6 +321,9 @@ def _names(steps: list[Task | Bag | Map | Sleep | Untiloop]) -> set[str]:
             names.update(member.task for member in step.bag)
         elif isinstance(step, Untiloop):
             names |= _names(step.steps)
+        elif isinstance(step, Choice):
+            for branch in step.branches():
+                names |= _names(branch)
     return names
 
 
@@ -418,7 +465,7 @@ def _unicode_fault(exc: UnicodeEncodeError) -> str:
 def _fault(error: Any) -> str:
     path = ""
     for part in error["loc"]:
-        if part in ("Task", "Bag", "Map", "Sleep", "Untiloop"):
+        if part in ("Task", "Bag", "Map", "Sleep", "Untiloop", "Choice"):
             continue  # union tags, not part of the user's document
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     message = error["msg"].removeprefix("Value error, ")

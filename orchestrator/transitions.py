@@ -31,6 +31,7 @@ from orchestrator.messages import (
 )
 from orchestrator.program import (
     Bag,
+    Choice,
     Map,
     Member,
     Program,
@@ -88,9 +89,9 @@ class Plans:
 
 
 def _evaluates(steps: list[machine.Step]) -> bool:
-    """Whether any step is an untiloop or a map (a map deeper down is inside a loop up
+    """Whether any step is an untiloop, a map or a choice (any deeper down is inside one up
     here): moving on may then evaluate CEL, and waits in a thread."""
-    return any(isinstance(step, Map | Untiloop) for step in steps)
+    return any(isinstance(step, Map | Untiloop | Choice) for step in steps)
 
 
 def task_messages(

@@ -19,10 +19,12 @@ from orchestrator.marks import attempt_field, redis_of
 from orchestrator.program import (
     SERIAL,
     Bag,
+    Choice,
     Map,
     Program,
     ProgramError,
     Sleep,
+    Step,
     Task,
     Untiloop,
     parse_program,
@@ -59,7 +61,7 @@ class Where:
 
 def locate(program: Program, path: str) -> Where | None:
     """What `path` names in the program, or None when it names no leaf of it."""
-    steps: list[Task | Bag | Map | Sleep | Untiloop] = program.steps
+    steps: list[Step] = program.steps
     parts = path.split("/") if path else []
     loops: list[Loop] = []
     walked: list[str] = []
@@ -72,7 +74,15 @@ def locate(program: Program, path: str) -> Where | None:
         top = int(head) if top is None else top
         walked.append(head)
         if not parts:
-            return None if isinstance(step, Untiloop) else Where(step, loops, top)
+            return None if isinstance(step, Untiloop | Choice) else Where(step, loops, top)
+        if isinstance(step, Choice):
+            case = re.fullmatch(r"case:(\d{1,3})", parts[0])
+            branch = step.branch(int(case[1])) if case else None
+            if branch is None:
+                return None
+            walked.append(parts[0])
+            steps, parts = branch, parts[1:]
+            continue
         if not isinstance(step, Untiloop) or not re.fullmatch(r"iter:\d{1,9}", parts[0]):
             return None
         iteration = int(parts[0].removeprefix("iter:"))

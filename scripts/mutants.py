@@ -163,6 +163,20 @@ end""",
         "if string.sub(path, 1, #drop) == drop then",
         (INTERVAL,),
     ),
+    # Choice steps: a later case taken when an earlier one holds; a case's steps run under
+    # another case's path.
+    "choice-takes-the-last-case-that-holds": (
+        "orchestrator/machine.py",
+        "        if holds:\n            break",
+        "        if holds and k == len(step.choice) - 1:\n            break",
+        (MACHINE,),
+    ),
+    "choice-case-path-off": (
+        "orchestrator/machine.py",
+        'prefix=f"{path}/case:{k}/"',
+        'prefix=f"{path}/case:0/"',
+        (MACHINE,),
+    ),
 }
 
 

@@ -144,6 +144,7 @@ def steps(
     kinds = [mapped, mapped, sleep, task] if newer else [task, bag, mapped, sleep]
     if depth < 2:
         kinds.append(untiloops(depth + 1, max_bag, fail_rate, faults, newer))
+        kinds.append(choices(depth + 1, max_bag, fail_rate, faults, newer))
     return st.lists(st.one_of(kinds), min_size=1, max_size=4 if depth == 0 else 2)
 
 
@@ -166,6 +167,23 @@ def untiloops(
     if draw(st.integers(0, 3)) >= (2 if newer else 3):  # now and then a wait between them
         loop["interval_s"] = SLEEP_S
     return loop
+
+
+@st.composite
+def choices(
+    draw: st.DrawFn, depth: int, max_bag: int, fail_rate: int, faults: bool, newer: bool
+) -> dict[str, Any]:
+    """A choice of 1-3 cases over the loop iteration (some never or always hold), and now and
+    then an otherwise; with neither holding, the program fails."""
+    cases = []
+    for _ in range(draw(st.integers(1, 3))):
+        when = draw(st.sampled_from(["iteration >= {k}", "false", "true"]))
+        body = draw(steps(depth, max_bag, fail_rate, faults, newer))
+        cases.append({"when": when.format(k=draw(st.integers(0, 2))), "steps": body})
+    step: dict[str, Any] = {"choice": cases}
+    if draw(st.booleans()):
+        step["otherwise"] = draw(steps(depth, max_bag, fail_rate, faults, newer))
+    return step
 
 
 def programs(
@@ -220,7 +238,19 @@ def expect(program: dict[str, Any]) -> Expected:
 def _run(steps: list[Any], prev: Any, prefix: str, expected: Expected, iteration: int) -> Any:
     for k, step in enumerate(steps):
         path = f"{prefix}{k}"
-        if "sleep_s" in step:
+        if "choice" in step:
+            held = [
+                k for k, case in enumerate(step["choice"]) if _holds(case["when"], prev, iteration)
+            ]
+            if held:
+                k, branch = held[0], step["choice"][held[0]]["steps"]
+            elif "otherwise" in step:
+                k, branch = len(step["choice"]), step["otherwise"]
+            else:
+                error = f"step {path}: no case of the choice held, and it has no otherwise"
+                _fail(expected, error, [error])
+            prev = _run(branch, prev, f"{path}/case:{k}/", expected, iteration)
+        elif "sleep_s" in step:
             expected.leaves.append((path, 0))  # a leaf that runs no task; prev goes on
         elif "map" in step:
             size = _items(step["map"], iteration)
@@ -283,6 +313,8 @@ def _member(step: dict[str, Any], path: str, index: int | None, expected: Expect
 
 
 def _holds(until: str, prev: Any, iteration: int) -> bool:
+    if until in ("true", "false"):
+        return until == "true"
     if match := re.fullmatch(r"iteration >= (\d+)", until):
         return iteration >= int(match[1])
     if match := re.fullmatch(r"prev\.v % (\d+) == 0", until):

@@ -200,3 +200,68 @@ def test_a_loop_with_an_interval_waits_in_a_leaf_before_each_later_iteration() -
     assert dropped(program, "0/iter:0/0", "0/iter:1") == ""  # keeps 1 finished iteration
     with pytest.raises(PathError):
         leaf_at(PROGRAM, "2/iter:1")  # no interval_s: no wait leaf
+
+
+def test_a_choice_runs_the_first_case_that_holds_else_its_otherwise() -> None:
+    program = parse_program(
+        {
+            "steps": [
+                {"task": "a"},
+                {
+                    "choice": [
+                        {"when": "prev.n > 5", "steps": [{"task": "big"}]},
+                        {"when": "prev.n > 2", "steps": [{"task": "mid"}, {"task": "mid2"}]},
+                    ],
+                    "otherwise": [{"task": "small"}],
+                },
+                {"task": "end"},
+            ]
+        }
+    )
+    picked = [after(program, "0", {"n": n}, input=None) for n in (9, 3, 0)]
+    assert [(leaf.path, leaf.step.task) for leaf in picked] == [  # type: ignore[union-attr]
+        ("1/case:0/0", "big"),
+        ("1/case:1/0", "mid"),
+        ("1/case:2/0", "small"),
+    ]
+    assert after(program, "1/case:1/0", "m", input=None) == Leaf(
+        "1/case:1/1", leaf_at(program, "1/case:1/1"), "m", 0
+    )
+    # The case's last output is the choice's: the step after it gets it.
+    assert after(program, "1/case:1/1", "m2", input=None) == Leaf("2", program.steps[2], "m2", 0)
+    for bad in ("1", "1/case:3/0", "1/case:0", "1/case:x/0"):
+        with pytest.raises(PathError):
+            leaf_at(program, bad)
+
+
+def test_a_choice_with_no_case_holding_and_no_otherwise_fails_naming_it() -> None:
+    program = parse_program(
+        {"steps": [{"choice": [{"when": "input.go", "steps": [{"task": "a"}]}]}]}
+    )
+    assert first(program, {"go": False}) == Failed(
+        "step 0: no case of the choice held, and it has no otherwise"
+    )
+    assert first(program, {}) == Failed("step 0: choice 0 when 'input.go': no such key 'go'")
+    assert first(program, {"go": True}) == Leaf(
+        "0/case:0/0", leaf_at(program, "0/case:0/0"), None, 0
+    )
+
+
+def test_a_loop_inside_a_case_drops_its_old_iterations() -> None:
+    program = parse_program(
+        {
+            "steps": [
+                {
+                    "choice": [
+                        {
+                            "when": "true",
+                            "steps": [
+                                {"until": "false", "max_iterations": 9, "steps": [{"task": "a"}]}
+                            ],
+                        }
+                    ]
+                }
+            ]
+        }
+    )
+    assert dropped(program, "0/case:0/0/iter:3/0", "0/case:0/0/iter:4/0") == "0/case:0/0/iter:2/"

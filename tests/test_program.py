@@ -149,6 +149,19 @@ def test_untiloops_nest() -> None:
         ),
         ({"steps": [{"map": "input", "bag": [], "max_items": 2}]}, "steps[0]: a step needs"),
         ({"steps": [{"sleep_s": 0}]}, "steps[0].sleep_s: Input should be greater than 0"),
+        ({"steps": [{"choice": []}]}, "steps[0].choice: List should have at least 1 item"),
+        (
+            {"steps": [{"choice": [{"when": "x", "steps": [{"task": "a"}]}]}]},
+            "steps[0].choice[0].when: invalid CEL: unknown variable 'x'",
+        ),
+        (
+            {"steps": [{"choice": [{"when": "true", "steps": [{"oops": 1}]}]}]},
+            "steps[0].choice[0].steps[0]: a step needs exactly one of",
+        ),
+        (
+            {"steps": [{"choice": [{"when": "true", "steps": [{"task": "a"}]}], "otherwise": []}]},
+            "steps[0].otherwise: List should have at least 1 item",
+        ),
         (
             {"steps": [{"sleep_s": 2592001}]},
             "steps[0].sleep_s: Input should be less than or equal to 2592000",
@@ -187,7 +200,7 @@ def test_input_must_be_json() -> None:
 
 def test_the_schema_describes_every_step_kind() -> None:
     document = schema()
-    assert {"Task", "Bag", "Map", "Untiloop", "Member", "Retry"} <= set(document["$defs"])
+    assert {"Task", "Bag", "Map", "Sleep", "Choice", "Case", "Untiloop"} <= set(document["$defs"])
     assert document["$defs"]["Map"]["required"] == ["task", "map", "max_items"]
     assert document["$defs"]["Untiloop"]["required"] == ["until", "max_iterations", "steps"]
 
