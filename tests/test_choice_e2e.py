@@ -47,3 +47,14 @@ async def test_a_choice_where_nothing_holds_fails_the_program_naming_it(cluster:
 def test_a_path_inside_a_case_is_on_the_wire() -> None:
     message = decode_shard_message(b'{"kind": "next", "wf": "w", "path": "1/case:2/0/iter:0/0"}')
     assert message.path == "1/case:2/0/iter:0/0"  # type: ignore[union-attr]
+
+
+def test_explain_locates_a_step_inside_a_case() -> None:
+    from orchestrator.program import parse_program
+    from router.explain import locate
+
+    program = parse_program({"steps": [POLL]})
+    where = locate(program, "0/iter:1/0/case:1/1")
+    assert where is not None and where.step.task == "counter"  # type: ignore[union-attr]
+    assert [(loop.path, loop.iteration) for loop in where.loops] == [("0", 1)]
+    assert locate(program, "0/iter:1/0/case:3/0") is None  # two cases and an otherwise
