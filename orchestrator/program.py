@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import math
 import re
-from collections import Counter
 from typing import Annotated, Any
 
 from pydantic import (
@@ -21,13 +18,15 @@ from pydantic import (
 )
 
 from orchestrator.conditions import MAX_SOURCE_CHARS, ConditionError, compile_condition
+from orchestrator.documents import (  # the documents' names stay importable from here
+    ProgramError,
+    check_value,
+    load,
+    short,
+)
 
 TASK_NAME = r"^[A-Za-z_][A-Za-z0-9_.:-]{0,127}$"
 MAX_BAG = 1000
-# Deepest nesting of arrays and objects in a program's JSON, and in an input. A task inside
-# ten nested untiloops has its args at level 24; deeper documents mostly serve to exhaust a
-# parser's stack (RecursionError).
-MAX_DEPTH = 64
 MAX_SLEEP_S = 30 * 86400
 # A pool names a task queue (`<prefix>.tasks.<pool>`) and its retry queues
 # (`<prefix>.delay.<pool>.<ms>`); `shard<N>` is taken by a shard's delayed messages there.
@@ -41,11 +40,11 @@ def check_pool_name(name: str) -> str:
     """Return the pool name, or raise ValueError saying what a pool name may hold."""
     if not _POOL_NAME.fullmatch(name):
         raise ValueError(
-            f"{_short(name)} is not a pool name: use 1-40 of a-z, 0-9, '_' or '-', "
+            f"{short(name)} is not a pool name: use 1-40 of a-z, 0-9, '_' or '-', "
             "starting with a letter"
         )
     if _RESERVED_POOL.fullmatch(name):
-        raise ValueError(f"{_short(name)} is not a pool name: shard<N> is reserved")
+        raise ValueError(f"{short(name)} is not a pool name: shard<N> is reserved")
     return name
 
 
@@ -78,14 +77,6 @@ BagPool = Annotated[
         description="parallel, or any other name but serial: a pool with many consumers",
     ),
 ]
-
-
-class ProgramError(ValueError):
-    """An invalid program or input; `str()` is one line per fault, each naming its path."""
-
-    def __init__(self, faults: list[str]) -> None:
-        self.faults = faults
-        super().__init__("; ".join(faults))
 
 
 class _Model(BaseModel):
@@ -338,9 +329,9 @@ def parse_program(
 ) -> Program:
     """Validate a program from JSON text or a dict; raise ProgramError naming each fault's path."""
     if isinstance(source, str | bytes):
-        source = _load(source, "program", max_bytes)
+        source = load(source, "program", max_bytes)
     else:
-        _check_value(source, "program", max_bytes)
+        check_value(source, "program", max_bytes)
     try:
         program = _PROGRAM.validate_python(source)
     except ValidationError as exc:
@@ -350,116 +341,6 @@ def parse_program(
         if unknown:
             raise ProgramError([f"steps: unknown task {', '.join(map(repr, unknown))}"])
     return program
-
-
-def parse_input(text: str | bytes, *, max_bytes: int = 256 * 1024) -> Any:
-    """Parse a program's input (any JSON value), as strictly as a program's JSON."""
-    return _load(text, "input", max_bytes)
-
-
-def parse_document(text: str | bytes, *, what: str, max_bytes: int) -> Any:
-    """Parse any JSON text as strictly as a program: `what` names it in the errors."""
-    return _load(text, what, max_bytes)
-
-
-def check_input(value: Any, *, max_bytes: int = 256 * 1024) -> None:
-    """Refuse an input given as a value (the Python API, the ingress) that JSON text could not
-    carry: NaN, lone surrogates, more than MAX_DEPTH levels, more than `max_bytes`."""
-    _check_value(value, "input", max_bytes)
-
-
-class _NotAllowed(ValueError):
-    """Valid for Python's json module, refused here (its message names the fault)."""
-
-
-def _load(text: str | bytes, what: str, max_bytes: int) -> Any:
-    """Strict JSON: no duplicate keys, NaN or infinities, no lone surrogates, bounded depth."""
-    try:
-        data = text.encode() if isinstance(text, str) else text
-    except UnicodeEncodeError as exc:
-        raise ProgramError([f"{what}: not UTF-8 text: {_unicode_fault(exc)}"]) from None
-    if len(data) > max_bytes:
-        raise ProgramError([f"{what}: {len(data)} bytes, more than the limit of {max_bytes}"])
-    try:
-        value = json.loads(
-            data,
-            object_pairs_hook=_unique_keys,
-            parse_constant=_no_constant,
-            parse_float=_finite_float,
-            parse_int=_integer,
-        )
-    except RecursionError:  # the C parser recurses once per level
-        raise ProgramError([f"{what}: nested deeper than {MAX_DEPTH} levels"]) from None
-    except _NotAllowed as exc:
-        raise ProgramError([f"{what}: {exc}"]) from None
-    except ValueError as exc:  # not JSON, or bytes that are not UTF-8
-        raise ProgramError([f"{what}: not JSON: {exc}"]) from None
-    _check_value(value, what, None)  # its size was the text's
-    return value
-
-
-def _check_value(value: Any, what: str, max_bytes: int | None) -> None:
-    """Refuse what JSON text cannot carry, or what is too deep or too large."""
-    if _deeper_than(value, MAX_DEPTH):
-        raise ProgramError([f"{what}: nested deeper than {MAX_DEPTH} levels"])
-    try:
-        size = len(json.dumps(value, ensure_ascii=False, allow_nan=False).encode())
-    except UnicodeEncodeError as exc:  # a lone surrogate, e.g. from a "\udcff" escape
-        raise ProgramError([f"{what}: not UTF-8 text: {_unicode_fault(exc)}"]) from None
-    except ValueError:
-        raise ProgramError([f"{what}: NaN and infinities are not JSON"]) from None
-    except TypeError as exc:  # a set, bytes, an object...
-        raise ProgramError([f"{what}: not JSON: {exc}"]) from None
-    if max_bytes is not None and size > max_bytes:
-        raise ProgramError([f"{what}: {size} bytes, more than the limit of {max_bytes}"])
-
-
-def _deeper_than(value: Any, limit: int) -> bool:
-    # Iterative, and stops at the limit: safe on any depth, even on a cycle.
-    stack = [(value, 1)] if isinstance(value, dict | list | tuple) else []
-    while stack:
-        item, depth = stack.pop()
-        if depth > limit:
-            return True
-        children = item.values() if isinstance(item, dict) else item
-        stack.extend(
-            (child, depth + 1) for child in children if isinstance(child, dict | list | tuple)
-        )
-    return False
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    value = dict(pairs)
-    if len(value) != len(pairs):
-        key = next(key for key, count in Counter(key for key, _ in pairs).items() if count > 1)
-        raise _NotAllowed(f"duplicate key {_short(key)}")
-    return value
-
-
-def _no_constant(name: str) -> Any:
-    raise _NotAllowed(f"{name} is not JSON")
-
-
-def _finite_float(text: str) -> float:
-    number = float(text)
-    if not math.isfinite(number):
-        raise _NotAllowed(f"number {_short(text)} is out of range")
-    return number
-
-
-def _integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:  # more digits than sys.get_int_max_str_digits()
-        raise _NotAllowed(f"number {_short(text)} has too many digits") from None
-
-
-def _short(text: str) -> str:
-    return repr(text) if len(text) <= 40 else f"{text[:40]!r}…"
-
-
-def _unicode_fault(exc: UnicodeEncodeError) -> str:
-    return f"a lone surrogate {exc.object[exc.start : exc.end]!r}"
 
 
 def _fault(error: Any) -> str:

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.bus import NEW, Bus, Publisher
+from orchestrator.documents import check_input
 from orchestrator.ending import end_program
 from orchestrator.keys import check_workflow_id
 from orchestrator.marks import Marks, now_ms
 from orchestrator.messages import Start, encode
-from orchestrator.program import Program, ProgramError, check_input, parse_program
+from orchestrator.program import Program, ProgramError, parse_program
 from orchestrator.settings import Settings
 from orchestrator.store import TERMINAL, Store
 from router import explain as explaining

@@ -20,8 +20,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from orchestrator import logs, metrics
 from orchestrator.bus import Bus
 from orchestrator.delivery import Delivery, Poison, first_error, process
+from orchestrator.documents import ProgramError, parse_document
 from orchestrator.lifecycle import Service, format_counts
-from orchestrator.program import ProgramError, parse_document
 from orchestrator.settings import Settings
 from router.client import Router
 

@@ -21,10 +21,11 @@ from orchestrator import logs
 from orchestrator.bus import Bus, TopologyError
 from orchestrator.connections import UNREACHABLE, connected
 from orchestrator.delivery import first_error
+from orchestrator.documents import parse_input
 from orchestrator.health import serving
 from orchestrator.keys import check_workflow_id
 from orchestrator.owner import Orchestrator, ShardError
-from orchestrator.program import ProgramError, check_pool_name, parse_input, program_schema
+from orchestrator.program import ProgramError, check_pool_name, program_schema
 from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
 from orchestrator.store import TERMINAL

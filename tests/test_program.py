@@ -8,6 +8,7 @@ import jsonschema
 import pytest
 from pydantic import ValidationError
 
+from orchestrator.documents import parse_input
 from orchestrator.program import (
     Bag,
     Map,
@@ -16,7 +17,6 @@ from orchestrator.program import (
     Retry,
     Task,
     Untiloop,
-    parse_input,
     parse_program,
     pool_of,
     program_schema,
