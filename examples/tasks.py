@@ -53,3 +53,34 @@ async def summarize(ctx: TaskContext) -> dict:
         "thumbnails": [t["name"] for t in ctx.prev],
         "bytes": sum(t["bytes"] for t in ctx.prev),
     }
+
+
+# --- examples/etl.json: map over partitions, poll with a durable wait, then choose -------------
+
+
+@task(name="etl.partitions")
+async def partitions(ctx: TaskContext) -> dict:
+    return {"partitions": [f"{ctx.input['table']}/p{n}" for n in range(ctx.input["parts"])]}
+
+
+@task(name="etl.transform")
+async def transform(ctx: TaskContext) -> dict:
+    await asyncio.sleep(0.05)
+    return {"partition": ctx.item, "rows": 100 * (ctx.index + 1)}
+
+
+@task(name="etl.poll")
+def poll_load(ctx: TaskContext) -> dict:
+    # The warehouse reports the load done on the third poll; the loop waits between polls.
+    rows = sum(p["rows"] for p in ctx.prev) if isinstance(ctx.prev, list) else ctx.prev["rows"]
+    return {"ready": ctx.iteration >= 2, "rows": rows, "polls": ctx.iteration + 1}
+
+
+@task(name="etl.publish")
+async def publish_table(ctx: TaskContext) -> dict:
+    return {"published": ctx.input["table"], "rows": ctx.prev["rows"], "polls": ctx.prev["polls"]}
+
+
+@task(name="etl.alert")
+async def alert(ctx: TaskContext) -> dict:
+    return {"alert": f"{ctx.input['table']}: no rows"}

@@ -42,6 +42,14 @@ def test_the_album_example_maps_over_a_list_known_at_run_time() -> None:
     assert program.task_names() == {"list_photos", "thumbnail", "summarize"}
 
 
+def test_the_etl_example_uses_map_loop_waits_and_choice() -> None:
+    program = parse_program((EXAMPLE.parent / "etl.json").read_text())
+    assert [type(step).__name__ for step in program.steps] == ["Task", "Map", "Untiloop", "Choice"]
+    assert program.task_names() == {
+        "etl.partitions", "etl.transform", "etl.poll", "etl.publish", "etl.alert"
+    }  # fmt: skip
+
+
 def test_untiloops_nest() -> None:
     program = parse_program(
         {
