@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import subprocess
+import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -68,6 +69,7 @@ def amqp_url() -> Iterator[str]:
         log = logging.getLogger(__name__)
         log.warning("rabbitmqctl add_vhost failed (%s); using the default vhost", exc)
         yield AMQP_BASE
+        _drop_queues(_PREFIXES)  # no vhost to delete: this run's queues go one by one
         return
     yield AMQP_BASE.rstrip("/") + "/" + vhost
     with contextlib.suppress(subprocess.SubprocessError, OSError):
@@ -83,9 +85,37 @@ def redis_url() -> str:
     return REDIS_URL
 
 
+_PREFIXES: set[str] = set()  # every test's, for a run that had to share the default vhost
+
+
+def _drop_queues(prefixes: set[str]) -> None:
+    """Delete the default vhost's queues of these prefixes (best effort: a broker whose
+    rabbitmqctl hangs keeps them). Left there, they hold RabbitMQ's file descriptors."""
+    try:
+        listing = subprocess.run(
+            ["rabbitmqctl", "-q", "list_queues", "-p", "/", "name"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout  # fmt: skip
+    except (subprocess.SubprocessError, OSError):
+        return
+    names = [name for name in listing.split() if name.split(".")[0] in prefixes]
+
+    async def delete() -> None:
+        async with await aio_pika.connect(AMQP_BASE, timeout=10) as connection:
+            channel = await connection.channel()
+            for name in names:
+                await channel.queue_delete(name)
+
+    worker = threading.Thread(target=asyncio.run, args=(delete(),))  # no loop of pytest's
+    worker.start()
+    worker.join(timeout=60)
+
+
 @pytest.fixture
 def prefix() -> str:
-    return f"t{uuid.uuid4().hex[:10]}"
+    made = f"t{uuid.uuid4().hex[:10]}"
+    _PREFIXES.add(made)
+    return made
 
 
 @pytest.fixture
