@@ -69,8 +69,9 @@ def amqp_url() -> Iterator[str]:
         log = logging.getLogger(__name__)
         log.warning("rabbitmqctl add_vhost failed (%s); using the default vhost", exc)
         yield AMQP_BASE
-        _drop_queues(_PREFIXES)  # no vhost to delete: this run's queues go one by one
+        _drop_queues("/", _PREFIXES)  # no vhost to delete: this run's queues go one by one
         return
+    _VHOST[0] = vhost
     yield AMQP_BASE.rstrip("/") + "/" + vhost
     with contextlib.suppress(subprocess.SubprocessError, OSError):
         _rabbitmqctl("delete_vhost", vhost)
@@ -86,22 +87,29 @@ def redis_url() -> str:
 
 
 _PREFIXES: set[str] = set()  # every test's, for a run that had to share the default vhost
+_FINISHED: set[str] = set()  # prefixes of finished tests whose queues may still exist
+_VHOST = [""]  # this run's own vhost, once made
+SWEEP_EVERY = 25  # finished tests between two sweeps of their queues
 
 
-def _drop_queues(prefixes: set[str]) -> None:
-    """Delete the default vhost's queues of these prefixes (best effort: a broker whose
-    rabbitmqctl hangs keeps them). Left there, they hold RabbitMQ's file descriptors."""
+def _drop_queues(vhost: str, prefixes: set[str]) -> None:
+    """Delete a vhost's queues of these prefixes (best effort: a broker whose rabbitmqctl
+    hangs keeps them). Kept, queues hold RabbitMQ's file descriptors (927 here), and a long
+    run's would pile up until new connections hang."""
     try:
         listing = subprocess.run(
-            ["rabbitmqctl", "-q", "list_queues", "-p", "/", "name"],
+            ["rabbitmqctl", "-q", "list_queues", "-p", vhost, "name"],
             capture_output=True, text=True, timeout=30, check=True,
         ).stdout  # fmt: skip
     except (subprocess.SubprocessError, OSError):
         return
     names = [name for name in listing.split() if name.split(".")[0] in prefixes]
+    if not names:
+        return
+    url = AMQP_BASE if vhost == "/" else AMQP_BASE.rstrip("/") + "/" + vhost
 
     async def delete() -> None:
-        async with await aio_pika.connect(AMQP_BASE, timeout=10) as connection:
+        async with await aio_pika.connect(url, timeout=10) as connection:
             channel = await connection.channel()
             for name in names:
                 await channel.queue_delete(name)
@@ -112,10 +120,14 @@ def _drop_queues(prefixes: set[str]) -> None:
 
 
 @pytest.fixture
-def prefix() -> str:
+def prefix() -> Iterator[str]:
     made = f"t{uuid.uuid4().hex[:10]}"
     _PREFIXES.add(made)
-    return made
+    yield made
+    _FINISHED.add(made)
+    if len(_FINISHED) >= SWEEP_EVERY and _VHOST[0]:
+        _drop_queues(_VHOST[0], set(_FINISHED))
+        _FINISHED.clear()
 
 
 @pytest.fixture
