@@ -75,6 +75,20 @@ def test_the_demo_program_runs_end_to_end(dev: dict[str, str]) -> None:
     assert json.loads(status.stdout)["status"] == "completed"
 
 
+def test_the_readmes_demo_command_runs_and_prints_the_result(settings: Settings) -> None:
+    # `bash scripts/demo.sh` exactly as the README gives it (on this run's vhost and prefix):
+    # it once re-submitted its id without the input, which the router rightly refuses.
+    env = {**os.environ, **environment(settings), "SHARDFLOW_SHARDS": "4"}
+    demo = subprocess.run(
+        ["bash", "scripts/demo.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert demo.returncode == 0, demo.stderr[-3000:]
+    last = demo.stdout.strip().splitlines()[-1]
+    assert last == 'demo: result: {"published": "holiday", "after_polls": 3}', demo.stdout
+    readme = (ROOT / "README.md").read_text()
+    assert last in readme  # the README shows what the demo prints
+
+
 def test_submit_without_wait_prints_the_id_and_a_failed_program_exits_1(
     dev: dict[str, str], tmp_path: Path
 ) -> None:
