@@ -205,10 +205,18 @@ def trace(prefix: str) -> Iterator[app.Trace]:
 
 
 @pytest.fixture
-async def cluster(settings: Settings, registry: Registry) -> AsyncIterator[Router]:
+def named_pools() -> list[str]:
+    """Override in a module for `cluster` to run workers for these named pools too."""
+    return []
+
+
+@pytest.fixture
+async def cluster(
+    settings: Settings, registry: Registry, named_pools: list[str]
+) -> AsyncIterator[Router]:
     """A whole cluster in this process (every shard, both pools); yields a router."""
     async with connected(settings, "shardflow-test") as (store, bus):
-        dev = Dev(settings, registry, store=store, bus=bus, concurrency=16)
+        dev = Dev(settings, registry, store=store, bus=bus, concurrency=16, pools=named_pools)
         running = asyncio.create_task(dev.run())
         try:
             yield Router(settings, store=store, bus=bus, known_tasks=None)

@@ -1,35 +1,22 @@
 """Drawn programs on the real cluster: results as the model says, steps never out of order."""
 
-import asyncio
 import itertools
-from collections.abc import AsyncIterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from orchestrator.connections import connected
-from orchestrator.settings import Settings
 from router.client import Router
-from shardflow.dev import Dev
 from tests.app import Trace
 from tests.model import NAMED_POOL, expect, programs
 from tests.ordering import leaf_order
-from worker.registry import Registry
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
-async def cluster(settings: Settings, registry: Registry) -> AsyncIterator[Router]:
-    """The whole cluster of conftest.py, with a worker for the named pool drawn programs use."""
-    async with connected(settings, "shardflow-test") as (store, bus):
-        dev = Dev(settings, registry, store=store, bus=bus, concurrency=16, pools=[NAMED_POOL])
-        running = asyncio.create_task(dev.run())
-        try:
-            yield Router(settings, store=store, bus=bus, known_tasks=None)
-        finally:
-            dev.shutdown()
-            await running
+def named_pools() -> list[str]:
+    """The cluster also runs a worker for the named pool drawn programs use."""
+    return [NAMED_POOL]
 
 
 @settings(
