@@ -1,0 +1,77 @@
+"""A sleep's wake, step by step over the model of the scripts: the crash the property test
+finds only at its long budget, replayed here every run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orchestrator.keys import Keys
+from orchestrator.memory_store import MemoryStore
+from orchestrator.messages import Start, Wake, decode_shard_message, decode_task
+from orchestrator.settings import Settings
+from orchestrator.transitions import Plans, Transitions
+from router.client import Router
+
+
+class Crash(Exception):
+    """The process died after its state was written, before its publish."""
+
+
+class Recorder:
+    """A publisher that keeps what it is given; `crash` makes the next task publish die."""
+
+    def __init__(self) -> None:
+        self.shard: list[bytes] = []
+        self.later: list[bytes] = []
+        self.tasks: list[bytes] = []
+        self.crash = False
+
+    async def publish_to_shard(self, owner: int, body: bytes, priority: int = 1) -> None:
+        self.shard.append(body)
+
+    async def publish_to_shard_later(self, owner: int, body: bytes, delay_s: float) -> None:
+        self.later.append(body)
+
+    async def publish_all(self, pool: str, bodies: list[bytes], priority: int = 1) -> None:
+        if self.crash:
+            self.crash = False
+            raise Crash
+        self.tasks.extend(bodies)
+
+    async def publish_later(self, pool: str, body: bytes, delay_s: float) -> None:
+        self.tasks.append(body)
+
+    async def publish_control(self, body: bytes) -> None: ...
+
+    async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:
+        raise AssertionError(f"dead-lettered: {reason}")
+
+    async def requeue(self, queue: str, body: bytes, headers: Any, priority: Any) -> None: ...
+
+
+async def test_a_redelivered_wake_republishes_the_step_a_crash_cut_short() -> None:
+    store = MemoryStore(Keys("wake"))
+    bus = Recorder()
+    transitions = Transitions(store, bus, Plans(store, 8))
+    router = Router(Settings(prefix="wake"), store=store, bus=bus)
+    program = {"steps": [{"sleep_s": 0.0001}, {"task": "work"}]}
+    submitted = await router.submit(program, None, "napper")
+    owner = submitted.shard
+    start = decode_shard_message(bus.shard.pop())
+    assert isinstance(start, Start)
+    assert await transitions.apply(start, redelivered=False, shard=owner) == "applied"
+    wake = decode_shard_message(bus.later.pop())
+    assert wake == Wake(wf="napper", path="0")
+    # Due: the owner advances to step 1, then dies before its task is published.
+    bus.crash = True
+    try:
+        await transitions.apply(wake, redelivered=False, shard=owner)
+    except Crash:
+        pass
+    else:
+        raise AssertionError("the publish did not run")
+    assert (await store.state("napper"))["cursor"] == "1" and not bus.tasks
+    # The broker delivers the wake again, flagged: what the crash cut short is published.
+    assert await transitions.apply(wake, redelivered=True, shard=owner) == "replay"
+    [task] = [decode_task(body) for body in bus.tasks]
+    assert (task.path, task.task, task.prev) == ("1", "work", None)
