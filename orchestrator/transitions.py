@@ -156,9 +156,9 @@ def _dispatched(outcome: machine.Outcome) -> tuple[str, str, str] | None:
     """The next leaf's path, pool and kind, for the step timings (a bag: the bag's pool)."""
     if not isinstance(outcome, machine.Leaf):
         return None
+    kind = type(outcome.step).__name__.lower()
     if isinstance(outcome.step, Sleep):
-        return outcome.path, "timer", "sleep"
-    kind = "task" if isinstance(outcome.step, Task) else type(outcome.step).__name__.lower()
+        return outcome.path, "timer", kind
     return outcome.path, pool_of(outcome.step), kind
 
 
@@ -360,6 +360,10 @@ class Transitions:
         elif isinstance(step, Map):  # fail.lua checks the index against the map's size
             if message.index is None or not 0 <= message.index < step.max_items:
                 raise machine.PathError(f"{message.path}: no map member {message.index}")
+            # The item a retry sends again comes back in the report: held to the map's bound.
+            size = len(json.dumps(message.item, ensure_ascii=False).encode())
+            if size > machine.MAX_ITEM_BYTES:
+                raise Poison(f"{message.wf}: an item of {size} bytes, over a map item's limit")
             member = step
         else:
             member = step

@@ -35,7 +35,7 @@ DIFFERENTIAL = (
 )
 
 SLEEP = "tests/test_sleep_e2e.py::test_a_sleep_waits_and_passes_its_prev_on"
-WAKE = "tests/test_wake.py::test_a_redelivered_wake_republishes_the_step_a_crash_cut_short"
+WAKE = "tests/test_owner_steps.py::test_a_redelivered_wake_republishes_the_step_a_crash_cut_short"
 INTERVAL = (
     "tests/test_sleep_e2e.py::"
     "test_a_loop_waits_its_interval_between_iterations_and_keeps_no_old_waits"

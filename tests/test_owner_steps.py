@@ -1,13 +1,16 @@
-"""A sleep's wake, step by step over the model of the scripts: the crash the property test
-finds only at its long budget, replayed here every run."""
+"""The owner's transitions step by step over the model of the scripts: moments the property
+test reaches only at its long budget (a wake redelivered after a crash), and forged reports."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from orchestrator.delivery import Poison
 from orchestrator.keys import Keys
 from orchestrator.memory_store import MemoryStore
-from orchestrator.messages import Start, Wake, decode_shard_message, decode_task
+from orchestrator.messages import Failed, Start, Wake, decode_shard_message, decode_task
 from orchestrator.settings import Settings
 from orchestrator.transitions import Plans, Transitions
 from router.client import Router
@@ -75,3 +78,23 @@ async def test_a_redelivered_wake_republishes_the_step_a_crash_cut_short() -> No
     assert await transitions.apply(wake, redelivered=True, shard=owner) == "replay"
     [task] = [decode_task(body) for body in bus.tasks]
     assert (task.path, task.task, task.prev) == ("1", "work", None)
+
+
+async def test_a_failure_report_with_an_item_over_a_maps_bound_is_refused() -> None:
+    store = MemoryStore(Keys("item"))
+    bus = Recorder()
+    transitions = Transitions(store, bus, Plans(store, 8))
+    router = Router(Settings(prefix="item"), store=store, bus=bus)
+    retry = {"max_attempts": 2}
+    program = {"steps": [{"map": "input", "task": "work", "max_items": 3, "retry": retry}]}
+    owner = (await router.submit(program, ["a", "b"], "mapper")).shard
+    start = decode_shard_message(bus.shard.pop())
+    await transitions.apply(start, redelivered=False, shard=owner)
+    [first, _] = [decode_task(body) for body in bus.tasks]
+    # A forged report would have the retry carry a 70 KB item the map itself refuses.
+    forged = Failed(wf="mapper", path="0", index=0, task="work", error="no", item="x" * 70_000)
+    with pytest.raises(Poison, match="over a map item's limit"):
+        await transitions.apply(forged, redelivered=False, shard=owner)
+    report = Failed(wf="mapper", path="0", index=0, task="work", error="no", item=first.item)
+    assert await transitions.apply(report, redelivered=False, shard=owner) == "retried"
+    assert decode_task(bus.tasks[-1]).item == "a"
