@@ -53,17 +53,20 @@ from orchestrator.settings import Settings  # noqa: E402
 from router.client import Router  # noqa: E402
 
 
-def shape_a(chunk: int = 1) -> dict[str, Any]:
+def shape_a(chunk: int | None = None) -> dict[str, Any]:
     """One task, a bag of 10 that each get its output, one task; `chunk` members per message
-    (see "chunk" in the README's program format): the same work, fewer messages."""
+    (see "chunk" in the README's program format): the same work, fewer messages. No chunk:
+    the default, adaptive (one per message unless the pool's queue has a backlog)."""
     bag: dict[str, Any] = {"bag": [{"task": "member", "args": {"i": i}} for i in range(10)]}
-    if chunk > 1:
+    if chunk is not None:
         bag["chunk"] = chunk
     steps = [{"task": "begin", "pool": "parallel"}, bag, {"task": "finish", "pool": "parallel"}]
     return {"name": "A", "steps": steps}
 
 
-SHAPE_A, SHAPE_A_CHUNKED = shape_a(), shape_a(chunk=10)
+SHAPE_A, SHAPE_A_CHUNKED, SHAPE_A_CHUNK1 = shape_a(), shape_a(chunk=10), shape_a(chunk=1)
+# Shape A's variants: the default (adaptive), and a chunk named in the program.
+A_VARIANTS = (("", SHAPE_A), ("_chunk1", SHAPE_A_CHUNK1), ("_chunk10", SHAPE_A_CHUNKED))
 SHAPE_B = {"name": "B", "steps": [{"task": "step", "pool": "parallel"}] * 20}
 SHARDS = 4
 COUNTED = 50  # programs in each run that counts broker messages (not a timed run)
@@ -394,7 +397,8 @@ async def main() -> None:
     sf.start(orchestrators=2)
     try:
         for m in (small, big):
-            for key, shape in ((f"A_M{m}", SHAPE_A), (f"A_M{m}_chunk10", SHAPE_A_CHUNKED)):
+            for variant, shape in A_VARIANTS:
+                key = f"A_M{m}{variant}"
                 out["shardflow"][key] = await sf.run(shape, m, 12, check_a, sample=m == big)
                 print(f"shardflow {key}: {out['shardflow'][key]}", flush=True)
         steps = [await sf.run(SHAPE_B, 1, 20, check_b) for _ in range(repeats)]
@@ -402,6 +406,7 @@ async def main() -> None:
         out["shardflow"][f"B_M{small}"] = await sf.run(SHAPE_B, small, 20, check_b)
         out["shardflow"]["redis_bytes_per_program"] = await sf.redis_bytes_per_program()
         for key, shape, tasks, check in (("A", SHAPE_A, 12, check_a),
+                                         ("A_chunk1", SHAPE_A_CHUNK1, 12, check_a),
                                          ("A_chunk10", SHAPE_A_CHUNKED, 12, check_a),
                                          ("B", SHAPE_B, 20, check_b)):  # fmt: skip
             out["shardflow"][f"messages_{key}"] = await count_messages(
@@ -473,7 +478,7 @@ def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool,
 
     ratios = {}
     for m in (small, big):
-        for variant in ("", "_chunk10"):
+        for variant, _ in A_VARIANTS:
             a = f"A_M{m}{variant}"
             ratios[f"{a}_tasks_per_s"] = ratio(f"A_M{m}", "tasks_per_s", True, variant)
             ratios[f"{a}_latency_p50"] = ratio(f"A_M{m}", "latency_p50_ms", False, variant)
@@ -494,7 +499,9 @@ def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool,
         f"Python {platform.python_version()}",
         "command": "make bench" + (" (--quick)" if quick else ""),
         "note": "shardflow runs every task on its parallel pool in these shapes; "
-        "A_*_chunk10: the same bag sent as one task message (\"chunk\": 10); "
+        "A_*: the bag with no chunk (the default: adaptive); A_*_chunk1: one member per "
+        "message (\"chunk\": 1, the default before adaptive chunks); A_*_chunk10: the same bag "
+        "sent as one task message (\"chunk\": 10); "
         "cpu_s_per_1000_tasks: CPU seconds of every process involved (orchestrators or Celery "
         "workers with their children, the shared RabbitMQ and Redis, the client) per 1,000 "
         "tasks; messages_*: broker publishes and deliveries per task (RabbitMQ's firehose, "
@@ -507,7 +514,7 @@ def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool,
     path = ROOT / "bench" / "results" / f"{stamp}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(table(out, big, small))
-    for key in (f"A_M{big}", f"A_M{big}_chunk10"):
+    for key in (f"A_M{big}{variant}" for variant, _ in A_VARIANTS):
         shards = sf[key].get("shards", {})
         for kind, samples in shards.items():
             if isinstance(samples, dict):
@@ -525,7 +532,8 @@ def table(out: dict[str, dict[str, Any]], big: int, small: int) -> str:
     cost = (("CPU-s/1000 tasks", "cpu_s_per_1000_tasks"), ("cores used", "cpu_cores"),
             ("machine cores busy", "machine_cores"))  # fmt: skip
     rows = [(f"A M={m}{label}: {name}", f"A_M{m}{variant}", figure)
-            for m in (small, big) for variant, label in (("", ""), ("_chunk10", " chunk 10"))
+            for m in (small, big) for variant, label in (("", ""), ("_chunk1", " chunk 1"),
+                                                         ("_chunk10", " chunk 10"))
             for name, figure in (("tasks/s", "tasks_per_s"), ("p50 ms", "latency_p50_ms"),
                                  ("p99 ms", "latency_p99_ms"), *cost)]  # fmt: skip
     rows += [("B M=1: step p50 ms", "B_M1", "step_p50_ms"),
@@ -533,7 +541,7 @@ def table(out: dict[str, dict[str, Any]], big: int, small: int) -> str:
              (f"B M={small}: tasks/s", f"B_M{small}", "tasks_per_s")]  # fmt: skip
     rows += [(f"B M={small}: {name}", f"B_M{small}", figure) for name, figure in cost]
     rows += [(f"{shape}: broker {kind}/task", f"messages_{shape}", f"{kind}_per_task")
-             for shape in ("A", "A_chunk10", "B")
+             for shape in ("A", "A_chunk1", "A_chunk10", "B")
              for kind in ("published", "delivered")]  # fmt: skip
     systems = list(out)
     lines = [f"{'figure':30}" + "".join(f"{name:>20}" for name in systems)]
@@ -560,8 +568,10 @@ def chart(result: dict[str, Any], path: Path, big: int, small: int) -> None:
 
     def bars(key: str, figure: str) -> list[tuple[str, float]]:
         shown = [(name, figures[name][key][figure]) for name in systems]
-        if key + "_chunk10" in figures["shardflow"]:
-            shown.insert(1, ("shardflow\nchunk 10", figures["shardflow"][key + "_chunk10"][figure]))
+        for variant, label in (("_chunk10", "chunk 10"), ("_chunk1", "chunk 1")):
+            if key + variant in figures["shardflow"]:
+                value = figures["shardflow"][key + variant][figure]
+                shown.insert(1, (f"shardflow\n{label}", value))
         return shown
 
     panels = [

@@ -10,6 +10,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from orchestrator import logs, metrics
+from orchestrator.backlog import Backlog
 from orchestrator.bus import NEW, Bus, Publisher
 from orchestrator.delivery import UNREACHABLE, Delivery, process, redelivered
 from orchestrator.lifecycle import Service, format_counts, raise_if_cancelled
@@ -74,7 +75,18 @@ class Orchestrator(Service):
         self._unrecorded: set[str] = set()
         self.marks = Marks(store)  # for `list` and `explain` only
         plans = Plans(store, settings.plan_cache_size)
-        self.transitions = Transitions(store, bus, plans, settings.max_join_bytes)
+        self.backlog = Backlog(
+            lambda pool: bus.queue_state(bus.names.task_queue(pool)), settings.auto_chunk
+        )
+        self.transitions = Transitions(
+            store, bus, plans, settings.max_join_bytes, backlog=self.backlog
+        )
+
+    async def run(self) -> None:
+        try:
+            await super().run()
+        finally:
+            await self.backlog.close()
 
     def summary(self) -> str:
         return format_counts(self.transitions.counts)

@@ -28,6 +28,10 @@ from orchestrator.documents import (  # the documents' names stay importable fro
 TASK_NAME = r"^[A-Za-z_][A-Za-z0-9_.:-]{0,127}$"
 MAX_BAG = 1000
 MAX_SLEEP_S = 30 * 86400
+CHUNK = (
+    "members per task message, run side by side by one worker; unset: one per message "
+    "while the pool keeps up, up to SHARDFLOW_AUTO_CHUNK while its queue has a backlog"
+)
 # A pool names a task queue (`<prefix>.tasks.<pool>`) and its retry queues
 # (`<prefix>.delay.<pool>.<ms>`); `shard<N>` is taken by a shard's delayed messages there.
 POOL_NAME = r"^[a-z][a-z0-9_-]{0,39}$"
@@ -119,13 +123,9 @@ class Bag(_Model):
     # The pool of every member that does not name its own.
     pool: BagPool = PARALLEL
     # Members per task message. Above 1, one worker runs a chunk's members side by side:
-    # fewer messages for bags of short tasks, less spreading for long ones.
-    chunk: int = Field(
-        default=1,
-        ge=1,
-        le=MAX_BAG,
-        description="members per task message, run side by side by one worker",
-    )
+    # fewer messages for bags of short tasks, less spreading for long ones. None: adaptive
+    # (orchestrator/backlog.py), one per message unless the pool has a backlog.
+    chunk: int | None = Field(default=None, ge=1, le=MAX_BAG, description=CHUNK)
 
 
 class Map(Member):
@@ -137,12 +137,7 @@ class Map(Member):
         description="CEL over input, prev and iteration giving the list of items",
     )
     max_items: int = Field(ge=1, le=MAX_BAG, description="more items fail the step")
-    chunk: int = Field(
-        default=1,
-        ge=1,
-        le=MAX_BAG,
-        description="members per task message, run side by side by one worker",
-    )
+    chunk: int | None = Field(default=None, ge=1, le=MAX_BAG, description=CHUNK)
 
     @field_validator("map")
     @classmethod

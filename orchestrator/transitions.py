@@ -10,10 +10,12 @@ import json
 import logging
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from orchestrator import machine, metrics
+from orchestrator.backlog import Backlog
 from orchestrator.bus import GOING_ON, NEW, Publisher, ladder_floor_ms
 from orchestrator.delivery import Poison
 from orchestrator.ending import end_program
@@ -102,23 +104,27 @@ def task_messages(
     only: int | None = None,
     *,
     prev_ref: bool = False,
+    chunk_for: Callable[[str], int] | None = None,
 ) -> dict[str, list[bytes]]:
     """The task messages that run one leaf (or only its member `only`), by pool. A bag's
-    members go out in chunks of members of the same pool. A large input is referred to (the
-    plan says so), and the prev when `prev_ref`: both must be stashed first
-    (`Transitions._stash`)."""
+    members go out in chunks of members of the same pool: its `chunk`, or when it names none
+    `chunk_for(pool)` (the pool's backlog decides; without it, one member per message). A
+    large input is referred to (the plan says so), and the prev when `prev_ref`: both must be
+    stashed first (`Transitions._stash`)."""
     step = leaf.step
     assert not isinstance(step, Sleep), "a sleep runs no task"
     members: list[Member] = step.bag if isinstance(step, Bag) else [step] * (leaf.size or 1)
     items = leaf.items or ()
     indices = list(range(len(members))) if only is None else [only]
-    chunk = 1 if isinstance(step, Task) else step.chunk
     by_pool: dict[str, list[int]] = {}
     for i in indices:
         by_pool.setdefault(pool_of(step, i if isinstance(step, Bag) else None), []).append(i)
     messages: dict[str, list[bytes]] = {}
     for pool, ours in by_pool.items():
         bodies = messages[pool] = []
+        chunk = 1
+        if not isinstance(step, Task) and len(ours) > 1:
+            chunk = step.chunk or (chunk_for(pool) if chunk_for else 1)
         for start in range(0, len(ours), chunk):
             first, *rest = ours[start : start + chunk]
             message = TaskMessage(
@@ -176,12 +182,19 @@ class Transitions:
     """Applies start / next / failed messages of the shards this process owns."""
 
     def __init__(
-        self, store: Store, bus: Publisher, plans: Plans, max_join_bytes: int = 64 << 20
+        self,
+        store: Store,
+        bus: Publisher,
+        plans: Plans,
+        max_join_bytes: int = 64 << 20,
+        backlog: Backlog | None = None,
     ) -> None:
         self.store = store
         self.bus = bus
         self.plans = plans
         self.max_join_bytes = max_join_bytes
+        # Pool depths for bags and maps that name no chunk; None: one member per message.
+        self.chunk_for = backlog.chunk if backlog else None
         self.counts: Counter[str] = Counter()
         self.marks = Marks(store)  # what `explain` and `status` show of failed attempts
 
@@ -436,7 +449,8 @@ class Transitions:
             if prev_ref is None:
                 return  # ended meanwhile (cancelled): nothing to run
             # One pool after the other: a failure leaves no publish running unawaited.
-            for pool, bodies in task_messages(wf, plan, outcome, prev_ref=prev_ref).items():
+            by_pool = task_messages(wf, plan, outcome, prev_ref=prev_ref, chunk_for=self.chunk_for)
+            for pool, bodies in by_pool.items():
                 await self.bus.publish_all(pool, bodies, priority)
 
     async def _sleep(self, wf: str, plan: Plan, leaf: machine.Leaf) -> None:

@@ -1,0 +1,104 @@
+"""Adaptive chunks: a bag or map that names no chunk goes out one member per message while its
+pool keeps up, and several per message while the pool's queue has a backlog."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from orchestrator.backlog import AUTO_STEP, STALE_S, Backlog, auto_chunk
+from orchestrator.connections import connected
+from orchestrator.owner import Orchestrator
+from orchestrator.settings import Settings
+from router.client import Router
+from tests.polling import until
+from worker.pool import Worker
+from worker.registry import Registry
+
+
+@pytest.mark.parametrize(
+    ("ready", "limit", "chunk"),
+    [(0, 10, 1), (AUTO_STEP - 1, 10, 1), (AUTO_STEP, 10, 2), (100, 10, 10), (100, 3, 3)],
+)
+def test_the_chunk_grows_with_the_backlog_up_to_its_limit(
+    ready: int, limit: int, chunk: int
+) -> None:
+    assert auto_chunk(ready, limit) == chunk
+
+
+async def test_samples_are_taken_in_the_background_and_go_stale() -> None:
+    asked: list[str] = []
+    depth = {"parallel": 1000}
+
+    async def sample(pool: str) -> tuple[int, int] | None:
+        asked.append(pool)
+        if pool == "broken":
+            raise ConnectionError("broker gone")
+        return (depth[pool], 2) if pool in depth else None
+
+    backlog = Backlog(sample, limit=10, every_s=0.05)
+    assert backlog.chunk("parallel") == 1  # nothing known yet: spread
+    await until(lambda: _answer(backlog.chunk("parallel")), lambda found: found["chunk"] == 10, 5)
+    assert backlog.chunk("gone") == 1 and backlog.chunk("broken") == 1
+    await asyncio.sleep(0.01)  # both samples answered: no such queue, and an error
+    calls = len(asked)
+    assert backlog.chunk("gone") == 1 and backlog.chunk("broken") == 1  # no backlog ...
+    await asyncio.sleep(0.01)
+    assert len(asked) == calls  # ... and not asked again before `every_s`
+    assert Backlog(sample, limit=1).chunk("parallel") == 1  # a limit of 1 turns it off
+    assert STALE_S > 1
+    await backlog.close()
+
+
+async def _answer(chunk: int) -> dict[str, int]:
+    return {"chunk": chunk}
+
+
+def _bag(name: str, chunk: int | None = None) -> dict[str, object]:
+    bag: dict[str, object] = {"bag": [{"task": "add", "args": {"n": i}} for i in range(100)]}
+    if chunk is not None:
+        bag["chunk"] = chunk
+    return {"name": name, "steps": [bag]}
+
+
+async def test_a_backlog_sends_bags_in_chunks_unless_they_name_theirs(
+    settings: Settings, registry: Registry
+) -> None:
+    """Orchestrators with no worker: the first bag's 100 members wait one per message; then
+    the pool has a backlog, so the next bag goes out 10 members per message (the limit);
+    a bag that names chunk 1 keeps it. A worker then runs all three to the right results."""
+    queue = f"{settings.prefix}.tasks.parallel"
+    async with connected(settings) as (store, bus):
+        orchestrator = Orchestrator(settings, range(settings.shards), store=store, bus=bus)
+        running = asyncio.create_task(orchestrator.run())
+        worker = Worker(settings, registry, pool="parallel", store=store, bus=bus)
+        try:
+            router = Router(settings, store=store, bus=bus)
+            first = (await router.submit(_bag("first"))).workflow_id
+            await until(lambda: _depth(bus, queue), lambda found: found["ready"] == 100)
+            await until(
+                lambda: _answer(orchestrator.backlog.ready("parallel")),
+                lambda found: found["chunk"] == 100,
+            )
+            second = (await router.submit(_bag("second"))).workflow_id
+            await until(lambda: _depth(bus, queue), lambda found: found["ready"] >= 110)
+            third = (await router.submit(_bag("third", chunk=1))).workflow_id
+            found = await until(lambda: _depth(bus, queue), lambda found: found["ready"] >= 210)
+            assert found["ready"] == 210  # 100 + 100 / 10 + 100
+            working = asyncio.create_task(worker.run())
+            try:
+                statuses = [await router.wait(wf, timeout_s=60) for wf in (first, second, third)]
+            finally:
+                worker.shutdown()
+                await working
+        finally:
+            orchestrator.shutdown()
+            await running
+    assert [s["status"] for s in statuses] == ["completed"] * 3
+    assert all(s["result"] == list(range(100)) for s in statuses)
+
+
+async def _depth(bus: object, queue: str) -> dict[str, int] | None:
+    state = await bus.queue_state(queue)  # type: ignore[attr-defined]
+    return None if state is None else {"ready": state[0]}
