@@ -84,3 +84,21 @@ async def publish_table(ctx: TaskContext) -> dict:
 @task(name="etl.alert")
 async def alert(ctx: TaskContext) -> dict:
     return {"alert": f"{ctx.input['table']}: no rows"}
+
+
+# --- examples/approval.json: a refund waits for a person's decision (a signal) ----------------
+
+
+@task(name="refund.quote")
+async def quote(ctx: TaskContext) -> dict:
+    return {"order": ctx.input["order"], "amount": ctx.input["amount"]}
+
+
+@task(name="refund.pay")
+async def pay(ctx: TaskContext) -> dict:
+    return {"paid": ctx.input["amount"], "order": ctx.input["order"], "by": ctx.prev["by"]}
+
+
+@task(name="refund.decline")
+async def decline(ctx: TaskContext) -> dict:
+    return {"declined": ctx.input["order"], "reason": ctx.prev.get("reason", "")}

@@ -28,8 +28,8 @@ if not attempt or attempt ~= math.floor(attempt) or attempt < 0 or attempt >= mo
   return {"invalid", "attempt " .. ARGV[3] .. ": from 0 to " .. (most - 1)}
 end
 local leaf = s[3] or ""
-if leaf == "sleep" then
-  return {"invalid", "step " .. ARGV[1] .. " is a sleep: no task to fail"}
+if leaf == "sleep" or leaf == "signal" then
+  return {"invalid", "step " .. ARGV[1] .. " is a " .. leaf .. ": no task to fail"}
 end
 local size = 1
 if string.sub(leaf, 1, 4) == "bag:" then

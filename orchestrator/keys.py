@@ -51,6 +51,15 @@ class Keys:
         """A large value a task message refers to: `input`, or the `prev` of the leaf at a path."""
         return f"{self.prefix}:{{{wf}}}:blob:{name}"
 
+    def signals(self, wf: str, name: str) -> str:
+        """The signals of one name sent to the program and not yet taken (a list, oldest first)."""
+        return f"{self.prefix}:{{{wf}}}:sig:{name}"
+
+    def signal_ids(self, wf: str) -> str:
+        """The ids of the signals sent to the program (the latest ones), so a resend is no
+        second signal."""
+        return f"{self.prefix}:{{{wf}}}:sigids"
+
     def registry(self, wf: str) -> str:
         """The set of the program's keys beyond state and plan, written by the scripts that
         create them, so ending a program can expire them all and a loop can prune old

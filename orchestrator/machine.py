@@ -1,6 +1,6 @@
 """The pure state machine: given a program and the step that just finished, what comes next.
 
-A program always has exactly one active *leaf* (a task, a bag, a map or a sleep); its step
+A program always has exactly one active *leaf* (a task, a bag, a map, a sleep or a signal); its step
 path is the program's cursor, e.g. `2` or `3/iter:4/1` inside an untiloop body. Nothing here
 does I/O, so the same functions drive the orchestrator and the property tests' model. (An
 `until` or a map's list is evaluated in a small evaluator process with a time budget: see
@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.conditions import ConditionError, evaluate, evaluate_list, quote
-from orchestrator.program import Bag, Choice, Map, Program, Sleep, Task, Untiloop
+from orchestrator.program import Bag, Choice, Map, Program, Signal, Sleep, Task, Untiloop
 
-Step = Task | Bag | Map | Sleep | Untiloop | Choice
-LeafStep = Task | Bag | Map | Sleep
+Step = Task | Bag | Map | Sleep | Signal | Untiloop | Choice
+LeafStep = Task | Bag | Map | Sleep | Signal
 # A map's items travel inside its task messages: each item, and all of them, stay this small.
 MAX_ITEM_BYTES = 65536
 MAX_ITEMS_BYTES = 8 * 1024 * 1024

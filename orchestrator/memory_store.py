@@ -15,9 +15,19 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from orchestrator.keys import Keys
-from orchestrator.store import MAX_ATTEMPTS, Completion, Ended, Recorded, Stored, Verdict
+from orchestrator.store import (
+    MAX_ATTEMPTS,
+    MAX_SIGNAL_IDS,
+    MAX_SIGNALS_WAITING,
+    Completion,
+    Ended,
+    Recorded,
+    Stored,
+    Verdict,
+)
 
-Value = str | dict[str, str] | set[str]
+# A list holds a Redis list, or a sorted set's members in score order (ids by sequence).
+Value = str | dict[str, str] | set[str] | list[str]
 # complete.lua's INLINE: outputs over it are read back by the owner, not carried.
 INLINE = 65536
 
@@ -27,7 +37,11 @@ def _now_ms() -> str:
 
 
 class MemoryStore:
-    """Program state in a dict: key -> string, hash (dict) or set, as Redis would hold it."""
+    """Program state in a dict: key -> string, hash (dict), set or list, as Redis holds it."""
+
+    # Bounds of lua/signal.lua (lowered by the model test, to reach them).
+    signals_waiting = MAX_SIGNALS_WAITING
+    signal_ids = MAX_SIGNAL_IDS
 
     def __init__(
         self, keys: Keys, clock: Callable[[], str] = _now_ms, retention_ms: int = 0
@@ -57,6 +71,11 @@ class MemoryStore:
         assert isinstance(value, set), f"{key}: not a set"
         return value
 
+    def _list(self, key: str) -> list[str]:
+        value = self.data.setdefault(key, [])
+        assert isinstance(value, list), f"{key}: not a list"
+        return value
+
     def _get(self, key: str) -> str | None:
         value = self.data.get(key)
         assert value is None or isinstance(value, str), f"{key}: not a string"
@@ -64,7 +83,7 @@ class MemoryStore:
 
     def _drop_if_empty(self, key: str) -> None:
         # Redis deletes a hash or set whose last member went.
-        if self.data.get(key) in ({}, set()):
+        if self.data.get(key) in ({}, set(), []):
             del self.data[key]
 
     def _register(self, wf: str, *keys: str) -> None:
@@ -218,8 +237,8 @@ class MemoryStore:
             return Completion("invalid", [f"attempt {attempt}: from 0 to {max_attempts - 1}"])
         member = index or 0
         leaf = leaf or ""
-        if leaf == "sleep":
-            return Completion("invalid", [f"step {path} is a sleep: no task to fail"])
+        if leaf in ("sleep", "signal"):
+            return Completion("invalid", [f"step {path} is a {leaf}: no task to fail"])
         if leaf.startswith("bag:"):
             size = int(leaf.removeprefix("bag:"))
         else:
@@ -260,6 +279,50 @@ class MemoryStore:
             self.data.setdefault(self.keys.blob(wf, name), value)
             self._register(wf, self.keys.blob(wf, name))
         return True
+
+    async def signal(self, wf: str, name: str, data: str, signal_id: str = "") -> Verdict:
+        """lua/signal.lua"""
+        (status,) = self._hmget(self.keys.state(wf), "status")
+        if status is None:
+            return Verdict("missing", "", "")
+        if status not in ("pending", "running"):
+            return Verdict("ended", status, "")
+        ids = self._list(self.keys.signal_ids(wf))
+        if signal_id and signal_id in ids:
+            self._drop_if_empty(self.keys.signal_ids(wf))
+            return Verdict("duplicate", "", "")
+        waiting = self._list(self.keys.signals(wf, name))
+        if len(waiting) >= self.signals_waiting:
+            self._drop_if_empty(self.keys.signal_ids(wf))
+            return Verdict("full", str(len(waiting)), "")
+        if signal_id:
+            state = self._hash(self.keys.state(wf))
+            state["signals"] = str(int(state.get("signals", "0")) + 1)
+            ids.append(signal_id)
+            del ids[: max(0, len(ids) - self.signal_ids)]
+            self._register(wf, self.keys.signal_ids(wf))
+        self._drop_if_empty(self.keys.signal_ids(wf))
+        waiting.append(data)
+        self._register(wf, self.keys.signals(wf, name))
+        return Verdict("kept", str(len(waiting)), "")
+
+    async def take(self, wf: str, path: str, name: str) -> str:
+        """lua/take.lua"""
+        status, cursor, leaf = self._hmget(self.keys.state(wf), "status", "cursor", "leaf")
+        if status is None:
+            return "missing"
+        if self.keys.output(wf, path) in self.data:
+            return "taken"
+        if status != "running" or cursor != path or leaf != "signal":
+            return "stale"
+        waiting = self._list(self.keys.signals(wf, name))
+        if not waiting:
+            self._drop_if_empty(self.keys.signals(wf, name))
+            return "waiting"
+        self.data[self.keys.output(wf, path)] = waiting.pop(0)
+        self._drop_if_empty(self.keys.signals(wf, name))
+        self._register(wf, self.keys.output(wf, path))
+        return "taken"
 
     async def purge(self, wf: str, statuses: str, ended_before_ms: int) -> str:
         """lua/purge.lua"""

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from orchestrator.delivery import Poison, first_error
 from orchestrator.keys import WORKFLOW_ID
-from orchestrator.program import MAX_BAG, TASK_NAME
+from orchestrator.program import MAX_BAG, SIGNAL_NAME, TASK_NAME
 from orchestrator.settings import MAX_SHARDS
 from orchestrator.store import MAX_ATTEMPTS
 
@@ -105,13 +105,25 @@ class Wake(_Message):
     path: Path
 
 
+class Signalled(_Message):
+    """Router to owner shard: a signal of this name was kept for the program (lua/signal.lua).
+    Only a hint: the owner takes the signal from Redis if a step at the cursor waits for it,
+    and otherwise it stays kept for the step that will."""
+
+    kind: Literal["signal"] = "signal"
+    wf: WorkflowId
+    name: str = Field(pattern=SIGNAL_NAME)
+
+
 class Cancelled(_Message):
     """To every worker (control exchange): stop running this program's tasks."""
 
     wf: WorkflowId
 
 
-ShardMessage = Annotated[Start | Next | Failed | Deadline | Wake, Field(discriminator="kind")]
+ShardMessage = Annotated[
+    Start | Next | Failed | Deadline | Wake | Signalled, Field(discriminator="kind")
+]
 
 
 class Slot(_Message):
@@ -193,7 +205,7 @@ def _fits(body: bytes) -> None:
         raise MessageError(f"a message of {len(body)} bytes, over {MAX_MESSAGE_BYTES}")
 
 
-def decode_shard_message(body: bytes) -> Start | Next | Failed | Deadline | Wake:
+def decode_shard_message(body: bytes) -> Start | Next | Failed | Deadline | Wake | Signalled:
     """Parse a shard queue message, or raise MessageError naming the fault."""
     _fits(body)
     try:

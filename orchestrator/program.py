@@ -151,6 +151,24 @@ class Sleep(_Model):
     sleep_s: float = Field(gt=0, le=MAX_SLEEP_S, description="seconds to wait, up to 30 days")
 
 
+SIGNAL_NAME = r"^[a-z][a-z0-9_.-]{0,63}$"
+# A signal's data: its step's output, carried in the shard message that takes it.
+MAX_SIGNAL_BYTES = 65536
+
+
+class Signal(_Model):
+    """Waits, holding no worker, for a named signal sent to the program (`shardflow signal`);
+    its output is the signal's data. One sent before the program gets here is kept for it."""
+
+    signal: str = Field(pattern=SIGNAL_NAME, description="the signal's name")
+    timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_SLEEP_S,
+        description="seconds to wait before the step fails (none: wait until cancelled)",
+    )
+
+
 class Untiloop(_Model):
     """A body of steps repeated until `until` holds over its last output."""
 
@@ -233,6 +251,7 @@ _KINDS = {
     "map": "Map",
     "sleep_s": "Sleep",
     "choice": "Choice",
+    "signal": "Signal",
 }
 
 Step = Annotated[
@@ -241,12 +260,14 @@ Step = Annotated[
     | Annotated[Map, Tag("Map")]
     | Annotated[Sleep, Tag("Sleep")]
     | Annotated[Untiloop, Tag("Untiloop")]
-    | Annotated[Choice, Tag("Choice")],
+    | Annotated[Choice, Tag("Choice")]
+    | Annotated[Signal, Tag("Signal")],
     Discriminator(
         _step_kind,
         custom_error_type="step_kind",
         custom_error_message=(
-            "a step needs exactly one of 'task', 'bag', 'map', 'sleep_s', 'until' or 'choice'"
+            "a step needs exactly one of 'task', 'bag', 'map', 'sleep_s', 'until', 'choice' "
+            "or 'signal'"
         ),
     ),
 ]
@@ -270,6 +291,10 @@ class Program(_Model):
     def pools(self) -> set[str]:
         """Every pool the program may send a task to."""
         return _pools(self.steps)
+
+    def signals(self) -> set[str]:
+        """Every signal name the program may wait for."""
+        return _signals(self.steps)
 
 
 def pool_of(step: Task | Bag | Map, index: int | None = None) -> str:
@@ -296,6 +321,19 @@ def _pools(steps: list[Step]) -> set[str]:
             for branch in step.branches():
                 pools |= _pools(branch)
     return pools
+
+
+def _signals(steps: list[Step]) -> set[str]:
+    names: set[str] = set()
+    for step in steps:
+        if isinstance(step, Signal):
+            names.add(step.signal)
+        elif isinstance(step, Untiloop):
+            names |= _signals(step.steps)
+        elif isinstance(step, Choice):
+            for branch in step.branches():
+                names |= _signals(branch)
+    return names
 
 
 def _names(steps: list[Step]) -> set[str]:
@@ -341,7 +379,7 @@ def parse_program(
 def _fault(error: Any) -> str:
     path = ""
     for part in error["loc"]:
-        if part in ("Task", "Bag", "Map", "Sleep", "Untiloop", "Choice"):
+        if part in ("Task", "Bag", "Map", "Sleep", "Untiloop", "Choice", "Signal"):
             continue  # union tags, not part of the user's document
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     message = error["msg"].removeprefix("Value error, ")

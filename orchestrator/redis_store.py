@@ -13,7 +13,15 @@ from redis.commands.core import AsyncScript
 
 from orchestrator.keys import Keys
 from orchestrator.settings import Settings
-from orchestrator.store import Completion, Ended, Recorded, Stored, Verdict
+from orchestrator.store import (
+    MAX_SIGNAL_IDS,
+    MAX_SIGNALS_WAITING,
+    Completion,
+    Ended,
+    Recorded,
+    Stored,
+    Verdict,
+)
 
 
 def _carried(reply: list[str], verdicts: tuple[str, ...]) -> list[str]:
@@ -29,6 +37,10 @@ def _script(client: Redis | RedisCluster, name: str) -> AsyncScript:
 class RedisStore:
     """Redis state of programs (a `Store`). The client is owned by the caller of `connect`."""
 
+    # Bounds of lua/signal.lua (lowered by the model test, to reach them).
+    signals_waiting = MAX_SIGNALS_WAITING
+    signal_ids = MAX_SIGNAL_IDS
+
     def __init__(self, client: Redis | RedisCluster, keys: Keys, retention_ms: int = 0) -> None:
         self.client = client
         self.keys = keys
@@ -41,8 +53,11 @@ class RedisStore:
         self._cancel = _script(client, "cancel")
         self._stash = _script(client, "stash")
         self._purge = _script(client, "purge")
+        self._signal = _script(client, "signal")
+        self._take = _script(client, "take")
         self._scripts: tuple[AsyncScript, ...] = (self._submit, self._advance, self._complete)
         self._scripts += (self._fail, self._cancel, self._stash, self._purge)
+        self._scripts += (self._signal, self._take)
 
     @classmethod
     def connect(cls, settings: Settings) -> RedisStore:
@@ -134,6 +149,19 @@ class RedisStore:
         """Keep large values under the program (see lua/stash.lua)."""
         keys = [self.keys.state(wf), *(self.keys.blob(wf, name) for name in blobs)]
         return await self._stash(keys=keys, args=list(blobs.values())) == "ok"
+
+    async def signal(self, wf: str, name: str, data: str, signal_id: str = "") -> Verdict:
+        """Keep a signal for the program's step of that name (see lua/signal.lua)."""
+        keys = [self.keys.state(wf), self.keys.signals(wf, name), self.keys.signal_ids(wf)]
+        args: list[str | int] = [data, signal_id, self.signals_waiting, self.signal_ids]
+        verdict, detail = await self._signal(keys=keys, args=args)
+        return Verdict(verdict, str(detail), "")
+
+    async def take(self, wf: str, path: str, name: str) -> str:
+        """The signal step at `path` takes its signal (see lua/take.lua)."""
+        keys = [self.keys.state(wf), self.keys.output(wf, path), self.keys.signals(wf, name)]
+        [verdict] = await self._take(keys=keys, args=[path])
+        return str(verdict)
 
     async def blobs(self, wf: str, names: list[str]) -> list[str | None]:
         if not names:

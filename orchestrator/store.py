@@ -27,6 +27,9 @@ class Verdict:
 
 # A report may name at most this many attempts (lua/fail.lua has the same bound).
 MAX_ATTEMPTS = 100
+# Signals of one name a program keeps before its step takes them; signal ids it remembers.
+MAX_SIGNALS_WAITING = 100
+MAX_SIGNAL_IDS = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +130,16 @@ class Store(Protocol):
 
     async def blobs(self, wf: str, names: list[str]) -> list[str | None]:
         """The stashed values, None where one is missing."""
+        ...
+
+    async def signal(self, wf: str, name: str, data: str, signal_id: str = "") -> Verdict:
+        """Keep a signal for the program's step waiting for `name` (lua/signal.lua): verdict
+        kept (status: how many wait now), duplicate, full, ended (status) or missing."""
+        ...
+
+    async def take(self, wf: str, path: str, name: str) -> str:
+        """The signal step at `path` takes its signal (lua/take.lua): taken, waiting, stale
+        or missing."""
         ...
 
     async def outputs(self, wf: str, path: str, size: int | None, limit: int) -> Stored:

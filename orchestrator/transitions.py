@@ -25,6 +25,7 @@ from orchestrator.messages import (
     Deadline,
     Failed,
     Next,
+    Signalled,
     Slot,
     Start,
     TaskMessage,
@@ -37,6 +38,7 @@ from orchestrator.program import (
     Map,
     Member,
     Program,
+    Signal,
     Sleep,
     Task,
     Untiloop,
@@ -112,7 +114,7 @@ def task_messages(
     large input is referred to (the plan says so), and the prev when `prev_ref`: both must be
     stashed first (`Transitions._stash`)."""
     step = leaf.step
-    assert not isinstance(step, Sleep), "a sleep runs no task"
+    assert not isinstance(step, Sleep | Signal), "a sleep or a signal runs no task"
     members: list[Member] = step.bag if isinstance(step, Bag) else [step] * (leaf.size or 1)
     items = leaf.items or ()
     indices = list(range(len(members))) if only is None else [only]
@@ -163,7 +165,7 @@ def _dispatched(outcome: machine.Outcome) -> tuple[str, str, str] | None:
     if not isinstance(outcome, machine.Leaf):
         return None
     kind = type(outcome.step).__name__.lower()
-    if isinstance(outcome.step, Sleep):
+    if isinstance(outcome.step, Sleep | Signal):
         return outcome.path, "timer", kind
     return outcome.path, pool_of(outcome.step), kind
 
@@ -199,7 +201,11 @@ class Transitions:
         self.marks = Marks(store)  # what `explain` and `status` show of failed attempts
 
     async def apply(
-        self, message: Start | Next | Failed | Deadline | Wake, *, redelivered: bool, shard: int
+        self,
+        message: Start | Next | Failed | Deadline | Wake | Signalled,
+        *,
+        redelivered: bool,
+        shard: int,
     ) -> str:
         """Apply one message that arrived on `shard`; return the verdict (applied, replay,
         stale, ...). Raises Poison for a message no retry can help: an unknown program, one
@@ -212,6 +218,10 @@ class Transitions:
         if isinstance(message, Deadline):
             reason = f"deadline of {message.deadline_s}s exceeded"
             return await end_program(self.store, self.bus, message.wf, "failed", reason)
+        if isinstance(message, Signalled):
+            verdict = await self._signalled(message, plan)
+            self.counts[verdict] += 1
+            return verdict
         if isinstance(message, Start):
             expected = ""
             if plan.evaluates:  # a map first: its items come from CEL (see _following)
@@ -224,7 +234,7 @@ class Transitions:
                 following = await self._following(message, plan)
             else:
                 following = await self._woken(message, plan)
-            if isinstance(following, str):  # a step long gone, or a sleep not yet due
+            if isinstance(following, str):  # a step long gone, a sleep not yet due, a signal
                 self.counts[following] += 1
                 return following
             outcome = following
@@ -310,6 +320,8 @@ class Transitions:
         "stale" once the program is elsewhere. The wake is only a hint: when the step began
         and what it passes on are read from Redis, so a forged or early wake changes nothing."""
         step = machine.leaf_at(plan.program, message.path)
+        if isinstance(step, Signal):
+            return await self._timed_out(message, plan, step)
         if not isinstance(step, Sleep):
             raise Poison(f"{message.wf}: step {message.path} is not a sleep")
         state = await self.store.state(message.wf)
@@ -328,6 +340,46 @@ class Transitions:
         if plan.evaluates:
             return await asyncio.to_thread(machine.after, *args)
         return machine.after(*args)
+
+    async def _signalled(self, message: Signalled, plan: Plan) -> str:
+        """A signal was kept for the program: the step at the cursor takes it if it waits for
+        that name ("taken"); else it stays kept for the step that will ("kept")."""
+        state = await self.store.state(message.wf)
+        cursor = state.get("cursor", "")
+        if state.get("status") != "running" or state.get("leaf") != "signal":
+            return "kept"
+        step = machine.leaf_at(plan.program, cursor)
+        if not isinstance(step, Signal) or step.signal != message.name:
+            return "kept"
+        return await self._take(message.wf, plan, cursor, step)
+
+    async def _take(self, wf: str, plan: Plan, path: str, step: Signal) -> str:
+        """The signal step at `path` takes its signal, if one is kept: its data is then the
+        step's output in Redis, and the owner tells itself the step is done (a `next` it reads
+        from Redis, so a crash anywhere replays the same data and never takes a second)."""
+        verdict = await self.store.take(wf, path, step.signal)
+        if verdict == "taken":
+            await self.bus.publish_to_shard(plan.owner, encode(Next(wf=wf, path=path, stored=True)))
+        return verdict
+
+    async def _timed_out(self, message: Wake, plan: Plan, step: Signal) -> machine.Outcome | str:
+        """A signal step's timer: early, it is sent on for what is left; due, the step takes a
+        signal kept meanwhile, or fails the program."""
+        state = await self.store.state(message.wf)
+        if state.get("status") != "running" or state.get("cursor") != message.path:
+            return "stale"
+        assert step.timeout_s is not None, "a signal without a timeout sets no timer"
+        began_ms = int(state.get("updated_ms") or 0)
+        delay_ms = ladder_floor_ms(began_ms / 1000 + step.timeout_s - time.time())
+        if delay_ms > 0:
+            await self.bus.publish_to_shard_later(plan.owner, encode(message), delay_ms / 1000)
+            return "waiting"
+        verdict = await self._take(message.wf, plan, message.path, step)
+        if verdict != "waiting":
+            return verdict  # taken just in time (or the program moved on)
+        return machine.Failed(
+            f"step {message.path}: signal {step.signal!r} not received within {step.timeout_s}s"
+        )
 
     async def _map_size(self, wf: str, path: str) -> int:
         """A map's number of items, as advance.lua recorded its leaf (`bag:<size>`); 0 when
@@ -364,8 +416,9 @@ class Transitions:
         """Apply the retry policy: a verdict when the task is tried again (or the report is
         stale), else the program's failure, with every attempt's error."""
         step = machine.leaf_at(plan.program, message.path)
-        if isinstance(step, Sleep):
-            raise Poison(f"{message.wf}: step {message.path} is a sleep: no task to fail")
+        if isinstance(step, Sleep | Signal):
+            kind = type(step).__name__.lower()
+            raise Poison(f"{message.wf}: step {message.path} is a {kind}: no task to fail")
         if isinstance(step, Bag):
             if message.index is None or not 0 <= message.index < len(step.bag):
                 raise machine.PathError(f"{message.path}: no bag member {message.index}")
@@ -424,8 +477,8 @@ class Transitions:
     async def _advance(self, wf: str, plan: Plan, expected: str, outcome: machine.Outcome) -> Any:
         if isinstance(outcome, machine.Leaf):
             leaf = "task" if outcome.size is None else f"bag:{outcome.size}"
-            if isinstance(outcome.step, Sleep):
-                leaf = "sleep"
+            if isinstance(outcome.step, Sleep | Signal):
+                leaf = type(outcome.step).__name__.lower()
             drop = machine.dropped(plan.program, expected, outcome.path)
             return await self.store.advance(
                 wf, expected, outcome.path, "running", leaf=leaf, drop=drop
@@ -441,6 +494,9 @@ class Transitions:
             if isinstance(outcome.step, Sleep):
                 await self._sleep(wf, plan, outcome)
                 return
+            if isinstance(outcome.step, Signal):
+                await self._await_signal(wf, plan, outcome, outcome.step)
+                return
             if outcome.size == 0:  # a map over no items: done at once, by its owner
                 body = encode(Next(wf=wf, path=outcome.path, output=[]))
                 await self.bus.publish_to_shard(plan.owner, body, priority)
@@ -452,6 +508,14 @@ class Transitions:
             by_pool = task_messages(wf, plan, outcome, prev_ref=prev_ref, chunk_for=self.chunk_for)
             for pool, bodies in by_pool.items():
                 await self.bus.publish_all(pool, bodies, priority)
+
+    async def _await_signal(self, wf: str, plan: Plan, leaf: machine.Leaf, step: Signal) -> None:
+        """Start waiting for a signal: one kept already is taken now; else its timer is set."""
+        verdict = await self._take(wf, plan, leaf.path, step)
+        if verdict == "waiting" and step.timeout_s is not None:
+            delay_s = max(ladder_floor_ms(step.timeout_s), 1) / 1000
+            body = encode(Wake(wf=wf, path=leaf.path))
+            await self.bus.publish_to_shard_later(plan.owner, body, delay_s)
 
     async def _sleep(self, wf: str, plan: Plan, leaf: machine.Leaf) -> None:
         """Start a sleep: keep what it passes on in Redis, and send its wake, delayed. The

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
@@ -12,17 +13,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.bus import NEW, Bus, Publisher
-from orchestrator.documents import check_input
+from orchestrator.documents import check_input, check_value
 from orchestrator.ending import end_program
 from orchestrator.keys import check_workflow_id
 from orchestrator.marks import Marks, now_ms
-from orchestrator.messages import Start, encode
-from orchestrator.program import Program, ProgramError, parse_program
+from orchestrator.messages import Signalled, Start, encode
+from orchestrator.program import (
+    MAX_SIGNAL_BYTES,
+    SIGNAL_NAME,
+    Program,
+    ProgramError,
+    parse_program,
+)
 from orchestrator.settings import Settings
 from orchestrator.store import TERMINAL, Store
 from router import explain as explaining
 from router import listing
 from router.hashing import shard_for
+
+SIGNAL_PATTERN = re.compile(SIGNAL_NAME)
+MAX_SIGNAL_ID = 200
 
 Progress = Callable[[dict[str, Any]], Awaitable[None] | None]
 
@@ -108,6 +118,55 @@ class Router:
         if found.status == "pending":
             await self.bus.publish_to_shard(found.owner, encode(Start(wf=wf)), NEW)
         return Submitted(wf, found.owner, found.created, found.status)
+
+    async def signal(
+        self, workflow_id: str, name: str, data: Any = None, signal_id: str | None = None
+    ) -> dict[str, Any]:
+        """Send a signal to a program: kept for its signal step of that `name` (the one waiting
+        now, or the next to wait for it), whose output `data` becomes. With a `signal_id`, a
+        resend of the same id is no second signal. Raises LookupError (no such program) or
+        ValueError (a bad name, data or id, no such signal step, an ended program, too many
+        signals waiting), naming the fault."""
+        if self.bus is None:
+            raise RuntimeError("Router needs a bus to signal")
+        check_workflow_id(workflow_id)
+        if not SIGNAL_PATTERN.fullmatch(name):
+            raise ValueError(
+                f"{name[:80]!r} is not a signal name: 1-64 of a-z, 0-9, '_', '.' or '-', "
+                "starting with a letter"
+            )
+        if signal_id is not None and not 0 < len(signal_id) <= MAX_SIGNAL_ID:
+            raise ValueError(f"a signal id has 1 to {MAX_SIGNAL_ID} characters")
+        check_value(data, "signal data", MAX_SIGNAL_BYTES)  # a ProgramError is a ValueError
+        plan = await self._plan(workflow_id)
+        if plan is None:
+            raise LookupError(f"no program {workflow_id!r}")
+        names = parse_program(plan["program"], max_bytes=1 << 30).signals()
+        if name not in names:
+            waits = ", ".join(map(repr, sorted(names))) or "none"
+            raise ValueError(
+                f"program {workflow_id!r} has no signal step {name!r} (its signals: {waits})"
+            )
+        text = json.dumps(data, ensure_ascii=False)
+        kept = await self.store.signal(workflow_id, name, text, signal_id or "")
+        if kept.verdict == "missing":
+            raise LookupError(f"no program {workflow_id!r}")
+        if kept.verdict == "ended":
+            raise ValueError(f"program {workflow_id!r} has ended ({kept.status}): not signalled")
+        if kept.verdict == "full":
+            raise ValueError(
+                f"program {workflow_id!r} has {kept.status} {name!r} signals waiting already: "
+                "not kept"
+            )
+        # Sent again for a duplicate too: the first send's message may be the one lost.
+        owner = int(plan["owner"])
+        await self.bus.publish_to_shard(owner, encode(Signalled(wf=workflow_id, name=name)))
+        return {
+            "workflow_id": workflow_id,
+            "signal": name,
+            "duplicate": kept.verdict == "duplicate",
+            "waiting": int(kept.status) if kept.verdict == "kept" else None,
+        }
 
     async def cancel(self, workflow_id: str, reason: str = "cancelled") -> dict[str, Any]:
         """Cancel a program: no further step is dispatched, running tasks are told to stop."""

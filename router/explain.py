@@ -23,6 +23,7 @@ from orchestrator.program import (
     Map,
     Program,
     ProgramError,
+    Signal,
     Sleep,
     Step,
     Task,
@@ -43,6 +44,10 @@ def _plan_program(raw: Any) -> Program | None:
         return None
 
 
+# What a cursor may point at.
+Leafy = Task | Bag | Map | Sleep | Signal
+
+
 @dataclass(frozen=True, slots=True)
 class Loop:
     path: str
@@ -54,7 +59,7 @@ class Loop:
 class Where:
     """The step a cursor names: the task or bag, and the loops around it (outermost first)."""
 
-    step: Task | Bag | Map | Sleep
+    step: Leafy
     loops: list[Loop]
     top: int  # the top-level step it belongs to, from 0
 
@@ -96,8 +101,8 @@ def locate(program: Program, path: str) -> Where | None:
     return None
 
 
-def _members(step: Task | Bag | Map | Sleep, leaf: str) -> list[tuple[int | None, Any]]:
-    if isinstance(step, Sleep):
+def _members(step: Leafy, leaf: str) -> list[tuple[int | None, Any]]:
+    if isinstance(step, Sleep | Signal):
         return []
     if isinstance(step, Bag):
         return list(enumerate(step.bag))
@@ -202,7 +207,7 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
         here_errors: dict[str, str] = answers[1] or {}
         done_marker = answers[2]
         listed = _members(where.step, state.get("leaf") or "")
-        if isinstance(where.step, Sleep):
+        if isinstance(where.step, Sleep | Signal):
             done = []
         elif not isinstance(where.step, Task):
             members = {as_int(i) for i in done_marker or ()}
@@ -211,7 +216,7 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
             done = [0] if done_marker else []
         tasks = []
         leaf = where.step
-        for index, member in listed:  # none for a sleep
+        for index, member in listed:  # none for a sleep or a signal
             position = 0 if index is None else index
             failed = _failed(here_errors, index)
             mark = _mark(marks.get(attempt_field(cursor, index), ""))
@@ -220,7 +225,7 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
                 {
                     "index": index,
                     "task": member.task,
-                    "pool": "" if isinstance(leaf, Sleep) else pool_of(leaf, index),
+                    "pool": "" if isinstance(leaf, Sleep | Signal) else pool_of(leaf, index),
                     "done": position in done,
                     "attempt": (max(f["attempt"] for f in failed) + 1) if failed else 0,
                     "max_attempts": retry.max_attempts if retry else 1,
@@ -235,6 +240,7 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
             "kind": _kind(where.step),
             "pool": _pool(where.step),  # a bag's own; a member may name another
             "wakes_ms": _wakes_ms(where.step, updated),
+            "signal": where.step.signal if isinstance(where.step, Signal) else None,
             "tasks": tasks,
             "size": len(tasks),
             "done": len(done),
@@ -248,20 +254,23 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
     return found
 
 
-def _kind(step: Task | Bag | Map | Sleep) -> str:
+def _kind(step: Leafy) -> str:
     return type(step).__name__.lower()
 
 
-def _pool(step: Task | Bag | Map | Sleep) -> str | None:
-    if isinstance(step, Sleep):
+def _pool(step: Leafy) -> str | None:
+    if isinstance(step, Sleep | Signal):
         return None  # a timer in the broker: no pool
     return pool_of(step)
 
 
-def _wakes_ms(step: Task | Bag | Map | Sleep, began_ms: int | None) -> int | None:
-    if not isinstance(step, Sleep) or began_ms is None:
+def _wakes_ms(step: Leafy, began_ms: int | None) -> int | None:
+    """When a sleep is due, or a signal step times out."""
+    if began_ms is None:
         return None
-    return began_ms + round(step.sleep_s * 1000)
+    if isinstance(step, Signal) and step.timeout_s is not None:
+        return began_ms + round(step.timeout_s * 1000)
+    return began_ms + round(step.sleep_s * 1000) if isinstance(step, Sleep) else None
 
 
 def _split_field(name: str) -> tuple[str, int | None]:
@@ -304,7 +313,7 @@ def _task_name(where: Where | None, index: int | None) -> str | None:
     if isinstance(where.step, Bag):
         inside = index is not None and 0 <= index < len(where.step.bag)
         return where.step.bag[index].task if inside else None  # type: ignore[index]
-    return None if isinstance(where.step, Sleep) else where.step.task
+    return None if isinstance(where.step, Sleep | Signal) else where.step.task
 
 
 def elapsed(state: dict[str, str], now_ms: float | None = None) -> dict[str, float | None]:
@@ -393,7 +402,7 @@ async def explain(store: Store, bus: Bus | None, wf: str) -> dict[str, Any] | No
 def _retry_delay(where: Where, task: dict[str, Any]) -> float | None:
     index = task["index"]
     member = where.step.bag[index] if isinstance(where.step, Bag) else where.step
-    if isinstance(member, Sleep) or member.retry is None or not task["failed"]:
+    if isinstance(member, Sleep | Signal) or member.retry is None or not task["failed"]:
         return None
     return member.retry.delay_s(task["failed"][-1]["attempt"])
 
@@ -459,10 +468,17 @@ def _waiting_for(report: dict[str, Any], *, cursor: str, now: float) -> str:
     step = report["step"]
     if step is None:
         return f"nothing it can name: its cursor {clean(cursor, 200)!r} is not a step of its plan"
-    if step["kind"] == "sleep" and step["wakes_ms"] is not None:
-        due = step["wakes_ms"]
-        when = f"in {_span((due - now) / 1000)}" if due > now else "due now"
+    due = step["wakes_ms"]
+    when = "" if due is None else f"in {_span((due - now) / 1000)}" if due > now else "due now"
+    if step["kind"] == "sleep" and due is not None:
         return f"its timer: step {step['path']} sleeps until {_clock(due)} ({when})"
+    if step["kind"] == "signal":
+        name = step["signal"]
+        until = "" if due is None else f"; it times out at {_clock(due)} ({when})"
+        return (
+            f"a signal {name!r} at step {step['path']}: send it with "
+            f"`shardflow signal {report['workflow_id']} {name} --data JSON`{until}"
+        )
     open_tasks = [t for t in step["tasks"] if not t["done"]]
     if not open_tasks:
         return f"shard {report['owner']} to take in that step {step['path']} is done"
@@ -536,6 +552,8 @@ def explain_text(report: dict[str, Any], now_ms: float | None = None) -> str:
             kind = f"a map of task {step['tasks'][0]['task']!r} over {step['size']} item(s)"
         elif step["kind"] in ("map", "sleep"):
             kind = "a map over no items" if step["kind"] == "map" else "a sleep"
+        elif step["kind"] == "signal":
+            kind = f"a wait for signal {step['signal']!r}"
         else:
             kind = f"a bag of {step['size']}"
         where = f" on the {step['pool']} pool" if step["pool"] else ""

@@ -1,9 +1,12 @@
 """`shardflow router`: submits programs that arrive as messages on the ingress queue.
 
-Body: `{"program": {...}, "input": ..., "workflow_id": "..."}` (input and id optional).
-With `reply_to` set, the answer goes there with the same `correlation_id`:
-`{"workflow_id", "shard", "created", "status"}`, or `{"error": "..."}` for a refused request,
-which is also parked in the dead-letter queue with the reason.
+Body: `{"program": {...}, "input": ..., "workflow_id": "..."}` (input and id optional), or a
+signal: `{"signal": NAME, "workflow_id": "...", "data": ..., "signal_id": "..."}` (data and
+signal id optional; without one, the id derives from the message, so a redelivery is no second
+signal). With `reply_to` set, the answer goes there with the same `correlation_id`:
+`{"workflow_id", "shard", "created", "status"}` (a signal: `{"workflow_id", "signal",
+"duplicate", "waiting"}`), or `{"error": "..."}` for a refused request, which is also parked
+in the dead-letter queue with the reason.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import hashlib
 import json
 import logging
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -38,6 +41,17 @@ class Request(BaseModel):
     program: dict[str, Any]
     input: Any = None
     workflow_id: str | None = None
+
+
+class SignalRequest(BaseModel):
+    """One signal for a program's signal step."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    signal: str
+    workflow_id: str
+    data: Any = None
+    signal_id: str | None = None
 
 
 class Ingress(Service):
@@ -97,7 +111,17 @@ class Ingress(Service):
             try:
                 request = Request.model_validate_json(delivery.body)
             except ValidationError as exc:
-                raise Poison(first_error(exc, root="request")) from None
+                fault = first_error(exc, root="request")
+                try:
+                    document = parse_document(
+                        delivery.body, what="request", max_bytes=len(delivery.body)
+                    )
+                except ProgramError:
+                    document = None
+                if not isinstance(document, dict) or "signal" not in document:
+                    raise Poison(fault) from None
+                await self._signal(document, derived_id(message_id, delivery.body), answer)
+                return
             # pydantic keeps the last of two equal keys; the program format refuses them.
             parse_document(delivery.body, what="request", max_bytes=len(delivery.body))
             workflow_id = request.workflow_id or derived_id(message_id, delivery.body)
@@ -113,6 +137,26 @@ class Ingress(Service):
                     "status": submitted.status,
                 }
             )
+
+    async def _signal(
+        self,
+        document: dict[str, Any],
+        derived: str,
+        answer: Callable[[dict[str, Any]], Awaitable[None]],
+    ) -> None:
+        try:
+            request = SignalRequest.model_validate(document)
+        except ValidationError as exc:
+            raise Poison(first_error(exc, root="request")) from None
+        logs.bind(workflow_id=request.workflow_id)
+        try:
+            sent = await self.router.signal(
+                request.workflow_id, request.signal, request.data, request.signal_id or derived
+            )
+        except (LookupError, ValueError) as exc:
+            raise Poison(f"signal: {exc}") from None
+        self.counts["signal duplicate" if sent["duplicate"] else "signal kept"] += 1
+        await answer(sent)
 
 
 def derived_id(message_id: str | None, body: bytes) -> str:

@@ -178,6 +178,19 @@ end""",
         'prefix=f"{path}/case:0/"',
         (MACHINE,),
     ),
+    # Signal steps: a replay that takes a second signal, a resend under the same id kept again.
+    "take-twice": (
+        "lua/take.lua",
+        'if redis.call("EXISTS", KEYS[2]) == 1 then\n  return {"taken"}\nend\n',
+        "",
+        (MACHINE, DIFFERENTIAL),
+    ),
+    "signal-ids-ignored": (
+        "lua/signal.lua",
+        'if ARGV[2] ~= "" and redis.call("ZSCORE", KEYS[3], ARGV[2]) then',
+        "if false then",
+        (MACHINE, DIFFERENTIAL),
+    ),
 }
 
 

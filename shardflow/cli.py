@@ -25,7 +25,12 @@ from orchestrator.documents import parse_input
 from orchestrator.health import serving
 from orchestrator.keys import check_workflow_id
 from orchestrator.owner import Orchestrator, ShardError
-from orchestrator.program import ProgramError, check_pool_name, program_schema
+from orchestrator.program import (
+    MAX_SIGNAL_BYTES,
+    ProgramError,
+    check_pool_name,
+    program_schema,
+)
 from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
 from orchestrator.store import TERMINAL
@@ -126,6 +131,22 @@ def _parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="print a program's status as JSON")
     status.add_argument("id")
     _inspection_commands(commands)
+
+    signal = commands.add_parser(
+        "signal",
+        help="send a signal to a program's signal step; prints what became of it",
+        description='Send a signal to a program: its step {"signal": NAME} waiting now takes '
+        "it, or the next such step will (signals of one name are taken in the order sent). The "
+        "step's output is the signal's data. Refused, with the reason, for a program that has "
+        "ended or has no signal step of that name.",
+    )
+    signal.add_argument("id", help="the workflow id")
+    signal.add_argument("name", help="the signal's name, as its step names it")
+    signal.add_argument("--data", default="null", help="the signal's data, as JSON (64 KiB)")
+    signal.add_argument(
+        "--signal-id",
+        help="an id for this signal: sending the same id again is no second signal (for retries)",
+    )
 
     cancel = commands.add_parser(
         "cancel", help="cancel a program: no further step runs, running tasks are stopped"
@@ -494,6 +515,21 @@ async def _explain(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+async def _signal(settings: Settings, args: argparse.Namespace) -> int:
+    _check_id(args.id)
+    data = parse_input(args.data, max_bytes=MAX_SIGNAL_BYTES)
+    async with connected(settings, "shardflow-signal") as (store, bus):
+        router = Router(settings, store=store, bus=bus)
+        try:
+            sent = await router.signal(args.id, args.name, data, args.signal_id)
+        except LookupError as exc:
+            raise CliError(str(exc), EXIT_FAILED) from None
+        except ValueError as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
+    _print(json.dumps(sent))
+    return 0
+
+
 async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
     _check_id(args.id)
     async with connected(settings, "shardflow-cancel") as (store, bus):
@@ -575,6 +611,7 @@ _COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Coroutine[Any, Any
     "status": _status,
     "list": _list,
     "explain": _explain,
+    "signal": _signal,
     "cancel": _cancel,
     "purge": _purge,
     "dead": _dead,

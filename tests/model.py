@@ -28,6 +28,12 @@ def output_of(path: str, index: int | None) -> dict[str, int]:
 TIMEOUT_S = 0.001
 
 
+def signal_data(path: str) -> dict[str, str]:
+    """The data of the signal the signal step at `path` must take: signals are taken in the
+    order sent, so the property test sends them in the order the model runs the steps."""
+    return {"signal": path}
+
+
 def attempt_error(kind: str, attempt: int) -> str:
     """The error a failing attempt of `flaky` reports (the worker's wording for a timeout)."""
     if kind == "timeout":
@@ -93,6 +99,7 @@ def _bag(members: list[dict[str, Any]], chunk: int, pool: str | None) -> dict[st
 # Shorter than Redis's clock step (1 ms): a wake is always due when it comes, so the state
 # machine never depends on real time (hypothesis replays a case and must see the same run).
 SLEEP_S = 0.0001
+SIGNAL = "go"
 # A map's list: `k` items more than the loop's iteration (outside loops: k), at most 5.
 MAP_LIST = "[0, 1, 2, 3, 4].filter(x, x < iteration + {k})"
 
@@ -142,8 +149,10 @@ def steps(
     mapped = _maps(member)
     # A durable timer: its output is its prev. Kept tiny, as the property test waits for it.
     sleep = st.just({"sleep_s": SLEEP_S})
-    # `newer`: mostly maps and sleeps, in loops (with waits) more often, for their bugs.
-    kinds = [mapped, mapped, sleep, task] if newer else [task, bag, mapped, sleep]
+    # Waits for a signal, which the property test sends at any time (see `signal_data`).
+    signal = st.just({"signal": SIGNAL})
+    # `newer`: mostly maps, sleeps and signals, in loops (with waits) more often, for their bugs.
+    kinds = [mapped, mapped, sleep, signal, task] if newer else [task, bag, mapped, sleep, signal]
     if depth < 2:
         kinds.append(untiloops(depth + 1, max_bag, fail_rate, faults, newer))
         kinds.append(choices(depth + 1, max_bag, fail_rate, faults, newer))
@@ -218,6 +227,8 @@ class Expected:
     errors: list[str] = field(default_factory=list)
     # (path, bag index or None) -> the attempts a member may have, for every leaf it runs
     attempts: dict[tuple[str, int | None], int] = field(default_factory=dict)
+    # The signal steps it runs, in order: each takes the next signal sent (signal_data).
+    signals: list[str] = field(default_factory=list)
 
     def position(self, path: str) -> int:
         return [leaf for leaf, _ in self.leaves].index(path)
@@ -254,6 +265,10 @@ def _run(steps: list[Any], prev: Any, prefix: str, expected: Expected, iteration
             prev = _run(branch, prev, f"{path}/case:{k}/", expected, iteration)
         elif "sleep_s" in step:
             expected.leaves.append((path, 0))  # a leaf that runs no task; prev goes on
+        elif "signal" in step:
+            expected.leaves.append((path, 1))  # done when it took its signal
+            expected.signals.append(path)
+            prev = signal_data(path)
         elif "map" in step:
             size = _items(step["map"], iteration)
             if size > step["max_items"]:

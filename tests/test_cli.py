@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -288,3 +289,35 @@ async def test_poison_messages_are_parked_with_their_reason_and_listed(
 def test_cancel_of_an_unknown_program_exits_1(settings: Settings) -> None:
     result = shardflow("cancel", "nothing-here", env=environment(settings))
     assert (result.returncode, result.stderr) == (1, "shardflow: no program 'nothing-here'\n")
+
+
+def test_the_approval_example_waits_for_its_signal(dev: dict[str, str]) -> None:
+    # As the README shows it: submit, then a person's decision arrives as a signal.
+    example = str(EXAMPLE.parent / "approval.json")
+    started = shardflow("submit", example, "--id", "refund-7", "--input",
+                        '{"order": 7, "amount": 25.0}', env=dev)  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    waiting = shardflow("explain", "refund-7", env=dev)
+    deadline = time.monotonic() + 30
+    while "Waiting for: a signal 'approval'" not in waiting.stdout:
+        assert time.monotonic() < deadline, waiting.stdout
+        time.sleep(0.2)
+        waiting = shardflow("explain", "refund-7", env=dev)
+    sent = shardflow("signal", "refund-7", "approval", "--data",
+                     '{"approved": true, "by": "ann"}', env=dev)  # fmt: skip
+    assert sent.returncode == 0, sent.stderr
+    assert json.loads(sent.stdout) == {
+        "workflow_id": "refund-7", "signal": "approval", "duplicate": False, "waiting": 1
+    }  # fmt: skip
+    order = '{"order": 7, "amount": 25.0}'
+    done = shardflow(
+        "submit", example, "--id", "refund-7", "--input", order, "--wait", "--timeout", "30",
+        env=dev,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"paid": 25.0, "order": 7, "by": "ann"}
+    refused = shardflow("signal", "refund-7", "approval", env=dev)
+    assert refused.returncode == 2
+    assert "has ended (completed): not signalled" in refused.stderr
+    unknown = shardflow("signal", "nobody", "approval", env=dev)
+    assert (unknown.returncode, unknown.stderr.strip()) == (1, "shardflow: no program 'nobody'")

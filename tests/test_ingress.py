@@ -80,3 +80,28 @@ async def test_requests_are_submitted_and_bad_ones_refused_with_the_fault(
     reasons = sorted(headers["x-shardflow-reason"] for headers, _ in parked)
     assert len(reasons) == 6
     assert sorted(a["error"] for a in answers if "error" in a) == reasons
+
+
+async def test_signals_arrive_through_the_ingress_once_per_message(
+    ingress: Router, settings: Settings
+) -> None:
+    program = {"steps": [{"signal": "go"}, {"task": "add", "args": {"n": 1}}]}
+    wf = (await ingress.submit(program)).workflow_id
+    # Sent twice with one signal id: one signal. (Without one, the id derives from the AMQP
+    # message, so a redelivery of the same message is no second signal either.)
+    signal = json.dumps({"signal": "go", "workflow_id": wf, "data": 41, "signal_id": "once"})
+    answers = await ask(
+        settings,
+        [
+            signal.encode(),
+            signal.encode(),
+            json.dumps({"signal": "stop", "workflow_id": wf}).encode(),
+            json.dumps({"signal": "go", "workflow_id": wf, "extra": 1}).encode(),
+        ],
+    )
+    assert answers[0] == {"workflow_id": wf, "signal": "go", "duplicate": False, "waiting": 1}
+    assert answers[1]["duplicate"] is True
+    assert answers[2]["error"].startswith(f"signal: program {wf!r} has no signal step 'stop'")
+    assert answers[3]["error"] == "extra: Extra inputs are not permitted"
+    status = await ingress.wait(wf, timeout_s=30)
+    assert status["status"] == "completed" and status["result"] == 42

@@ -49,7 +49,7 @@ from orchestrator.settings import Settings
 from orchestrator.store import TERMINAL, Completion, Ended, Store, Verdict
 from orchestrator.transitions import Plans, Transitions
 from router.client import Router
-from tests.model import Expected, expect, output_of, programs
+from tests.model import SIGNAL, Expected, expect, output_of, programs, signal_data
 from worker.context import TaskContext
 from worker.pool import Worker
 from worker.registry import Registry
@@ -189,6 +189,15 @@ class RecordingStore:
                 self.violations.append(f"{wf} {path}: barrier fired before all {size} finished")
         return completion
 
+    async def take(self, wf: str, path: str, name: str) -> str:
+        verdict = await self.inner.take(wf, path, name)
+        if verdict == "taken":  # each signal step takes its own signal, once
+            stored = (await self.inner.outputs(wf, path, None, 1 << 20)).values
+            if stored != [json.dumps(signal_data(path))]:
+                self.violations.append(f"{wf} {path}: took {stored}, not its own signal")
+            self.recorded[(wf, path)].add(0)
+        return verdict
+
     async def advance(
         self, wf: str, expected: str, cursor: str, status: str, *args: str, **kwargs: str
     ) -> Verdict:
@@ -242,6 +251,8 @@ class Cluster(RuleBasedStateMachine):
         self.history: list[Envelope] = []
         self.cancels_left = 0
         self.interleavings_left = 0
+        self.signals: dict[str, list[str]] = {}  # per program, the signal steps not sent yet
+        self.sent: Counter[str] = Counter()
         self.gate: asyncio.Event | None = None  # while set up, every handler waits on it
         self.held = 0
         self.all_held = asyncio.Event()  # set when `expect_held` handlers wait at the gate
@@ -405,6 +416,7 @@ class Cluster(RuleBasedStateMachine):
         for program in drawn:
             wf = f"w{uuid.uuid4().hex[:8]}"
             self.expected[wf] = expect(program)
+            self.signals[wf] = list(self.expected[wf].signals)
             self.programs[wf] = parse_program(program)
             self.run(self.router.submit(program, None, wf))
 
@@ -602,7 +614,30 @@ class Cluster(RuleBasedStateMachine):
         self.history.append(envelope)
         return mark
 
+    @precondition(lambda self: any(self.signals.values()))
+    @rule(data=st.data(), resend=st.booleans())
+    def signal(self, data: st.DataObject, resend: bool) -> None:
+        """Send a program its next signal (before or after it waits for it), or send the last
+        one again under its id, with other data: that must be no second signal."""
+        waiting = sorted(wf for wf, left in self.signals.items() if left)
+        wf = data.draw(st.sampled_from(waiting), label="program")
+        if resend and self.sent[wf]:
+            self._signal(wf, self.sent[wf] - 1, {"signal": "sent again"})
+        else:
+            self._signal(wf, self.sent[wf], signal_data(self.signals[wf].pop(0)))
+            self.sent[wf] += 1
+
+    def _signal(self, wf: str, n: int, data: Any) -> None:
+        try:
+            self.run(self.router.signal(wf, SIGNAL, data, signal_id=f"{wf}:{n}"))
+        except ValueError as exc:  # it ended (failed, cancelled) before needing it
+            assert "has ended" in str(exc), exc
+
     def _drain(self) -> None:
+        for wf, left in self.signals.items():  # every signal the programs wait for
+            while left:
+                self._signal(wf, self.sent[wf], signal_data(left.pop(0)))
+                self.sent[wf] += 1
         # A correct system needs about one delivery per message it still owes; allow plenty.
         owed = sum(
             2 * sum(expected.attempts.values()) + len(expected.leaves) + 2

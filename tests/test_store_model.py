@@ -32,6 +32,7 @@ PLANS = [
 BIG = json.dumps("b" * 65536)
 OUTPUTS = st.sampled_from(['"x"', "1", "[1, 2]", '{"v": 3}'] * 4 + [BIG])
 RETENTION_MS = 3_600_000
+SIGNALS = ["go", "stop"]
 
 
 def _outputs(size: int) -> st.SearchStrategy[dict[int | None, str]]:
@@ -67,7 +68,7 @@ def calls(cursors: dict[str, str]) -> st.SearchStrategy[Call]:
             st.sampled_from(["", *PATHS]),
             st.sampled_from(["running"] * 4 + ["completed", "failed"]),
             st.sampled_from([("", ""), ("result", "7"), ("error", "boom")]),
-            st.sampled_from(["", "task", "bag:0", "bag:1", "bag:2", "bag:3", "sleep"]),
+            st.sampled_from(["", "task", "bag:0", "bag:1", "bag:2", "bag:3", "sleep", "signal"]),
             # a loop iteration dropped as the loop moves on (keys under 2/iter:0/ go)
             st.sampled_from(["", "", "", "2/iter:0/", "2/iter:1/", "1"]),
         )
@@ -111,8 +112,18 @@ def calls(cursors: dict[str, str]) -> st.SearchStrategy[Call]:
             st.sampled_from(["completed,failed,cancelled", "cancelled", "completed"]),
             st.sampled_from([0, 2**62]),
         )
+        signal = st.builds(
+            lambda name, data, signal_id: ("signal", (wf, name, data, signal_id)),
+            st.sampled_from(SIGNALS),
+            st.sampled_from(['"d1"', '"d2"', "3"]),
+            st.sampled_from(["", "", "i1", "i2", "i3"]),
+        )
+        take = st.builds(
+            lambda path, name: ("take", (wf, path, name)), at(wf, PATHS), st.sampled_from(SIGNALS)
+        )
         # Weighted toward the moves that change a live program; a cancel ends it.
         moves = {"advance": advance(wf), "record": record(wf), "fail": fail}
+        moves |= {"signal": signal, "take": take}
         others = {"submit": submit, "track": track, "cancel": cancel}
         others |= {"stash": stash, "purge": purge}
         kinds = [*moves] * 4 + [*others]
@@ -135,7 +146,7 @@ def again(call: Call) -> Call:
 
 
 async def dump(client: Redis, prefix: str) -> tuple[dict[str, Any], set[str]]:
-    """Every key under the prefix, as the model holds it (hash, set or string), and the keys
+    """Every key under the prefix, as the model holds it (hash, set, string or list), and the keys
     that carry an expiry."""
     keys = [key async for key in client.scan_iter(match=f"{prefix}:*", count=1000)]
     async with client.pipeline(transaction=False) as pipe:
@@ -144,7 +155,10 @@ async def dump(client: Redis, prefix: str) -> tuple[dict[str, Any], set[str]]:
         kinds = await pipe.execute()
         read = {"hash": pipe.hgetall, "set": pipe.smembers, "string": pipe.get}
         for key, kind in zip(keys, kinds, strict=True):
-            read[kind](key)
+            if kind in ("list", "zset"):  # the model keeps a sorted set's members in order
+                getattr(pipe, "lrange" if kind == "list" else "zrange")(key, 0, -1)
+            else:
+                read[kind](key)
         values = await pipe.execute()
         for key in keys:
             pipe.pttl(key)
@@ -182,6 +196,8 @@ def test_the_model_and_the_lua_give_the_same_verdicts_and_state(
         keys = Keys(f"{base}-{uuid.uuid4().hex[:8]}")
         real: Store = RedisStore(client, keys, RETENTION_MS)
         model = MemoryStore(keys, retention_ms=RETENTION_MS)
+        for store in (real, model):  # low bounds, so that drawn calls reach them
+            store.signals_waiting, store.signal_ids = 2, 2  # type: ignore[attr-defined]
         # Two programs submitted and started, so that most drawn calls meet a live one.
         prelude: list[Call] = [
             ("submit", ("a", PLANS[0], 1, "x", "d1")),

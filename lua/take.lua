@@ -1,0 +1,29 @@
+-- take.lua: the signal step at the program's cursor takes the first signal kept for its name,
+-- once: the data becomes the step's output, recorded like a task's.
+-- KEYS[1]  state hash           <prefix>:{<wf>}:state
+-- KEYS[2]  the step's output    <prefix>:{<wf>}:out:<path>
+-- KEYS[3]  the signal's list    <prefix>:{<wf>}:sig:<name>
+-- ARGV[1]  the step's path
+-- returns  {"taken"}    the step has its output: taken now, or before (a replay after a
+--                       crash finds it again, whatever the cursor is now, and never takes a
+--                       second signal)
+--          {"waiting"}  no signal of that name yet
+--          {"stale"}    the program is elsewhere or ended: nothing taken
+--          {"missing"}  no such program
+local s = redis.call("HMGET", KEYS[1], "status", "cursor", "leaf")
+if not s[1] then
+  return {"missing"}
+end
+if redis.call("EXISTS", KEYS[2]) == 1 then
+  return {"taken"}
+end
+if s[1] ~= "running" or s[2] ~= ARGV[1] or s[3] ~= "signal" then
+  return {"stale"}
+end
+local data = redis.call("LPOP", KEYS[3])
+if not data then
+  return {"waiting"}
+end
+redis.call("SET", KEYS[2], data)
+redis.call("SADD", string.sub(KEYS[1], 1, -6) .. "keys", KEYS[2])
+return {"taken"}
