@@ -19,7 +19,7 @@ from aio_pika.abc import (
 )
 
 from orchestrator.keys import Names
-from orchestrator.program import PARALLEL, SERIAL
+from orchestrator.program import PARALLEL, SERIAL, is_lane
 from orchestrator.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -173,11 +173,11 @@ class Bus:
         return shards
 
     async def _declare_pool(self, channel: AbstractChannel, pool: str) -> AbstractQueue:
-        """A pool's task queue: the serial one has a single active consumer, any other many."""
+        """A pool's task queue: a serial lane's has a single active consumer, any other many."""
         queue = await channel.declare_queue(
             self.names.task_queue(pool),
             durable=True,
-            arguments=self._queue_arguments(single_active=pool == SERIAL, prioritized=True),
+            arguments=self._queue_arguments(single_active=is_lane(pool), prioritized=True),
         )
         self._pools.add(pool)
         return queue

@@ -83,7 +83,11 @@ class Keys:
     @property
     def serial_lane(self) -> str:
         """`<wf> <path> <task> <ms>` of the serial task started last (for `explain`)."""
-        return f"{self.prefix}:lane:serial"
+        return self.lane("serial")
+
+    def lane(self, pool: str) -> str:
+        """The same for any serial lane (`serial`, `serial-<name>`)."""
+        return f"{self.prefix}:lane:{pool}"
 
     def shard_owner(self, shard: int) -> str:
         """`<host>/<pid> <ms>` of the process that last handled a message of the shard."""

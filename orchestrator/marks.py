@@ -103,12 +103,12 @@ class Marks:
         if status not in ("pending", "running") and self._retention_ms > 0:
             await self._client.pexpire(key, self._retention_ms)
 
-    async def lane(self, wf: str, path: str, task: str) -> None:
-        """The serial lane runs this task now (best effort: a mark never stops a task)."""
+    async def lane(self, wf: str, path: str, task: str, pool: str = "serial") -> None:
+        """A serial lane runs this task now (best effort: a mark never stops a task)."""
         if self._client is not None:
             mark = f"{wf} {path} {task} {now_ms()}"
             with contextlib.suppress(RedisError, OSError):
-                await self._client.set(self.keys.serial_lane, mark, ex=LANE_TTL_S)
+                await self._client.set(self.keys.lane(pool), mark, ex=LANE_TTL_S)
 
     async def owner(self, shard: int) -> None:
         """This process handles the shard's messages (written at most every few seconds; best

@@ -36,6 +36,8 @@ CHUNK = (
 # (`<prefix>.delay.<pool>.<ms>`); `shard<N>` is taken by a shard's delayed messages there.
 POOL_NAME = r"^[a-z][a-z0-9_-]{0,39}$"
 SERIAL, PARALLEL = "serial", "parallel"
+# `serial-<name>` pools are lanes too: one task at a time for that lane only.
+LANE_PREFIX = "serial-"
 _POOL_NAME = re.compile(POOL_NAME)
 _RESERVED_POOL = re.compile(r"^shard[0-9]+$")
 
@@ -52,10 +54,15 @@ def check_pool_name(name: str) -> str:
     return name
 
 
+def is_lane(pool: str) -> bool:
+    """Whether a pool is a serial lane (one task at a time): `serial`, or `serial-<name>`."""
+    return pool == SERIAL or pool.startswith(LANE_PREFIX)
+
+
 def _no_serial_bag(name: str) -> str:
-    if name == SERIAL:
+    if is_lane(name):
         raise ValueError(
-            "a bag or map runs its members side by side: the serial pool takes single tasks"
+            "a bag or map runs its members side by side: a serial lane takes single tasks"
         )
     return name
 
@@ -65,8 +72,8 @@ PoolName = Annotated[
     AfterValidator(check_pool_name),
     Field(
         json_schema_extra={"pattern": POOL_NAME, "not": {"pattern": _RESERVED_POOL.pattern}},
-        description="serial: one lane for the cluster; parallel, or any other name: a pool of "
-        "its own, with many consumers",
+        description="serial: one lane for the cluster, serial-<name>: a lane of its own (one "
+        "task at a time); parallel, or any other name: a pool of its own, with many consumers",
     ),
 ]
 BagPool = Annotated[
@@ -76,9 +83,16 @@ BagPool = Annotated[
     Field(
         json_schema_extra={
             "pattern": POOL_NAME,
-            "not": {"anyOf": [{"pattern": _RESERVED_POOL.pattern}, {"const": SERIAL}]},
+            "not": {
+                "anyOf": [
+                    {"pattern": _RESERVED_POOL.pattern},
+                    {"const": SERIAL},
+                    {"pattern": f"^{LANE_PREFIX}"},
+                ]
+            },
         },
-        description="parallel, or any other name but serial: a pool with many consumers",
+        description="parallel, or any other name but serial and serial-*: a pool with many "
+        "consumers",
     ),
 ]
 

@@ -28,6 +28,7 @@ from orchestrator.program import (
     Step,
     Task,
     Untiloop,
+    is_lane,
     parse_program,
     pool_of,
 )
@@ -393,8 +394,8 @@ async def explain(store: Store, bus: Bus | None, wf: str) -> dict[str, Any] | No
                 if delay_s is not None:
                     name = bus.names.delay_queue(first["pool"], ladder_ms(delay_s))
                     report["retry_queue"] = await _queue(bus, name)
-        if step["pool"] == SERIAL:
-            report["lane"] = await _lane(store, wf)
+        if step["pool"] and is_lane(step["pool"]):
+            report["lane"] = await _lane(store, wf, step["pool"])
     report["waiting_for"] = _waiting_for(report, cursor=state.get("cursor") or "", now=now)
     return report
 
@@ -431,13 +432,13 @@ async def _shard(store: Store, bus: Bus | None, shard: int) -> dict[str, Any]:
     return report
 
 
-async def _lane(store: Store, wf: str) -> dict[str, Any] | None:
-    """Who holds the serial lane: the serial task started last, if its program still waits for
+async def _lane(store: Store, wf: str, pool: str = SERIAL) -> dict[str, Any] | None:
+    """Who holds a serial lane: the lane's task started last, if its program still waits for
     it (its cursor is still there); else the lane is free."""
     client = redis_of(store)
     if client is None:
         return None
-    mark: str | None = await client.get(store.keys.serial_lane)  # type: ignore[assignment]
+    mark: str | None = await client.get(store.keys.lane(pool))  # type: ignore[assignment]
     parts = (mark or "").split(" ")
     if len(parts) != 4 or as_int(parts[3]) is None:
         return {"held": False}
@@ -500,7 +501,7 @@ def _waiting_for(report: dict[str, Any], *, cursor: str, now: float) -> str:
     lane = report["lane"]
     if lane and lane.get("held") and not lane.get("this_program"):
         return (
-            f"the serial lane, held by program {lane['workflow_id']} "
+            f"the {step['pool']} lane, held by program {lane['workflow_id']} "
             f"(step {lane['path']}, task {lane['task']!r})"
         )
     names = ", ".join(_task_label(t, step["pool"]) for t in open_tasks[:10])
@@ -602,12 +603,14 @@ def explain_text(report: dict[str, Any], now_ms: float | None = None) -> str:
         lines.append(line)
     lane = report["lane"]
     if lane is not None:
+        pool = (report["step"] or {}).get("pool") or SERIAL
+        label = "Serial lane" if pool == SERIAL else f"Lane {pool}"
         if not lane["held"]:
-            lines.append("Serial lane: free.")
+            lines.append(f"{label}: free.")
         else:
             who = "this program" if lane["this_program"] else f"program {lane['workflow_id']}"
             lines.append(
-                f"Serial lane: held by {who} (step {lane['path']}, task {lane['task']!r}) "
+                f"{label}: held by {who} (step {lane['path']}, task {lane['task']!r}) "
                 f"since {_clock(lane['since_ms'])}."
             )
     shard = report["shard"]

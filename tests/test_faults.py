@@ -2,9 +2,10 @@
 
 Private RabbitMQ and Redis (AOF, appendfsync always) on free loopback ports; two orchestrator
 processes per shard (one active, one standby), two workers per pool. While a few hundred
-programs run, random processes are killed with SIGKILL and started again, Redis is killed and
-restarted once, RabbitMQ is stopped and started once. `SHARDFLOW_FAULT_PROGRAMS` /
-`SHARDFLOW_FAULT_SECONDS` run it longer.
+programs run (task, bag, loop with waits, task, signal, sleep, map), random processes are killed
+with SIGKILL and started again, Redis is killed and restarted once, RabbitMQ is stopped and
+started once; half the programs get their signal before they wait for it, half during all that.
+`SHARDFLOW_FAULT_PROGRAMS` / `SHARDFLOW_FAULT_SECONDS` run it longer.
 
 The evidence is kept outside the system under test: every handler appends its start and end
 (program, step, member, attempt, pid) to a list on the shared Redis, which nobody restarts, and
@@ -72,11 +73,15 @@ def program(k: int) -> dict:
             {
                 "until": f"prev.iteration >= {LOOPS - 1}",
                 "max_iterations": LOOPS + 2,
+                "interval_s": 0.02,  # a durable wait between iterations
                 "steps": [
                     {"task": "fault.step", "pool": "parallel", "args": {"n": -k, "sleep_s": 0.02}}
                 ],
             },
             {"task": "fault.step", "pool": "parallel", "args": {"n": 2 * k}},
+            # Its data (sent before the program gets here, or during the chaos) passes a sleep.
+            {"signal": "go", "timeout_s": 600},
+            {"sleep_s": 0.05},
             # A map over a list made from the step before: each member's item is its n.
             {
                 "map": f"[{', '.join(f'prev.n + {i}' for i in range(MAP))}]",
@@ -106,6 +111,11 @@ class Leaf:
         return [self.outputs[i] for i in sorted(self.outputs)]  # type: ignore[type-var]
 
 
+def signal_data(k: int) -> dict[str, int]:
+    """The data of program k's signal: the map after it makes its list from `n`."""
+    return {"n": 2 * k}
+
+
 def plan(wf: str, k: int) -> list[Leaf]:
     """The leaves of program k in order, with every input and output (tests.app.fault_output)."""
     leaves: list[Leaf] = []
@@ -122,7 +132,8 @@ def plan(wf: str, k: int) -> list[Leaf]:
     for j in range(LOOPS):
         add(f"2/iter:{j}/0", j, {None: -k})
     add("3", 0, {None: 2 * k})
-    add("4", 0, {i: 2 * k + i for i in range(MAP)})
+    prev = signal_data(k)  # steps 4 and 5, a signal and a sleep, run no handler
+    add("6", 0, {i: 2 * k + i for i in range(MAP)})
     return leaves
 
 
@@ -413,6 +424,35 @@ async def chaos(
     return restarts
 
 
+async def signal_during_chaos(settings: Settings, store: Store, programs: dict[str, int]) -> int:
+    """Send these programs their signal while processes die and the brokers restart, spread over
+    the chaos; each is sent again under its signal id until it is kept (so a retry is never a
+    second signal). Returns how many sends failed and were sent again."""
+    from orchestrator.bus import Bus
+
+    bus = Bus(settings)
+    await bus.connect()
+    router = Router(settings, store=store, bus=bus)
+    again = 0
+    try:
+        for wf, k in programs.items():
+            for _ in range(600):
+                try:
+                    await router.signal(wf, "go", signal_data(k), signal_id=f"{wf}-go")
+                    break
+                except (ValueError, LookupError):
+                    raise  # refused: a real fault, not the chaos
+                except Exception:  # a broker restarting under the send
+                    again += 1
+                    await asyncio.sleep(0.2)
+            else:
+                raise AssertionError(f"{wf}: its signal was never kept")
+            await asyncio.sleep(CHAOS_S * 0.8 / max(1, len(programs)))
+    finally:
+        await bus.close()
+    return again
+
+
 @pytest.mark.fault
 async def test_every_program_ends_once_in_order_through_kills_and_restarts(
     brokers: tuple[PrivateRabbit, PrivateRedis], redis_url: str, prefix: str, tmp_path: Path
@@ -444,8 +484,13 @@ async def test_every_program_ends_once_in_order_through_kills_and_restarts(
         poisoned = await poison(settings)
         for k, wf in enumerate(ids):
             await router.submit(program(k), log.as_input(), wf)
+            if k % 2 == 0:  # kept before the program gets to its signal step
+                await router.signal(wf, "go", signal_data(k), signal_id=f"{wf}-go")
         await bus.close()
+        odd = {wf: k for k, wf in enumerate(ids) if k % 2}
+        signalling = asyncio.create_task(signal_during_chaos(settings, store, odd))
         restarts = await chaos(fleet, rabbit, redis, log)
+        resent = await signalling
         statuses = await _wait_all(store, ids, timeout_s=180)
         log.mark("settled")  # from here on no handler of these programs may start
     finally:
@@ -477,7 +522,8 @@ async def test_every_program_ends_once_in_order_through_kills_and_restarts(
         f"\nfault summary: programs {len(ids)}, kills {fleet.kills}, restarts "
         f"redis {restarts['redis']} rabbitmq {restarts['rabbitmq']}, republished after "
         f"redelivery {republished}, duplicates ignored {ignored}, dead-lettered {len(dead)} "
-        f"(poisoned {poisoned}), lost = {len(problems['unended'])}"
+        f"(poisoned {poisoned}), lost = {len(problems['unended'])}, signals sent again after "
+        f"a broker error {resent}"
         f"\nkills mid-step {len(mid)} of {len(reach)} (programs running at a kill: median "
         f"{_median([r.running for r in reach])}, mid-step {_median([r.mid_step for r in reach])}"
         f"), kills that cut a handler {sum(1 for r in reach if r.cut)} "
@@ -615,7 +661,7 @@ def test_a_step_run_again_after_its_program_moved_on_is_found(
     log = _clean(plans)
     log.append(_start("f2", plans["f2"][-1], 0))
     [problem] = late_runs(log, plans)
-    assert problem.startswith("f2: step 4 member 0 started again") and "it ended" in problem
+    assert problem.startswith("f2: step 6 member 0 started again") and "it ended" in problem
 
 
 def test_a_bag_joined_with_wrong_outputs_is_found(plans: dict[str, list[Leaf]]) -> None:

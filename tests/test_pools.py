@@ -15,11 +15,13 @@ import pytest
 from orchestrator import metrics
 from orchestrator.bus import Bus
 from orchestrator.connections import connected
+from orchestrator.program import ProgramError
 from orchestrator.settings import Settings
 from router.client import Router
 from router.explain import explain_text
 from shardflow.cli import _parser, _pools
 from shardflow.dev import Together, workers
+from tests.app import Trace
 from tests.polling import until
 from worker.context import TaskContext
 from worker.registry import Registry
@@ -190,3 +192,35 @@ def test_pool_labels_are_bounded_whatever_programs_name() -> None:
     assert labels[-1] == "other"
     assert len(set(labels) - {"other"}) <= metrics.MAX_POOL_LABELS
     assert metrics.pool_label("labels-0") == "labels-0"  # a pool keeps its series
+
+
+async def test_a_named_lane_runs_one_task_at_a_time_beside_the_serial_lane(
+    cluster: Router, settings: Settings, trace: Trace
+) -> None:
+    slow = {"task": "echo", "args": {"sleep_s": 0.3}}
+    billing = [{"steps": [{**slow, "pool": "serial-billing"}]} for _ in range(3)]
+    serial = {"steps": [{**slow, "pool": "serial"}]}
+    with pytest.raises(ProgramError, match="a serial lane takes single tasks"):
+        await cluster.submit({"steps": [{"bag": [{"task": "echo"}], "pool": "serial-billing"}]})
+    # Two workers on the lane, as a Deployment of two would run: one consumes, one stands by.
+    async with _workers(settings, "serial-billing", "serial-billing"):
+        ids = [(await cluster.submit(p, trace.as_input())).workflow_id for p in billing]
+        holder = (await cluster.submit(serial, trace.as_input())).workflow_id
+        report = await until(
+            lambda: cluster.explain(ids[0]),
+            lambda r: r["status"] != "running" or bool(r["lane"] and r["lane"]["held"]),
+        )
+        for wf in [*ids, holder]:
+            assert (await cluster.wait(wf, timeout_s=30))["status"] == "completed"
+    if report["status"] == "running":
+        assert report["step"]["pool"] == "serial-billing"
+        assert "Lane serial-billing: held by this program" in explain_text(report)
+    events = [e for e in trace.events() if e["wf"] in ids]
+    running = 0
+    for event in sorted(events, key=lambda e: e["seq"]):  # never two billing tasks at once
+        running += 1 if event["event"] == "start" else -1
+        assert running <= 1, events
+    starts = {e["wf"]: e["seq"] for e in trace.events() if e["event"] == "start"}
+    ends = {e["wf"]: e["seq"] for e in trace.events() if e["event"] == "end"}
+    # The serial lane's task ran beside the billing lane's, not after all of them.
+    assert starts[holder] < max(ends[wf] for wf in ids), (starts, ends)

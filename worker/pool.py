@@ -26,7 +26,7 @@ from orchestrator.messages import (
     decode_task,
     encode,
 )
-from orchestrator.program import SERIAL, check_pool_name
+from orchestrator.program import check_pool_name, is_lane
 from orchestrator.settings import Settings
 from orchestrator.store import TERMINAL, Store
 from worker.context import TaskContext
@@ -38,8 +38,9 @@ Report = Next | Failed
 
 
 class Worker(Service):
-    """Runs up to `concurrency` tasks at once from one pool (the serial pool: exactly one):
-    serial, parallel, or a named pool (parallel in kind, its queue declared here if new)."""
+    """Runs up to `concurrency` tasks at once from one pool (a serial lane: exactly one):
+    serial, parallel, a named pool (its queue declared here if new), or a named lane
+    (`serial-<name>`)."""
 
     def __init__(
         self,
@@ -53,7 +54,7 @@ class Worker(Service):
     ) -> None:
         super().__init__(settings.grace_s)
         check_pool_name(pool)
-        if pool == SERIAL:
+        if is_lane(pool):
             concurrency = 1  # one lane for the whole cluster
         self.name = f"worker[{pool}]"
         self.settings = settings
@@ -107,8 +108,8 @@ class Worker(Service):
         """Run one task message; ack only after the report to the owner is confirmed."""
         async with process(delivery, self.bus, source, limit=self.settings.delivery_limit):
             task = decode_task(delivery.body)
-            if self.pool == SERIAL:
-                await self.marks.lane(task.wf, task.path, task.task)
+            if is_lane(self.pool):
+                await self.marks.lane(task.wf, task.path, task.task, self.pool)
             reports = await self.run_tasks(task.split(), redelivered=redelivered(delivery))
             for report in reports:
                 await self.bus.publish_to_shard(task.owner, encode(report))
