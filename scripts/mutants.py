@@ -183,13 +183,13 @@ end""",
         "lua/take.lua",
         'if redis.call("EXISTS", KEYS[2]) == 1 then\n  return {"taken"}\nend\n',
         "",
-        (MACHINE, DIFFERENTIAL),
+        (MACHINE, NEWER, DIFFERENTIAL),
     ),
     "signal-ids-ignored": (
         "lua/signal.lua",
         'if ARGV[2] ~= "" and redis.call("ZSCORE", KEYS[3], ARGV[2]) then',
         "if false then",
-        (MACHINE, DIFFERENTIAL),
+        (MACHINE, NEWER, DIFFERENTIAL),
     ),
 }
 

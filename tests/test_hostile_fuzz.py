@@ -78,7 +78,7 @@ from orchestrator.connections import connected
 from orchestrator.delivery import FAILURES, describe
 from orchestrator.keys import Names
 from orchestrator.messages import MAX_ERROR, Cancelled, decode_shard_message, decode_task
-from orchestrator.program import MAX_BAG
+from orchestrator.program import MAX_BAG, SIGNAL_NAME
 from orchestrator.settings import MAX_SHARDS, Settings
 from orchestrator.store import MAX_ATTEMPTS, TERMINAL
 from router.client import Router
@@ -396,6 +396,7 @@ BAD: dict[str, list[Any]] = {
               [{"index": -1, "task": "echo"}], [{"index": 0, "task": "echo", "x": 1}],
               [{"index": 0, "task": "1x"}], [{"index": 0, "task": "echo", "timeout_s": 0}]],
     "stored": ["maybe", 2, [], {}],
+    "signal_name": [None, 5, [], {}, "", "A", "1a", "a b", "a" * 65, "a/b", "é"],
 }  # fmt: skip
 FIELDS = {  # each message's fields: the kind of value each holds ("any": every JSON value)
     "start": {"kind": "kind", "wf": "wf"},
@@ -405,6 +406,7 @@ FIELDS = {  # each message's fields: the kind of value each holds ("any": every 
                "attempt": "attempt", "task": "report_task", "error": "error", "prev": "any",
                "iteration": "int"},
     "deadline": {"kind": "kind", "wf": "wf", "deadline_s": "deadline_s"},
+    "signal": {"kind": "kind", "wf": "wf", "name": "signal_name"},
     "task": {"wf": "wf", "path": "path", "index": "index", "size": "size", "task": "task",
              "args": "args", "input": "any", "prev": "any", "iteration": "iteration",
              "attempt": "attempt", "owner": "owner", "timeout_s": "timeout_s", "batch": "batch"},
@@ -414,6 +416,7 @@ REQUIRED = {
     "next": ["kind", "wf", "path"],
     "failed": ["kind", "wf", "path", "error"],
     "deadline": ["kind", "wf", "deadline_s"],
+    "signal": ["kind", "wf", "name"],
     "task": ["wf", "path", "task", "owner"],
 }
 # Handlers of tests.app, and names no worker knows. None of them may run for a drawn task.
@@ -484,6 +487,9 @@ def shard_bodies(draw: st.DrawFn, address: Address, kind: str) -> dict[str, Any]
     if kind == "deadline":
         deadline = draw(st.floats(min_value=0.001, max_value=30 * 86400) | st.just(30 * 86400))
         return {"kind": "deadline", "wf": wf, "deadline_s": deadline}
+    if kind == "signal":  # the good programs wait for no signal: a hint that takes nothing
+        name = draw(st.from_regex(SIGNAL_NAME, fullmatch=True))
+        return {"kind": "signal", "wf": wf, "name": name}
     path = pick(draw, address.paths)
     if kind == "next":
         if HAS_STORED and draw(st.integers(0, 5)) == 0:
@@ -602,7 +608,7 @@ def _dead_letter_props(draw: st.DrawFn) -> dict[str, Any]:
 @st.composite
 def shard_messages(draw: st.DrawFn, w: World) -> Hostile:
     address = draw(addresses(w))
-    kinds = ["start", "next", "failed"] + ([] if address.own_live else ["deadline"])
+    kinds = ["start", "next", "failed", "signal"] + ([] if address.own_live else ["deadline"])
     kind = draw(st.sampled_from(kinds))
     via_exchange = draw(st.booleans())
     queue = w.names.shard_queue(address.shard)
@@ -842,7 +848,7 @@ def expect_shard(h: Hostile, w: World) -> Outcome:
     if known.owner != h.shard:
         dead[0].reason = f"{wf}: owned by shard {known.owner}, not by shard {h.shard}"
         return dead
-    if message.kind == "start":
+    if message.kind in ("start", "signal"):  # a signal hint finds no signal step: kept
         return []
     if message.kind == "deadline":
         assert known.ended, f"a deadline for a live program on its own shard: {h!r}"

@@ -189,6 +189,14 @@ class RecordingStore:
                 self.violations.append(f"{wf} {path}: barrier fired before all {size} finished")
         return completion
 
+    async def signals_left(self, wf: str, name: str) -> int:
+        """Signals of `name` kept and never taken (the model's list, or the Redis list)."""
+        key = self.keys.signals(wf, name)
+        if isinstance(self.inner, MemoryStore):
+            return len(self.inner.data.get(key) or [])
+        assert isinstance(self.inner, RedisStore)
+        return int(await self.inner.client.llen(key))
+
     async def take(self, wf: str, path: str, name: str) -> str:
         verdict = await self.inner.take(wf, path, name)
         if verdict == "taken":  # each signal step takes its own signal, once
@@ -388,6 +396,9 @@ class Cluster(RuleBasedStateMachine):
         assert status["status"] == expected.status, (status, expected)
         if expected.status == "completed":
             assert status["result"] == expected.result
+            # It took as many signals as were sent (each once): a resend was never kept.
+            left = self.run(self.store.signals_left(wf, SIGNAL)) if self.sent[wf] else 0
+            assert left == 0, f"{wf}: {left} signal(s) kept after it completed"
         else:
             # Every attempt's error, in order; a bag's from whichever member ended it.
             assert status["error"] in expected.errors, (status, expected)
@@ -407,8 +418,11 @@ class Cluster(RuleBasedStateMachine):
         ),
         cancels=st.sampled_from([0, 0, 0, 1, 2]),
         interleavings=st.integers(0, 3),
+        early=st.booleans(),
     )
-    def submit(self, drawn: list[dict[str, Any]], cancels: int, interleavings: int) -> None:
+    def submit(
+        self, drawn: list[dict[str, Any]], cancels: int, interleavings: int, early: bool
+    ) -> None:
         # Budgets for the rarer moves, so that the core ones (deliver, crash, duplicate,
         # stale) keep most of the steps and programs get far before a cancel ends them.
         self.cancels_left = cancels
@@ -419,6 +433,9 @@ class Cluster(RuleBasedStateMachine):
             self.signals[wf] = list(self.expected[wf].signals)
             self.programs[wf] = parse_program(program)
             self.run(self.router.submit(program, None, wf))
+            while early and self.signals[wf]:  # every signal kept before any step waits
+                self._signal(wf, self.sent[wf], signal_data(self.signals[wf].pop(0)))
+                self.sent[wf] += 1
 
     def _deliver(self, index: int, crash_after: int | None = None) -> None:
         self.run(self._handle(self.transport.in_flight.pop(index), crash_after))
