@@ -35,6 +35,9 @@ DIFFERENTIAL = (
 )
 
 SLEEP = "tests/test_sleep_e2e.py::test_a_sleep_waits_and_passes_its_prev_on"
+SIGNALS = (
+    "tests/test_signal_e2e.py::test_signals_sent_early_are_kept_and_each_is_taken_once_in_order"
+)
 WAKE = "tests/test_owner_steps.py::test_a_redelivered_wake_republishes_the_step_a_crash_cut_short"
 INTERVAL = (
     "tests/test_sleep_e2e.py::"
@@ -189,7 +192,7 @@ end""",
         "lua/signal.lua",
         'if ARGV[2] ~= "" and redis.call("ZSCORE", KEYS[3], ARGV[2]) then',
         "if false then",
-        (MACHINE, NEWER, DIFFERENTIAL),
+        (MACHINE, NEWER, DIFFERENTIAL, SIGNALS),
     ),
 }
 
