@@ -177,3 +177,12 @@ async def fault_step(ctx: TaskContext) -> Any:
     output = fault_output(ctx.workflow_id, ctx.step, ctx.index, ctx.iteration, n, ctx.prev)
     client.rpush(where["key"], json.dumps({"event": "end", **who, "output": output}))
     return output
+
+
+@task()
+async def shaky(ctx: TaskContext) -> dict[str, Any]:
+    """Fails its first attempt; then returns its args and attempt (a retry's args are the
+    first attempt's)."""
+    if ctx.attempt == 0:
+        raise RuntimeError("the first attempt fails")
+    return {"args": ctx.args, "attempt": ctx.attempt}
