@@ -178,6 +178,28 @@ end""",
         'prefix=f"{path}/case:0/"',
         (MACHINE,),
     ),
+    # Step references: a stale advance (an old iteration's report) overwrites a recorded
+    # output; a loop's step keeps its first iteration's output; a retry loses the arguments
+    # its args_from gave.
+    "ref-recorded-before-the-cursor-check": (
+        "lua/advance.lua",
+        "if live and cursor == ARGV[1] then",
+        'for i = 2, #KEYS do\n  redis.call("SET", KEYS[i], ARGV[i + 7])\nend\n'
+        "if live and cursor == ARGV[1] then",
+        (MACHINE, DIFFERENTIAL),
+    ),
+    "ref-keeps-the-first-iteration": (
+        "lua/advance.lua",
+        'redis.call("SET", KEYS[i], ARGV[i + 7])',
+        'redis.call("SET", KEYS[i], ARGV[i + 7], "NX")',
+        (MACHINE, DIFFERENTIAL),
+    ),
+    "retry-forgets-args-from": (
+        "orchestrator/transitions.py",
+        "leaf = replace(leaf, args=computed)",
+        "leaf = replace(leaf, args=())",
+        (MACHINE,),
+    ),
 }
 
 
