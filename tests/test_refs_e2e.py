@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 from orchestrator.program import ProgramError
 from orchestrator.redis_store import RedisStore
 from router.client import Router
+from router.explain import explain, explain_text
 from worker.registry import Registry
 
 pytestmark = pytest.mark.e2e
@@ -144,3 +146,16 @@ async def test_a_reference_that_cannot_be_met_is_refused_at_submit(cluster: Rout
         "steps[2].args_from.x: also in args; give it in one",
         "steps[0].args_from.customer: unknown step id 'fetch'",
     ]
+
+
+async def test_explain_and_status_name_the_steps_id(cluster: Router) -> None:
+    program = {"steps": [{"task": "echo"}, {"id": "nap", "sleep_s": 60}]}
+    wf = (await cluster.submit(program)).workflow_id
+    for _ in range(200):  # until the sleep is the current step
+        report = await explain(cluster.store, None, wf)
+        if report is not None and (report["step"] or {}).get("path") == "1":
+            break
+        await asyncio.sleep(0.05)
+    assert report is not None and report["step"]["id"] == "nap"
+    assert "At step 1 (top-level step 2 of 2, id 'nap'): a sleep" in explain_text(report)
+    await cluster.cancel(wf)
