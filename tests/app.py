@@ -114,7 +114,7 @@ async def identity(ctx: TaskContext) -> dict[str, Any]:
 
 
 @task()
-async def work(ctx: TaskContext) -> dict[str, int]:
+async def work(ctx: TaskContext) -> dict[str, Any]:
     """For drawn programs: an output that depends only on where the task runs."""
     from tests.model import output_of
 

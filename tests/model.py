@@ -19,9 +19,10 @@ from typing import Any
 from hypothesis import strategies as st
 
 
-def output_of(path: str, index: int | None) -> dict[str, int]:
-    """What `work` returns at a step path (and bag index): the same on every run."""
-    return {"v": zlib.crc32(f"{path}#{index}".encode()) % 5}
+def output_of(path: str, index: int | None) -> dict[str, Any]:
+    """What `work` returns at a step path (and bag index): the same on every run, and
+    different at every path (an output read back from another iteration shows)."""
+    return {"v": zlib.crc32(f"{path}#{index}".encode()) % 5, "at": f"{path}#{index}"}
 
 
 # A hanging attempt is cut off by the worker after this long (a real wait, kept tiny).
@@ -193,13 +194,16 @@ def _with_refs(draw: st.DrawFn, drawn: list[Any]) -> list[Any]:
     """The same steps, now and then with an `id`, and tasks, bag members and maps reading an
     earlier step's output (`args_from: {"ref": "steps.<id>"}`, as a step may: one before it in
     its own list or in a list enclosing it, or in the top list of a loop's body once the loop
-    is over). Shrinks to no ids and no references."""
+    is over). Most steps get both, so that a loop's step read after the loop (its latest
+    iteration's output, read back from the store) is common. Shrinks to no ids and no
+    references, and a reference to the nearest step first."""
     counter = iter(range(1000))
+    often = st.integers(0, 3).map(bool)  # three times in four; shrinks to False
 
     def reading(member: dict[str, Any], visible: list[str]) -> dict[str, Any]:
-        if not visible or not draw(st.booleans()):
+        if not visible or not draw(often):
             return member
-        name = draw(st.sampled_from(visible))
+        name = draw(st.sampled_from(visible[::-1]))
         return {**member, "args_from": {"ref": f"steps.{name}"}}
 
     def walk(steps: list[Any], visible: list[str]) -> tuple[list[Any], list[str]]:
@@ -221,7 +225,7 @@ def _with_refs(draw: st.DrawFn, drawn: list[Any]) -> list[Any]:
                 ]
                 if "otherwise" in step:
                     step["otherwise"] = walk(step["otherwise"], visible)[0]
-            if draw(st.booleans()):
+            if draw(often):
                 step = {"id": f"s{next(counter)}", **step}
                 visible = [*visible, step["id"]]
             out.append(step)

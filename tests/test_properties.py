@@ -258,7 +258,7 @@ class Cluster(RuleBasedStateMachine):
                 self.all_held.set()
             await gate.wait()
 
-    async def _work(self, ctx: TaskContext) -> dict[str, int]:
+    async def _work(self, ctx: TaskContext) -> dict[str, Any]:
         await self._hold()
         return output_of(ctx.step, ctx.index)
 
@@ -266,7 +266,7 @@ class Cluster(RuleBasedStateMachine):
         await self._hold()
         raise RuntimeError("boom")
 
-    async def _flaky(self, ctx: TaskContext) -> dict[str, int]:
+    async def _flaky(self, ctx: TaskContext) -> dict[str, Any]:
         await self._hold()
         fails = ctx.args["fails"]
         if ctx.attempt < len(fails):
