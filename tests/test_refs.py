@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 
 from orchestrator.conditions import ConditionError, compile_condition, step_references
+from orchestrator.keys import Keys
 from orchestrator.machine import (
     MAX_ITEM_BYTES,
     MAX_REF_BYTES,
@@ -19,8 +20,15 @@ from orchestrator.machine import (
     after,
     first,
 )
+from orchestrator.memory_store import MemoryStore
+from orchestrator.messages import Next, Start, decode_task
 from orchestrator.program import ProgramError, parse_program, program_schema
 from orchestrator.redis_store import RedisStore
+from orchestrator.settings import Settings
+from orchestrator.store import Store
+from orchestrator.transitions import Plans, Transitions
+from router.client import Router
+from tests.test_owner_steps import Recorder
 
 
 def refused(program: dict[str, Any]) -> list[str]:
@@ -369,3 +377,43 @@ async def test_advance_records_references_only_when_it_applies(store: RedisStore
     # The latest wins; a loop dropping an old iteration keeps every ref.
     await store.advance(wf, "1", "2/iter:1/0", "running", drop="2/iter:0/", refs=[("a", "3")])
     assert await store.refs(wf, ["a"]) == {"a": "3"}
+
+
+# --- the owner, step by step -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["redis", "memory"])
+async def test_a_stale_report_of_an_old_iteration_changes_no_recorded_output(
+    store: RedisStore, kind: str
+) -> None:
+    """A loop's step read after the loop is its last iteration's output, even when a report
+    of an earlier iteration comes back late (a duplicate, a redelivery) in between."""
+    inner: Store = store if kind == "redis" else MemoryStore(Keys(store.keys.prefix))
+    bus = Recorder()
+    transitions = Transitions(inner, bus, Plans(inner, 8))
+    router = Router(Settings(prefix=inner.keys.prefix), store=inner, bus=bus)
+    program = {
+        "steps": [
+            {
+                "until": "iteration >= 1",
+                "max_iterations": 3,
+                "steps": [{"id": "a", "task": "work"}, {"task": "work"}],
+            },
+            {"task": "echo", "args_from": {"ref": "steps.a"}},
+        ]
+    }
+    owner = (await router.submit(program, None, "looper")).shard
+
+    async def deliver(message: Start | Next, redelivered: bool = False) -> str:
+        return await transitions.apply(message, redelivered=redelivered, shard=owner)
+
+    assert await deliver(Start(wf="looper")) == "applied"
+    for path, output in [("0/iter:0/0", "a0"), ("0/iter:0/1", "b0"), ("0/iter:1/0", "a1")]:
+        assert await deliver(Next(wf="looper", path=path, output=output)) == "applied"
+    # Iteration 0's report of `a` again, late: stale, and it records nothing.
+    assert await deliver(Next(wf="looper", path="0/iter:0/0", output="a0")) == "stale"
+    assert await deliver(Next(wf="looper", path="0/iter:0/0", output="a0"), True) == "stale"
+    assert await deliver(Next(wf="looper", path="0/iter:1/1", output="b1")) == "applied"
+    last = decode_task(bus.tasks[-1])
+    assert (last.path, last.task, last.args) == ("1", "echo", {"ref": "a1"})
+    assert await inner.refs("looper", ["a"]) == {"a": '"a1"'}
