@@ -1,4 +1,4 @@
-"""Tasks for the demo program (examples/thumbnails.json)."""
+"""Tasks for the example programs (examples/*.json); the demo runs examples/thumbnails.json."""
 
 import asyncio
 
@@ -102,3 +102,45 @@ async def pay(ctx: TaskContext) -> dict:
 @task(name="refund.decline")
 async def decline(ctx: TaskContext) -> dict:
     return {"declined": ctx.input["order"], "reason": ctx.prev.get("reason", "")}
+
+
+# --- examples/report.json: later steps read earlier ones by id (`steps.<id>`) -----------------
+
+
+@task(name="report.fetch")
+async def fetch_region(ctx: TaskContext) -> dict:
+    region = ctx.input["region"]
+    stores = [{"store": f"{region}-{n}"} for n in range(ctx.input["stores"])]
+    return {"region": region, "currency": "EUR", "stores": stores}
+
+
+@task(name="report.tally")
+async def tally(ctx: TaskContext) -> dict:
+    # ctx.item: a store from steps.fetch.stores; args.currency: from steps.fetch.currency.
+    await asyncio.sleep(0.05)
+    return {
+        "store": ctx.item["store"],
+        "rows": 10 * (ctx.index + 1),
+        "currency": ctx.args["currency"],
+    }
+
+
+@task(name="report.load")
+def load_rows(ctx: TaskContext) -> dict:
+    # args.rows: every store's rows (steps.stores); the warehouse is ready on the second poll.
+    return {
+        "ready": ctx.iteration >= 1,
+        "loaded": sum(ctx.args["rows"]),
+        "polls": ctx.iteration + 1,
+    }
+
+
+@task(name="report.publish")
+async def publish_report(ctx: TaskContext) -> dict:
+    # prev: the loop's last output; region, stores and polls come from steps far behind.
+    return {
+        "region": ctx.args["region"],
+        "stores": ctx.args["stores"],
+        "loaded": ctx.prev["loaded"],
+        "polls": ctx.args["polls"],
+    }

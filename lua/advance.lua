@@ -12,6 +12,10 @@
 -- ARGV[8]  a loop iteration to drop, as a path prefix ("3/iter:4/"), or "": the new leaf
 --          starts a new iteration and the loop keeps only its last ones (its keys, and its
 --          fields in <prefix>:{<wf>}:attempts)
+-- KEYS[2..] the outputs of steps that other steps read, <prefix>:{<wf>}:ref:<id>, with their
+--          JSON in ARGV[9..] (KEYS[n] <- ARGV[n + 7]): the steps the new cursor moved past
+--          that carry a referenced id; written (latest wins) and registered only when the
+--          advance applies
 -- The program's other keys are named in its registry <prefix>:{<wf>}:keys; all share the
 -- program's hash tag, so they live in KEYS[1]'s cluster slot.
 -- returns  {verdict, status, cursor} where verdict is
@@ -38,6 +42,10 @@ if live and cursor == ARGV[1] then
   end
   local base = string.sub(KEYS[1], 1, -6)  -- "<prefix>:{<wf>}:" without "state"
   local registry = base .. "keys"
+  for i = 2, #KEYS do
+    redis.call("SET", KEYS[i], ARGV[i + 7])
+    redis.call("SADD", registry, KEYS[i])
+  end
   local drop = ARGV[8] or ""
   if drop ~= "" then
     for _, key in ipairs(redis.call("SMEMBERS", registry)) do

@@ -1,4 +1,5 @@
-"""`until` conditions: CEL expressions over `input`, `prev` and `iteration` (never Python eval).
+"""`until` conditions: CEL expressions over `input`, `prev`, `iteration` and `steps` (never Python
+eval). `steps.<id>` is the output of the step carrying that `id` (see `step_references`).
 
 Bounds, because a condition is written by whoever submits a program:
 
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any, NoReturn
 
@@ -46,7 +48,7 @@ import cel
 
 from orchestrator.evaluator import EVALUATOR, EvaluatorError
 
-VARIABLES = frozenset({"input", "prev", "iteration"})
+VARIABLES = frozenset({"input", "prev", "iteration", "steps"})
 MAX_SOURCE_CHARS = 1000
 MAX_NESTING = 32
 MAX_COMPREHENSION_NESTING = 3
@@ -82,6 +84,7 @@ def compile_condition(source: str) -> cel.Program:
     if len(source) > MAX_SOURCE_CHARS:
         raise ConditionError(f"{len(source)} characters, more than the limit of {MAX_SOURCE_CHARS}")
     bound = _scan(source)  # names bound by comprehensions (`x` in `prev.all(x, x > 1)`)
+    step_references(source)  # `steps` only as `steps.<id>`
     try:
         program = cel.compile(source)
     except ValueError as exc:
@@ -107,14 +110,30 @@ def _is_operator(name: str) -> bool:
     return not name.replace("_", "").isidentifier()
 
 
+def _context(
+    source: str, input: Any, prev: Any, iteration: int, steps: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """The variables of one evaluation; `steps` holds only the outputs the source names."""
+    known = steps or {}
+    named = {name: known[name] for name in sorted(step_references(source)) if name in known}
+    return {"input": input, "prev": prev, "iteration": iteration, "steps": named}
+
+
 def evaluate(
-    source: str, *, input: Any, prev: Any, iteration: int, budget_s: float | None = None
+    source: str,
+    *,
+    input: Any,
+    prev: Any,
+    iteration: int,
+    budget_s: float | None = None,
+    steps: Mapping[str, Any] | None = None,
 ) -> bool:
     """Evaluate a condition within `budget_s` (default `BUDGET_S`); only a real bool counts.
+    `steps`: the recorded outputs of steps by id (only those the source names are sent).
 
     Blocks the calling thread for at most the budget; see `evaluate_async` for event loops.
     """
-    context = {"input": input, "prev": prev, "iteration": iteration}
+    context = _context(source, input, prev, iteration, steps)
     reply = _run(source, context, budget_s, {})
     if "value" in reply:
         return bool(reply["value"])
@@ -156,10 +175,11 @@ def evaluate_list(
     max_items: int,
     max_bytes: int,
     budget_s: float | None = None,
+    steps: Mapping[str, Any] | None = None,
 ) -> list[Any]:
     """Evaluate a map step's expression: a JSON list of at most `max_items` items and
     `max_bytes` bytes, within the budget (as `evaluate`); ConditionError naming the fault."""
-    context = {"input": input, "prev": prev, "iteration": iteration}
+    context = _context(source, input, prev, iteration, steps)
     reply = _run(source, context, budget_s, {"max_items": max_items, "max_bytes": max_bytes})
     if "items" in reply:
         items: list[Any] = reply["items"]
@@ -170,6 +190,27 @@ def evaluate_list(
         raise ConditionError(f"gave {reply['too_large']} bytes of items, over {max_bytes}")
     if "gave" in reply:
         raise ConditionError(f"gave {reply['gave']} {_cut(reply['repr'])}, not a list")
+    return _raise_error(reply, source)
+
+
+def evaluate_value(
+    source: str,
+    *,
+    input: Any,
+    prev: Any,
+    iteration: int,
+    max_bytes: int,
+    budget_s: float | None = None,
+    steps: Mapping[str, Any] | None = None,
+) -> Any:
+    """Evaluate an argument's expression (`args_from`): any JSON value of at most `max_bytes`
+    bytes, within the budget (as `evaluate`); ConditionError naming the fault."""
+    context = _context(source, input, prev, iteration, steps)
+    reply = _run(source, context, budget_s, {"max_value_bytes": max_bytes})
+    if "json" in reply:
+        return json.loads(reply["json"])
+    if "too_large" in reply:
+        raise ConditionError(f"gave {reply['too_large']} bytes, over {max_bytes}")
     return _raise_error(reply, source)
 
 
@@ -268,6 +309,50 @@ def _scan(source: str) -> frozenset[str]:
         after_dot = char == "."
         at += 1
     return frozenset(bound)
+
+
+STEP_ID = r"^[a-z][a-z0-9_]{0,39}$"
+_STEP_ID = re.compile(STEP_ID)
+
+
+@lru_cache(maxsize=512)
+def step_references(source: str) -> frozenset[str]:
+    """The step ids an expression names as `steps.<id>` (outside strings and comments);
+    ConditionError for any other use of `steps` (`steps["x"]`, `steps` alone, a bound name),
+    so that every reference can be checked when the program is submitted."""
+    names: set[str] = set()
+    after_dot = False
+    at, end = 0, len(source)
+    while at < end:
+        char = source[at]
+        if char in " \t\r\n\f":
+            at += 1
+        elif source.startswith("//", at):
+            newline = source.find("\n", at)
+            at = end if newline < 0 else newline + 1
+        elif char in "'\"":
+            at, after_dot = _skip_string(source, at, raw=False), False
+        elif char.isdigit():
+            number = _NUMBER.match(source, at)
+            at, after_dot = (number.end() if number else at + 1), False
+        elif name := _IDENTIFIER.match(source, at):
+            at = name.end()
+            if name.group() in _STRING_PREFIXES and at < end and source[at] in "'\"":
+                at = _skip_string(source, at, raw="r" in name.group().lower())
+            elif name.group() == "steps" and not after_dot:
+                dot = _skip_space(source, at)
+                field = _IDENTIFIER.match(source, _skip_space(source, dot + 1))
+                if dot >= end or source[dot] != "." or field is None:
+                    raise ConditionError("write steps.<id> to use the output of a step")
+                if not _STEP_ID.match(field.group()):
+                    raise ConditionError(f"steps.{_cut(field.group())}: not a step id")
+                names.add(field.group())
+                at = field.end()
+            after_dot = False
+        else:
+            after_dot = char == "."
+            at += 1
+    return frozenset(names)
 
 
 def _check_call(source: str, name: str, at: int, method: bool, bound: set[str]) -> bool:

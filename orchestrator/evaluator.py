@@ -237,6 +237,8 @@ def _serve() -> None:
             value = programs[source].execute(context)
             if "max_items" in request:  # a map step's list, bounded before it is copied
                 reply = _list_reply(value, request["max_items"], request["max_bytes"])
+            elif "max_value_bytes" in request:  # an argument's value (args_from)
+                reply = _value_reply(value, request["max_value_bytes"])
             elif isinstance(value, bool):
                 reply = {"value": value}
             else:
@@ -262,6 +264,17 @@ def _list_reply(value: Any, max_items: int, max_bytes: int) -> dict[str, Any]:
     if len(text.encode()) > max_bytes:
         return {"too_large": len(text.encode())}
     return {"items": value}
+
+
+def _value_reply(value: Any, max_bytes: int) -> dict[str, Any]:
+    """Any JSON value, as JSON text, or why not: not JSON, too large."""
+    try:
+        text = json.dumps(value, allow_nan=False, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:  # bytes, timestamps, durations, NaN
+        return {"error": "NotJSON", "message": f"not JSON: {exc}"}
+    if len(text.encode()) > max_bytes:
+        return {"too_large": len(text.encode())}
+    return {"json": text}
 
 
 def _limit_cpu(budget_s: float) -> None:

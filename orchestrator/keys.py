@@ -60,6 +60,11 @@ class Keys:
         second signal."""
         return f"{self.prefix}:{{{wf}}}:sigids"
 
+    def ref(self, wf: str, step_id: str) -> str:
+        """The output of the step with this `id`, which other steps read as `steps.<id>`
+        (recorded by advance.lua as the program moves past it; in a loop, the latest)."""
+        return f"{self.prefix}:{{{wf}}}:ref:{step_id}"
+
     def registry(self, wf: str) -> str:
         """The set of the program's keys beyond state and plan, written by the scripts that
         create them, so ending a program can expire them all and a loop can prune old

@@ -10,10 +10,17 @@ orchestrator/conditions.py.)
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from orchestrator.conditions import ConditionError, evaluate, evaluate_list, quote
+from orchestrator.conditions import (
+    ConditionError,
+    evaluate,
+    evaluate_list,
+    evaluate_value,
+    quote,
+)
 from orchestrator.program import Bag, Choice, Map, Program, Signal, Sleep, Task, Untiloop
 
 Step = Task | Bag | Map | Sleep | Signal | Untiloop | Choice
@@ -21,6 +28,12 @@ LeafStep = Task | Bag | Map | Sleep | Signal
 # A map's items travel inside its task messages: each item, and all of them, stay this small.
 MAX_ITEM_BYTES = 65536
 MAX_ITEMS_BYTES = 8 * 1024 * 1024
+# The output of a step that others read (`steps.<id>`) is recorded apart, up to this size;
+# an argument computed by `args_from` is held to MAX_ITEM_BYTES, as a map's item.
+MAX_REF_BYTES = 1024 * 1024
+# What a leaf's `args_from` gave, over all the task messages that carry it (a map's members
+# each carry its arguments), so that no message grows past the broker's bound.
+MAX_ARGS_BYTES = 4 * 1024 * 1024
 
 
 class PathError(ValueError):
@@ -30,13 +43,18 @@ class PathError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Leaf:
     """Run this step next, with `prev` as its input from the step before; a map's `items`
-    (one task each; none: the step is done at once, with output [])."""
+    (one task each; none: the step is done at once, with output []); `args`: the arguments
+    its `args_from` gave (per bag member; one for a task or all of a map's members); `refs`:
+    the outputs (JSON) of the steps with a referenced id that finished on the way here, to
+    record with the advance that moves past them."""
 
     path: str
     step: LeafStep
     prev: Any
     iteration: int
     items: tuple[Any, ...] | None = None
+    args: tuple[dict[str, Any], ...] = ()
+    refs: tuple[tuple[str, str], ...] = ()
 
     @property
     def size(self) -> int | None:
@@ -63,14 +81,100 @@ class Failed:
 Outcome = Leaf | Done | Failed
 
 
+@dataclass(slots=True)
+class _Walk:
+    """What one move through the program carries: the input, the outputs of steps by id
+    (recorded ones, then those that finish on the way), and which ids are read at all."""
+
+    input: Any
+    refs: dict[str, Any]
+    referenced: frozenset[str]
+    finished: dict[str, str] = field(default_factory=dict)  # id -> output JSON, to record
+
+    def finish(self, step: Step, path: str, output: Any) -> Failed | None:
+        """Note the output of a step that finished, if other steps read it."""
+        if step.id is None or step.id not in self.referenced:
+            return None
+        text = json.dumps(output, ensure_ascii=False)
+        size = len(text.encode())
+        if size > MAX_REF_BYTES:
+            return Failed(
+                f"step {path} (id {step.id!r}): its output of {size} bytes is over "
+                f"{MAX_REF_BYTES}, the limit for a step that other steps read"
+            )
+        self.refs[step.id] = output
+        self.finished[step.id] = text
+        return None
+
+
+def _walk(program: Program, input: Any, steps: Mapping[str, Any] | None) -> _Walk:
+    return _Walk(input, dict(steps or {}), program.referenced)
+
+
 def first(program: Program, input: Any = None) -> Outcome:
     """The first leaf of a program (a map's items are computed from `input`)."""
-    return _descend(program.steps, 0, prefix="", prev=None, iteration=0, input=input)
+    walk = _walk(program, input, None)
+    return _descend(program.steps, 0, prefix="", prev=None, iteration=0, walk=walk)
 
 
-def after(program: Program, path: str, output: Any, input: Any) -> Outcome:
-    """What follows once the leaf at `path` finished with `output`."""
-    return _after(program.steps, _split(path), output, input, prefix="", iteration=0)
+def after(
+    program: Program,
+    path: str,
+    output: Any,
+    input: Any,
+    steps: Mapping[str, Any] | None = None,
+) -> Outcome:
+    """What follows once the leaf at `path` finished with `output`; `steps`: the recorded
+    outputs of the steps the program reads by id (`steps.<id>`)."""
+    walk = _walk(program, input, steps)
+    outcome = _after(program.steps, _split(path), output, walk, prefix="", iteration=0)
+    if isinstance(outcome, Leaf) and walk.finished:
+        return replace(outcome, refs=tuple(sorted(walk.finished.items())))
+    return outcome
+
+
+def arguments(
+    step: LeafStep,
+    path: str,
+    prev: Any,
+    iteration: int,
+    input: Any,
+    steps: Mapping[str, Any] | None = None,
+) -> tuple[dict[str, Any], ...] | Failed:
+    """The arguments a leaf's `args_from` give (see `Leaf.args`), or why the step fails."""
+    if isinstance(step, Sleep | Signal):
+        return ()
+    members = step.bag if isinstance(step, Bag) else [step]
+    if not any(member.args_from for member in members):
+        return ()
+    found: list[dict[str, Any]] = []
+    for i, member in enumerate(members):
+        values: dict[str, Any] = {}
+        for name, source in member.args_from.items():
+            try:
+                values[name] = evaluate_value(
+                    source,
+                    input=input,
+                    prev=prev,
+                    iteration=iteration,
+                    max_bytes=MAX_ITEM_BYTES,
+                    steps=steps,
+                )
+            except ConditionError as exc:
+                where = f"{path}/bag:{i}" if isinstance(step, Bag) else path
+                return Failed(f"step {where}: args_from {name!r} {quote(source)}: {exc}")
+        found.append(values)
+    return tuple(found)
+
+
+def _args_too_large(path: str, args: tuple[dict[str, Any], ...], copies: int = 1) -> Failed | None:
+    total = copies * sum(len(json.dumps(a, ensure_ascii=False).encode()) for a in args)
+    if total <= MAX_ARGS_BYTES:
+        return None
+    return Failed(
+        f"step {path}: the arguments its args_from gave come to {total} bytes over its "
+        f"task messages, over {MAX_ARGS_BYTES} (pass a key and read the data in the task)"
+    )
 
 
 def leaf_at(program: Program, path: str) -> LeafStep:
@@ -120,7 +224,7 @@ def dropped(program: Program, finished: str, path: str) -> str:
 
 
 def _after(
-    steps: list[Step], parts: list[str], output: Any, input: Any, *, prefix: str, iteration: int
+    steps: list[Step], parts: list[str], output: Any, walk: _Walk, *, prefix: str, iteration: int
 ) -> Outcome:
     index, rest = _index(parts, len(steps), "/".join(parts))
     step = steps[index]
@@ -138,13 +242,13 @@ def _after(
                 prefix=f"{here}/{rest[0]}/",
                 prev=output,
                 iteration=loop_iteration,
-                input=input,
+                walk=walk,
             )
         inner = _after(
             step.steps,
             rest[1:],
             output,
-            input,
+            walk,
             prefix=f"{here}/iter:{loop_iteration}/",
             iteration=loop_iteration,
         )
@@ -152,7 +256,13 @@ def _after(
             return inner
         output = inner.result
         try:
-            met = evaluate(step.until, input=input, prev=output, iteration=loop_iteration)
+            met = evaluate(
+                step.until,
+                input=walk.input,
+                prev=output,
+                iteration=loop_iteration,
+                steps=walk.refs,
+            )
         except ConditionError as exc:
             return Failed(f"step {here}: until {quote(step.until)}: {exc}")
         if not met:
@@ -174,14 +284,14 @@ def _after(
                 prefix=f"{here}/iter:{loop_iteration + 1}/",
                 prev=output,
                 iteration=loop_iteration + 1,
-                input=input,
+                walk=walk,
             )
     elif isinstance(step, Choice):
         inner = _after(
             _case(step, rest, here),
             rest[1:],
             output,
-            input,
+            walk,
             prefix=f"{here}/{rest[0]}/",
             iteration=iteration,
         )
@@ -190,34 +300,44 @@ def _after(
         output = inner.result  # the case's output is the choice's
     elif rest:
         raise PathError(f"{here}: a {type(step).__name__.lower()} has no inner steps")
+    # The step at `here` is over (a leaf, a loop whose until held, a choice's case).
+    too_large = walk.finish(step, here, output)
+    if too_large is not None:
+        return too_large
     if index + 1 < len(steps):
         return _descend(
-            steps, index + 1, prefix=prefix, prev=output, iteration=iteration, input=input
+            steps, index + 1, prefix=prefix, prev=output, iteration=iteration, walk=walk
         )
     return Done(output)
 
 
 def _descend(
-    steps: list[Step], index: int, *, prefix: str, prev: Any, iteration: int, input: Any
+    steps: list[Step], index: int, *, prefix: str, prev: Any, iteration: int, walk: _Walk
 ) -> Outcome:
     step = steps[index]
     path = f"{prefix}{index}"
     if isinstance(step, Untiloop):
-        return _descend(
-            step.steps, 0, prefix=f"{path}/iter:0/", prev=prev, iteration=0, input=input
-        )
-    if isinstance(step, Map):
-        return _mapped(step, path, prev, iteration, input)
+        return _descend(step.steps, 0, prefix=f"{path}/iter:0/", prev=prev, iteration=0, walk=walk)
     if isinstance(step, Choice):
-        return _chosen(step, path, prev, iteration, input)
-    return Leaf(path=path, step=step, prev=prev, iteration=iteration)
+        return _chosen(step, path, prev, iteration, walk)
+    args = arguments(step, path, prev, iteration, walk.input, walk.refs)
+    if isinstance(args, Failed):
+        return args
+    if isinstance(step, Map):
+        return _mapped(step, path, prev, iteration, walk, args)
+    too_large = _args_too_large(path, args)
+    if too_large is not None:
+        return too_large
+    return Leaf(path=path, step=step, prev=prev, iteration=iteration, args=args)
 
 
-def _chosen(step: Choice, path: str, prev: Any, iteration: int, input: Any) -> Outcome:
+def _chosen(step: Choice, path: str, prev: Any, iteration: int, walk: _Walk) -> Outcome:
     """Run the first case whose `when` holds (in order), else `otherwise`."""
     for k, case in enumerate(step.choice):
         try:
-            holds = evaluate(case.when, input=input, prev=prev, iteration=iteration)
+            holds = evaluate(
+                case.when, input=walk.input, prev=prev, iteration=iteration, steps=walk.refs
+            )
         except ConditionError as exc:
             return Failed(f"step {path}: choice {k} when {quote(case.when)}: {exc}")
         if holds:
@@ -229,7 +349,7 @@ def _chosen(step: Choice, path: str, prev: Any, iteration: int, input: Any) -> O
     branch = step.branch(k)
     assert branch is not None
     return _descend(
-        branch, 0, prefix=f"{path}/case:{k}/", prev=prev, iteration=iteration, input=input
+        branch, 0, prefix=f"{path}/case:{k}/", prev=prev, iteration=iteration, walk=walk
     )
 
 
@@ -243,15 +363,23 @@ def _case(step: Choice, parts: list[str], path: str) -> list[Step]:
     return branch
 
 
-def _mapped(step: Map, path: str, prev: Any, iteration: int, input: Any) -> Outcome:
+def _mapped(
+    step: Map,
+    path: str,
+    prev: Any,
+    iteration: int,
+    walk: _Walk,
+    args: tuple[dict[str, Any], ...],
+) -> Outcome:
     try:
         items = evaluate_list(
             step.map,
-            input=input,
+            input=walk.input,
             prev=prev,
             iteration=iteration,
             max_items=step.max_items,
             max_bytes=MAX_ITEMS_BYTES,
+            steps=walk.refs,
         )
     except ConditionError as exc:
         return Failed(f"step {path}: map {quote(step.map)}: {exc}")
@@ -262,7 +390,10 @@ def _mapped(step: Map, path: str, prev: Any, iteration: int, input: Any) -> Outc
                 f"step {path}: map {quote(step.map)}: item {n} is {size} bytes, over "
                 f"{MAX_ITEM_BYTES} (pass a key and read the data in the task)"
             )
-    return Leaf(path=path, step=step, prev=prev, iteration=iteration, items=tuple(items))
+    too_large = _args_too_large(path, args, len(items))
+    if too_large is not None:
+        return too_large
+    return Leaf(path=path, step=step, prev=prev, iteration=iteration, items=tuple(items), args=args)
 
 
 def _split(path: str) -> list[str]:

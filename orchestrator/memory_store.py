@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 from orchestrator.keys import Keys
@@ -136,6 +136,7 @@ class MemoryStore:
         payload: str = "",
         leaf: str = "",
         drop: str = "",
+        refs: Sequence[tuple[str, str]] = (),
     ) -> Verdict:
         """lua/advance.lua"""
         key = self.keys.state(wf)
@@ -155,6 +156,9 @@ class MemoryStore:
                 state["ended_ms"] = now
             registry = self.keys.registry(wf)
             base = self.keys.state(wf).removesuffix("state")
+            for name, text in refs:  # the outputs of the steps it moved past, latest wins
+                self.data[self.keys.ref(wf, name)] = text
+                self._register(wf, self.keys.ref(wf, name))
             if drop:
                 for name in sorted(self._set(registry)):
                     path = name.removeprefix(base).partition(":")[2]
@@ -342,6 +346,10 @@ class MemoryStore:
 
     async def blobs(self, wf: str, names: list[str]) -> list[str | None]:
         return [self._get(self.keys.blob(wf, name)) for name in names]
+
+    async def refs(self, wf: str, ids: list[str]) -> dict[str, str]:
+        found = {name: self._get(self.keys.ref(wf, name)) for name in ids}
+        return {name: text for name, text in found.items() if text is not None}
 
     async def outputs(self, wf: str, path: str, size: int | None, limit: int) -> Stored:
         if size is None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from functools import cached_property
 from typing import Annotated, Any
 
 from pydantic import (
@@ -17,7 +19,13 @@ from pydantic import (
     field_validator,
 )
 
-from orchestrator.conditions import MAX_SOURCE_CHARS, ConditionError, compile_condition
+from orchestrator.conditions import (
+    MAX_SOURCE_CHARS,
+    STEP_ID,
+    ConditionError,
+    compile_condition,
+    step_references,
+)
 from orchestrator.documents import (  # the documents' names stay importable from here
     ProgramError,
     check_value,
@@ -114,11 +122,40 @@ class Retry(_Model):
         return min(self.backoff_s * self.factor**attempt, self.max_backoff_s)
 
 
+MAX_ARGS_FROM = 20
+
+# A step's name for references (`steps.<id>` in CEL): unique in its program.
+StepId = Annotated[
+    str,
+    Field(
+        pattern=STEP_ID,
+        description="a name for this step, unique in the program: later steps read its output "
+        "as steps.<id> in CEL (args_from, map, until, when)",
+    ),
+]
+
+
+def _compiles_value(source: str) -> str:
+    return _compiles(source)
+
+
+Cel = Annotated[
+    str, Field(min_length=1, max_length=MAX_SOURCE_CHARS), AfterValidator(_compiles_value)
+]
+
+
 class Member(_Model):
     """One task of a bag; it runs on the bag's pool unless it names its own (never serial)."""
 
     task: str = Field(pattern=TASK_NAME)
     args: dict[str, Any] = Field(default_factory=dict)
+    # Arguments computed by the owner when the step starts, merged into `args`.
+    args_from: dict[Annotated[str, Field(min_length=1, max_length=128)], Cel] = Field(
+        default_factory=dict,
+        max_length=MAX_ARGS_FROM,
+        description="argument name -> CEL over input, prev, iteration and steps.<id>, "
+        "evaluated when the step starts; its value (JSON, at most 64 KiB) joins args",
+    )
     retry: Retry | None = None
     timeout_s: float | None = Field(default=None, gt=0, le=86400)
     pool: BagPool | None = None
@@ -127,12 +164,14 @@ class Member(_Model):
 class Task(Member):
     """A single task: the next step starts only after it finished."""
 
+    id: StepId | None = None
     pool: PoolName = SERIAL
 
 
 class Bag(_Model):
     """Tasks run in parallel; a join barrier holds the program until all finished."""
 
+    id: StepId | None = None
     bag: list[Member] = Field(min_length=1, max_length=MAX_BAG)
     # The pool of every member that does not name its own.
     pool: BagPool = PARALLEL
@@ -145,10 +184,11 @@ class Bag(_Model):
 class Map(Member):
     """One task per item of a list computed when the step starts, run like a bag's members."""
 
+    id: StepId | None = None
     map: str = Field(
         min_length=1,
         max_length=MAX_SOURCE_CHARS,
-        description="CEL over input, prev and iteration giving the list of items",
+        description="CEL over input, prev, iteration and steps.<id> giving the list of items",
     )
     max_items: int = Field(ge=1, le=MAX_BAG, description="more items fail the step")
     chunk: int | None = Field(default=None, ge=1, le=MAX_BAG, description=CHUNK)
@@ -162,6 +202,7 @@ class Map(Member):
 class Sleep(_Model):
     """A durable timer: the program waits `sleep_s`, holding no worker; its output is prev."""
 
+    id: StepId | None = None
     sleep_s: float = Field(gt=0, le=MAX_SLEEP_S, description="seconds to wait, up to 30 days")
 
 
@@ -174,6 +215,7 @@ class Signal(_Model):
     """Waits, holding no worker, for a named signal sent to the program (`shardflow signal`);
     its output is the signal's data. One sent before the program gets here is kept for it."""
 
+    id: StepId | None = None
     signal: str = Field(pattern=SIGNAL_NAME, description="the signal's name")
     timeout_s: float | None = Field(
         default=None,
@@ -186,6 +228,7 @@ class Signal(_Model):
 class Untiloop(_Model):
     """A body of steps repeated until `until` holds over its last output."""
 
+    id: StepId | None = None
     until: str = Field(min_length=1, max_length=MAX_SOURCE_CHARS)
     max_iterations: int = Field(ge=1, le=100_000)
     # Finished iterations whose outputs stay in Redis; older ones go as the loop moves on.
@@ -234,6 +277,7 @@ class Case(_Model):
 class Choice(_Model):
     """The first case whose `when` holds runs (else `otherwise`); its output is the step's."""
 
+    id: StepId | None = None
     choice: list[Case] = Field(min_length=1, max_length=MAX_CASES)
     otherwise: list[Step] | None = Field(default=None, min_length=1)
 
@@ -310,6 +354,14 @@ class Program(_Model):
         """Every signal name the program may wait for."""
         return _signals(self.steps)
 
+    @cached_property
+    def referenced(self) -> frozenset[str]:
+        """The ids of steps whose output some expression reads (`steps.<id>`): only these
+        are recorded when their step finishes."""
+        return frozenset(
+            name for _, _, names in _expressions(self.steps, "steps") for name in names
+        )
+
 
 def pool_of(step: Task | Bag | Map, index: int | None = None) -> str:
     """The pool of a single task, of bag member `index` (else the bag's own pool), or of a
@@ -383,11 +435,116 @@ def parse_program(
         program = _PROGRAM.validate_python(source)
     except ValidationError as exc:
         raise ProgramError([_fault(err) for err in exc.errors()]) from None
+    faults = check_references(program)
+    if faults:
+        raise ProgramError(faults)
     if known_tasks is not None:
         unknown = sorted(program.task_names() - known_tasks)
         if unknown:
             raise ProgramError([f"steps: unknown task {', '.join(map(repr, unknown))}"])
     return program
+
+
+# --- step references ---------------------------------------------------------------------
+
+
+def _branches(step: Step, path: str) -> list[tuple[list[Step], str]]:
+    """The step lists inside a step, with their paths in the document."""
+    if isinstance(step, Untiloop):
+        return [(step.steps, f"{path}.steps")]
+    if isinstance(step, Choice):
+        found = [(case.steps, f"{path}.choice[{k}].steps") for k, case in enumerate(step.choice)]
+        return found + ([(step.otherwise, f"{path}.otherwise")] if step.otherwise else [])
+    return []
+
+
+def _own_expressions(step: Step, path: str) -> Iterator[tuple[str, str]]:
+    """The CEL a step evaluates when it starts: (document path, source)."""
+    if isinstance(step, Task | Map):
+        for name, source in step.args_from.items():
+            yield f"{path}.args_from.{name}", source
+    if isinstance(step, Map):
+        yield f"{path}.map", step.map
+    if isinstance(step, Bag):
+        for i, member in enumerate(step.bag):
+            for name, source in member.args_from.items():
+                yield f"{path}.bag[{i}].args_from.{name}", source
+    if isinstance(step, Choice):
+        for k, case in enumerate(step.choice):
+            yield f"{path}.choice[{k}].when", case.when
+
+
+def _expressions(steps: list[Step], prefix: str) -> Iterator[tuple[str, str, frozenset[str]]]:
+    """Every CEL expression of a step list, deep: (document path, source, ids it names)."""
+    for n, step in enumerate(steps):
+        path = f"{prefix}[{n}]"
+        for where, source in _own_expressions(step, path):
+            yield where, source, step_references(source)
+        if isinstance(step, Untiloop):
+            yield f"{path}.until", step.until, step_references(step.until)
+        for inner, inner_path in _branches(step, path):
+            yield from _expressions(inner, inner_path)
+
+
+def check_references(program: Program) -> list[str]:
+    """Every fault of the program's step ids and references, each naming its path: a
+    duplicate id, an argument in both args and args_from, a reference to an unknown id or to a
+    step that cannot have finished before the expression runs. A step may read the steps
+    before it in its own list and in the lists of the steps that enclose it; an `until`, and
+    every step after a loop, also read the steps of its body's own list (the body ran at
+    least once; its last run's outputs count)."""
+    ids: dict[str, str] = {}  # id -> path of the step carrying it
+    faults: list[str] = []
+
+    def collect(steps: list[Step], prefix: str) -> None:
+        for n, step in enumerate(steps):
+            path = f"{prefix}[{n}]"
+            if step.id is not None:
+                if step.id in ids:
+                    faults.append(f"{path}.id: id {step.id!r} is also the id of {ids[step.id]}")
+                else:
+                    ids[step.id] = path
+            members = (
+                step.bag
+                if isinstance(step, Bag)
+                else [step]
+                if isinstance(step, Task | Map)
+                else []
+            )
+            for i, member in enumerate(members):
+                where = f"{path}.bag[{i}]" if isinstance(step, Bag) else path
+                for name in sorted(set(member.args) & set(member.args_from)):
+                    faults.append(f"{where}.args_from.{name}: also in args; give it in one")
+            for inner, inner_path in _branches(step, path):
+                collect(inner, inner_path)
+
+    def check(where: str, source: str, visible: frozenset[str]) -> None:
+        for name in sorted(step_references(source)):
+            if name not in ids:
+                faults.append(f"{where}: unknown step id {name!r}")
+            elif name not in visible:
+                faults.append(
+                    f"{where}: step {name!r} ({ids[name]}) cannot have finished before this "
+                    "runs (only earlier steps of this list or of an enclosing one can)"
+                )
+
+    def walk(steps: list[Step], prefix: str, visible: frozenset[str]) -> None:
+        for n, step in enumerate(steps):
+            path = f"{prefix}[{n}]"
+            for where, source in _own_expressions(step, path):
+                check(where, source, visible)
+            for inner, inner_path in _branches(step, path):
+                walk(inner, inner_path, visible)
+            if isinstance(step, Untiloop):  # after each run of the body
+                body = frozenset(s.id for s in step.steps if s.id is not None)
+                check(f"{path}.until", step.until, visible | body)
+                visible = visible | body  # the body ran at least once: its last run's
+            if step.id is not None:
+                visible = visible | {step.id}
+
+    collect(program.steps, "steps")
+    walk(program.steps, "steps", frozenset())
+    return faults
 
 
 def _fault(error: Any) -> str:

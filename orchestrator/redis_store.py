@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from importlib import resources
 from typing import Any
 
@@ -95,11 +95,13 @@ class RedisStore:
         payload: str = "",
         leaf: str = "",
         drop: str = "",
+        refs: Sequence[tuple[str, str]] = (),
     ) -> Verdict:
         """Compare-and-advance the cursor (see lua/advance.lua)."""
         args: list[str | int] = [expected, cursor, status, field, payload, leaf]
-        args += [self.retention_ms, drop]
-        verdict, now_status, now_cursor = await self._advance(keys=[self.keys.state(wf)], args=args)
+        args += [self.retention_ms, drop, *(text for _, text in refs)]
+        keys = [self.keys.state(wf), *(self.keys.ref(wf, name) for name, _ in refs)]
+        verdict, now_status, now_cursor = await self._advance(keys=keys, args=args)
         return Verdict(verdict, now_status, now_cursor)
 
     async def complete(
@@ -168,6 +170,15 @@ class RedisStore:
             return []
         found = await self.client.mget([self.keys.blob(wf, name) for name in names])
         return [None if value is None else str(value) for value in found]
+
+    async def refs(self, wf: str, ids: list[str]) -> dict[str, str]:
+        """The recorded outputs of the steps with these ids (one MGET)."""
+        if not ids:
+            return {}
+        found = await self.client.mget([self.keys.ref(wf, name) for name in ids])
+        return {
+            name: str(value) for name, value in zip(ids, found, strict=True) if value is not None
+        }
 
     async def outputs(self, wf: str, path: str, size: int | None, limit: int) -> Stored:
         """A step's recorded outputs: their sizes first, so a step over `limit` is never read."""

@@ -7,7 +7,7 @@ specification, and a store for tests that need no Redis).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -98,11 +98,13 @@ class Store(Protocol):
         payload: str = "",
         leaf: str = "",
         drop: str = "",
+        refs: Sequence[tuple[str, str]] = (),
     ) -> Verdict:
         """Compare-and-advance the cursor: applied, replay, stale or missing (lua/advance.lua).
         `leaf` is the new leaf's shape (`task`, `bag:<size>`, "" at the end); `drop` a loop
-        iteration whose keys go (a path prefix such as `3/iter:4/`). When the program ends,
-        every key it owns gets the store's retention."""
+        iteration whose keys go (a path prefix such as `3/iter:4/`); `refs` the outputs (id,
+        JSON) of steps that other steps read, recorded only if the advance applies. When the
+        program ends, every key it owns gets the store's retention."""
         ...
 
     async def record(
@@ -140,6 +142,11 @@ class Store(Protocol):
     async def take(self, wf: str, path: str, name: str) -> str:
         """The signal step at `path` takes its signal (lua/take.lua): taken, waiting, stale
         or missing."""
+        ...
+
+    async def refs(self, wf: str, ids: list[str]) -> dict[str, str]:
+        """The recorded outputs (JSON) of the steps with these ids; those not recorded are
+        missing."""
         ...
 
     async def outputs(self, wf: str, path: str, size: int | None, limit: int) -> Stored:

@@ -11,7 +11,7 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from orchestrator import machine, metrics
@@ -94,8 +94,14 @@ class Plans:
 
 def _evaluates(steps: list[machine.Step]) -> bool:
     """Whether any step is an untiloop, a map or a choice (any deeper down is inside one up
-    here): moving on may then evaluate CEL, and waits in a thread."""
-    return any(isinstance(step, Map | Untiloop | Choice) for step in steps)
+    here), or computes arguments (`args_from`): moving on may then evaluate CEL, and waits in
+    a thread."""
+    return any(
+        isinstance(step, Map | Untiloop | Choice)
+        or (isinstance(step, Task) and bool(step.args_from))
+        or (isinstance(step, Bag) and any(member.args_from for member in step.bag))
+        for step in steps
+    )
 
 
 def task_messages(
@@ -122,6 +128,12 @@ def task_messages(
     for i in indices:
         by_pool.setdefault(pool_of(step, i if isinstance(step, Bag) else None), []).append(i)
     messages: dict[str, list[bytes]] = {}
+
+    def args(i: int) -> dict[str, Any]:  # a member's args, with what args_from gave
+        if not leaf.args:
+            return members[i].args
+        return {**members[i].args, **leaf.args[i if isinstance(step, Bag) else 0]}
+
     for pool, ours in by_pool.items():
         bodies = messages[pool] = []
         chunk = 1
@@ -135,7 +147,7 @@ def task_messages(
                 index=None if leaf.size is None else first,
                 size=len(members),
                 task=members[first].task,
-                args=members[first].args,
+                args=args(first),
                 item=items[first] if items else None,
                 input=None if plan.big_input else plan.input,
                 prev=None if prev_ref else leaf.prev,
@@ -149,7 +161,7 @@ def task_messages(
                     Slot(
                         index=i,
                         task=members[i].task,
-                        args=members[i].args,
+                        args=args(i),
                         timeout_s=members[i].timeout_s,
                         item=items[i] if items else None,
                     )
@@ -230,10 +242,11 @@ class Transitions:
                 outcome = machine.first(plan.program, plan.input)
         elif isinstance(message, Next | Wake):
             expected = message.path
+            steps = await self._refs(message.wf, plan)
             if isinstance(message, Next):
-                following = await self._following(message, plan)
+                following = await self._following(message, plan, steps)
             else:
-                following = await self._woken(message, plan)
+                following = await self._woken(message, plan, steps)
             if isinstance(following, str):  # a step long gone, a sleep not yet due, a signal
                 self.counts[following] += 1
                 return following
@@ -285,7 +298,17 @@ class Transitions:
             await self.store.untrack(message.wf, plan.owner)
         return verdict.verdict
 
-    async def _following(self, message: Next, plan: Plan) -> machine.Outcome | str:
+    async def _refs(self, wf: str, plan: Plan) -> dict[str, Any]:
+        """The recorded outputs of the steps the program reads by id (one read; none when it
+        reads none). Those still to finish are missing, and the machine adds them on the way."""
+        if not plan.program.referenced:
+            return {}
+        found = await self.store.refs(wf, sorted(plan.program.referenced))
+        return {name: json.loads(text) for name, text in found.items()}
+
+    async def _following(
+        self, message: Next, plan: Plan, steps: dict[str, Any]
+    ) -> machine.Outcome | str:
         """What follows a finished leaf; "stale" when its output was left in Redis (too large
         to carry) and the step is no longer the program's (gone with its loop iteration)."""
         output = message.output
@@ -308,14 +331,16 @@ class Transitions:
                 raise Poison(f"{message.wf}: step {message.path} has no recorded output to read")
             values = [json.loads(value) for value in read.values]
             output = values if size is not None else values[0]
-        args = (plan.program, message.path, output, plan.input)
+        args = (plan.program, message.path, output, plan.input, steps)
         # `after` may evaluate an `until` or a map's list (up to its time budget): wait in a
         # thread, which only waits on the evaluator's pipe, so the shard keeps serving.
         if plan.evaluates:
             return await asyncio.to_thread(machine.after, *args)
         return machine.after(*args)
 
-    async def _woken(self, message: Wake, plan: Plan) -> machine.Outcome | str:
+    async def _woken(
+        self, message: Wake, plan: Plan, steps: dict[str, Any]
+    ) -> machine.Outcome | str:
         """What follows a sleep that is due; "waiting" (sent again, delayed) while it is early,
         "stale" once the program is elsewhere. The wake is only a hint: when the step began
         and what it passes on are read from Redis, so a forged or early wake changes nothing."""
@@ -336,7 +361,7 @@ class Transitions:
         [kept] = await self.store.blobs(message.wf, [message.path])
         if kept is None:
             return "stale"  # ended (and expired) meanwhile
-        args = (plan.program, message.path, json.loads(kept), plan.input)
+        args = (plan.program, message.path, json.loads(kept), plan.input, steps)
         if plan.evaluates:
             return await asyncio.to_thread(machine.after, *args)
         return machine.after(*args)
@@ -457,6 +482,10 @@ class Transitions:
                 items = tuple(message.item if i == message.index else None for i in range(size))
             leaf = machine.Leaf(message.path, step, message.prev, message.iteration, items)
             prev_ref = message.prev_ref  # stashed when the first attempt was sent
+            computed = await self._arguments(message, plan, leaf)
+            if isinstance(computed, machine.Failed):
+                return computed
+            leaf = replace(leaf, args=computed)
             if not prev_ref and (await self._stash(message.wf, plan, leaf)) is None:
                 return "stale"
             by_pool = task_messages(
@@ -474,6 +503,27 @@ class Transitions:
             return "retried"
         return "stale"
 
+    async def _arguments(
+        self, message: Failed, plan: Plan, leaf: machine.Leaf
+    ) -> tuple[dict[str, Any], ...] | machine.Failed:
+        """A retried leaf's `args_from`, computed again as when it started: the program is
+        still at this leaf, so the outputs it reads are the ones it read then."""
+        step = leaf.step
+        if isinstance(step, Sleep | Signal):
+            return ()
+        members = step.bag if isinstance(step, Bag) else [step]
+        if not any(member.args_from for member in members):
+            return ()
+        prev = leaf.prev
+        if message.prev_ref:
+            [kept] = await self.store.blobs(message.wf, [message.path])
+            if kept is None:
+                return machine.Failed(f"step {message.path}: its prev is gone")
+            prev = json.loads(kept)
+        steps = await self._refs(message.wf, plan)
+        call = (step, leaf.path, prev, leaf.iteration, plan.input, steps)
+        return await asyncio.to_thread(machine.arguments, *call)
+
     async def _advance(self, wf: str, plan: Plan, expected: str, outcome: machine.Outcome) -> Any:
         if isinstance(outcome, machine.Leaf):
             leaf = "task" if outcome.size is None else f"bag:{outcome.size}"
@@ -481,7 +531,7 @@ class Transitions:
                 leaf = type(outcome.step).__name__.lower()
             drop = machine.dropped(plan.program, expected, outcome.path)
             return await self.store.advance(
-                wf, expected, outcome.path, "running", leaf=leaf, drop=drop
+                wf, expected, outcome.path, "running", leaf=leaf, drop=drop, refs=outcome.refs
             )
         if isinstance(outcome, machine.Done):
             return await self.store.advance(

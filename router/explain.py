@@ -237,6 +237,7 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
         updated = as_int(state.get("updated_ms"))
         found.step = {
             "path": cursor,
+            "id": where.step.id,  # the name later steps read it by, if it has one
             "top": where.top,
             "kind": _kind(where.step),
             "pool": _pool(where.step),  # a bag's own; a member may name another
@@ -559,7 +560,9 @@ def explain_text(report: dict[str, Any], now_ms: float | None = None) -> str:
             kind = f"a bag of {step['size']}"
         where = f" on the {step['pool']} pool" if step["pool"] else ""
         lines.append(
-            f"At step {step['path']} (top-level step {step['top'] + 1} of {steps}): {kind}"
+            f"At step {step['path']} (top-level step {step['top'] + 1} of {steps}"
+            + (f", id {step['id']!r}" if step.get("id") else "")
+            + f"): {kind}"
             f"{where}, for {_span(step['running_s'] or 0)}."
         )
         for loop in step["loops"]:

@@ -39,6 +39,9 @@ SIGNALS = (
     "tests/test_signal_e2e.py::test_signals_sent_early_are_kept_and_each_is_taken_once_in_order"
 )
 WAKE = "tests/test_owner_steps.py::test_a_redelivered_wake_republishes_the_step_a_crash_cut_short"
+REFS_STEPS = (
+    "tests/test_refs.py::test_a_stale_report_of_an_old_iteration_changes_no_recorded_output[redis]"
+)
 INTERVAL = (
     "tests/test_sleep_e2e.py::"
     "test_a_loop_waits_its_interval_between_iterations_and_keeps_no_old_waits"
@@ -193,6 +196,28 @@ end""",
         'if ARGV[2] ~= "" and redis.call("ZSCORE", KEYS[3], ARGV[2]) then',
         "if false then",
         (MACHINE, NEWER, DIFFERENTIAL, SIGNALS),
+    ),
+    # Step references: a stale advance (an old iteration's report) overwrites a recorded
+    # output; a loop's step keeps its first iteration's output; a retry loses the arguments
+    # its args_from gave.
+    "ref-recorded-before-the-cursor-check": (
+        "lua/advance.lua",
+        "if live and cursor == ARGV[1] then",
+        'for i = 2, #KEYS do\n  redis.call("SET", KEYS[i], ARGV[i + 7])\nend\n'
+        "if live and cursor == ARGV[1] then",
+        (REFS_STEPS, DIFFERENTIAL, MACHINE),
+    ),
+    "ref-keeps-the-first-iteration": (
+        "lua/advance.lua",
+        'redis.call("SET", KEYS[i], ARGV[i + 7])',
+        'redis.call("SET", KEYS[i], ARGV[i + 7], "NX")',
+        (REFS_STEPS, DIFFERENTIAL, MACHINE),
+    ),
+    "retry-forgets-args-from": (
+        "orchestrator/transitions.py",
+        "leaf = replace(leaf, args=computed)",
+        "leaf = replace(leaf, args=())",
+        (MACHINE,),
     ),
 }
 

@@ -114,7 +114,7 @@ async def identity(ctx: TaskContext) -> dict[str, Any]:
 
 
 @task()
-async def work(ctx: TaskContext) -> dict[str, int]:
+async def work(ctx: TaskContext) -> dict[str, Any]:
     """For drawn programs: an output that depends only on where the task runs."""
     from tests.model import output_of
 
@@ -177,3 +177,12 @@ async def fault_step(ctx: TaskContext) -> Any:
     output = fault_output(ctx.workflow_id, ctx.step, ctx.index, ctx.iteration, n, ctx.prev)
     client.rpush(where["key"], json.dumps({"event": "end", **who, "output": output}))
     return output
+
+
+@task()
+async def shaky(ctx: TaskContext) -> dict[str, Any]:
+    """Fails its first attempt; then returns its args and attempt (a retry's args are the
+    first attempt's)."""
+    if ctx.attempt == 0:
+        raise RuntimeError("the first attempt fails")
+    return {"args": ctx.args, "attempt": ctx.attempt}

@@ -19,9 +19,10 @@ from typing import Any
 from hypothesis import strategies as st
 
 
-def output_of(path: str, index: int | None) -> dict[str, int]:
-    """What `work` returns at a step path (and bag index): the same on every run."""
-    return {"v": zlib.crc32(f"{path}#{index}".encode()) % 5}
+def output_of(path: str, index: int | None) -> dict[str, Any]:
+    """What `work` returns at a step path (and bag index): the same on every run, and
+    different at every path (an output read back from another iteration shows)."""
+    return {"v": zlib.crc32(f"{path}#{index}".encode()) % 5, "at": f"{path}#{index}"}
 
 
 # A hanging attempt is cut off by the worker after this long (a real wait, kept tiny).
@@ -197,14 +198,64 @@ def choices(
     return step
 
 
+@st.composite
+def _with_refs(draw: st.DrawFn, drawn: list[Any]) -> list[Any]:
+    """The same steps, now and then with an `id`, and tasks, bag members and maps reading an
+    earlier step's output (`args_from: {"ref": "steps.<id>"}`, as a step may: one before it in
+    its own list or in a list enclosing it, or in the top list of a loop's body once the loop
+    is over). Most steps get both, so that a loop's step read after the loop (its latest
+    iteration's output, read back from the store) is common. Shrinks to no ids and no
+    references, and a reference to the nearest step first."""
+    counter = iter(range(1000))
+    often = st.integers(0, 3).map(bool)  # three times in four; shrinks to False
+
+    def reading(member: dict[str, Any], visible: list[str]) -> dict[str, Any]:
+        if not visible or not draw(often):
+            return member
+        name = draw(st.sampled_from(visible[::-1]))
+        return {**member, "args_from": {"ref": f"steps.{name}"}}
+
+    def walk(steps: list[Any], visible: list[str]) -> tuple[list[Any], list[str]]:
+        """The steps with ids and references; the ids visible after them."""
+        out = []
+        for step in steps:
+            step = dict(step)
+            if "bag" in step:
+                step["bag"] = [reading(member, visible) for member in step["bag"]]
+            elif "task" in step:  # a task or a map
+                step = reading(step, visible)
+            elif "until" in step:
+                step["steps"], _ = walk(step["steps"], visible)
+                body = [inner["id"] for inner in step["steps"] if "id" in inner]
+                visible = visible + body  # the body ran at least once: its last run counts
+            elif "choice" in step:
+                step["choice"] = [
+                    {**case, "steps": walk(case["steps"], visible)[0]} for case in step["choice"]
+                ]
+                if "otherwise" in step:
+                    step["otherwise"] = walk(step["otherwise"], visible)[0]
+            if draw(often):
+                step = {"id": f"s{next(counter)}", **step}
+                visible = [*visible, step["id"]]
+            out.append(step)
+        return out, visible
+
+    return walk(drawn, [])[0]
+
+
 def programs(
     max_bag: int = 50, fail_rate: int = 25, faults: bool = False, newer: bool = False
 ) -> st.SearchStrategy[dict[str, Any]]:
     """Whole programs of the grammar: tasks, bags of 1..max_bag, maps, sleeps, nested
-    untiloops (some with waits between iterations), serial, parallel and a named pool (bags
-    and members too); with `faults`, also flaky tasks with retry policies and timeouts, and
-    deadlines. `newer` draws mostly the newer kinds (maps, sleeps, waits)."""
-    drawn = steps(0, max_bag, fail_rate, faults, newer).map(lambda s: {"name": "drawn", "steps": s})
+    untiloops (some with waits between iterations), choices, serial, parallel and a named
+    pool (bags and members too), step ids and arguments read from earlier steps by id; with
+    `faults`, also flaky tasks with retry policies and timeouts, and deadlines. `newer` draws
+    mostly the newer kinds (maps, sleeps, waits)."""
+    drawn = (
+        steps(0, max_bag, fail_rate, faults, newer)
+        .flatmap(_with_refs)
+        .map(lambda s: {"name": "drawn", "steps": s})
+    )
     if not faults:
         return drawn
     # Now and then: a deadline ends most programs early (it is due at any time).
@@ -229,6 +280,10 @@ class Expected:
     attempts: dict[tuple[str, int | None], int] = field(default_factory=dict)
     # The signal steps it runs, in order: each takes the next signal sent (signal_data).
     signals: list[str] = field(default_factory=list)
+    # (path, bag index or None) -> the args its task messages carry (args_from included)
+    args: dict[tuple[str, int | None], dict[str, Any]] = field(default_factory=dict)
+    # the latest output of each step with an id, as the program goes
+    refs: dict[str, Any] = field(default_factory=dict)
 
     def position(self, path: str) -> int:
         return [leaf for leaf, _ in self.leaves].index(path)
@@ -308,14 +363,20 @@ def _run(steps: list[Any], prev: Any, prefix: str, expected: Expected, iteration
                     f"max_iterations={step['max_iterations']}"
                 )
                 _fail(expected, error, [error])
+        if "id" in step:  # it finished: later steps read its output (the latest, in a loop)
+            expected.refs[step["id"]] = prev
     return prev
 
 
 def _member(step: dict[str, Any], path: str, index: int | None, expected: Expected) -> str | None:
     """The error a task (or bag member) ends with after its last attempt, or None if it
-    succeeds; notes how many attempts it may have."""
+    succeeds; notes how many attempts it may have, and the args it gets."""
     most = step["retry"]["max_attempts"] if "retry" in step else 1
     expected.attempts[(path, index)] = most
+    args = dict(step.get("args", {}))
+    for name, source in step.get("args_from", {}).items():
+        args[name] = expected.refs[source.removeprefix("steps.")]
+    expected.args[(path, index)] = args
     if step["task"] == "boom":
         errors = ["RuntimeError: boom"] * most
     elif step["task"] == "flaky" and len(step["args"]["fails"]) >= most:

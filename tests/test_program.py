@@ -125,8 +125,8 @@ def test_untiloops_nest() -> None:
                     }
                 ]
             },
-            "steps[0].steps[0].bag[0].pool: a bag or map runs its members side by side: the "
-            "serial pool takes single tasks",
+            "steps[0].steps[0].bag[0].pool: a bag or map runs its members side by side: a "
+            "serial lane takes single tasks",
         ),
         ({"steps": [{"task": "no spaces"}]}, "steps[0].task: String should match pattern"),
         (
@@ -355,6 +355,6 @@ def test_the_schema_accepts_and_refuses_the_pool_names_the_format_does() -> None
         {"steps": [{"bag": [{"task": "b", "pool": "serial"}]}]},
     ]:
         assert not validator.is_valid(program)
-        with pytest.raises(ProgramError, match=r"the serial pool takes single tasks"):
+        with pytest.raises(ProgramError, match=r"a serial lane takes single tasks"):
             parse_program(program)
     assert validator.is_valid({"steps": [{"task": "a", "pool": "serial"}]})

@@ -3,17 +3,18 @@
 The state machine plays RabbitMQ. Its rules deliver the messages the system produced in any
 order, deliver them twice, deliver old ones again, and crash a process between writing state
 and publishing (after any number of its publishes). Delayed messages (retries, deadlines) are
-held until a rule lets time pass for one of them, at any later point: time is abstract, a
-delay orders nothing. Programs have tasks that fail or time out on some attempts, retry
-policies and deadlines; a rule cancels a program through the router at any time (or while one
-of its tasks runs: the control message reaches the worker mid-task), and another holds a
-task's handlers while other messages are handled (a copy of the same task on a second worker
-moves the program on before the first records). The orchestrator, router and worker code that
-handles each message is the real one (`handle_shard_message`, `Router.cancel`, `Worker.handle`)
-and so are the Lua scripts; only the transport is simulated. A small model (tests/model.py)
-says what must happen; invariants are checked after every rule, and at the end every message
-left is delivered (delayed ones too) so that every program must have ended, as the model says
-or as its cancel or deadline says, and a cancel after the end must change nothing.
+held until a rule lets time pass for one of them, at any later point: time is abstract, a delay
+orders nothing. Programs have tasks that fail or time out on some attempts, retry policies and
+deadlines, and steps that read earlier ones' outputs by id (their task messages must carry the
+args the model computes); a rule cancels a program through the router at any time (or while one
+of its tasks runs: the control message reaches the worker mid-task), and another holds a task's
+handlers while other messages are handled (a copy of the same task on a second worker moves the
+program on before the first records). The orchestrator, router and worker code that handles
+each message is the real one (`handle_shard_message`, `Router.cancel`, `Worker.handle`) and so
+are the Lua scripts; only the transport is simulated. A small model (tests/model.py) says what
+must happen; invariants are checked after every rule, and at the end every message left is
+delivered (delayed ones too) so that every program must have ended, as the model says or as its
+cancel or deadline says, and a cancel after the end must change nothing.
 """
 
 from __future__ import annotations
@@ -276,7 +277,7 @@ class Cluster(RuleBasedStateMachine):
                 self.all_held.set()
             await gate.wait()
 
-    async def _work(self, ctx: TaskContext) -> dict[str, int]:
+    async def _work(self, ctx: TaskContext) -> dict[str, Any]:
         await self._hold()
         return output_of(ctx.step, ctx.index)
 
@@ -284,7 +285,7 @@ class Cluster(RuleBasedStateMachine):
         await self._hold()
         raise RuntimeError("boom")
 
-    async def _flaky(self, ctx: TaskContext) -> dict[str, int]:
+    async def _flaky(self, ctx: TaskContext) -> dict[str, Any]:
         await self._hold()
         fails = ctx.args["fails"]
         if ctx.attempt < len(fails):
@@ -315,8 +316,9 @@ class Cluster(RuleBasedStateMachine):
 
     def _check_dispatch(self, task: TaskMessage, *, retry: bool, pool: str) -> None:
         """Called as each task message is published: every earlier step must be complete,
-        the program still live, a retry within the member's attempts and scheduled once, and
-        every task it carries sent to its own pool (the member's, the bag's, the task's)."""
+        the program still live, a retry within the member's attempts and scheduled once,
+        every task it carries sent to its own pool (the member's, the bag's, the task's) and
+        with the args the model computes (those read from earlier steps by id too)."""
         violations = self.store.violations
         expected = self.expected[task.wf]
         paths = [path for path, _ in expected.leaves]
@@ -329,6 +331,12 @@ class Cluster(RuleBasedStateMachine):
         pools = {pool_of(step, one.index) for one in task.split()}
         if pools != {pool}:
             violations.append(f"{task.wf} {task.path}: tasks of pools {pools} sent to {pool}")
+        for one in task.split():  # args_from read the outputs the model says (steps.<id>)
+            args = expected.args.get((task.path, one.index))
+            if args is not None and one.args != args:
+                violations.append(
+                    f"{task.wf} {task.path}/{one.index}: args {one.args}, expected {args}"
+                )
         position = paths.index(task.path)
         for path, size in expected.leaves[:position]:
             if len(self.store.recorded[(task.wf, path)]) < size:

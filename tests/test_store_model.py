@@ -60,9 +60,9 @@ def calls(cursors: dict[str, str]) -> st.SearchStrategy[Call]:
 
     def advance(wf: str) -> st.SearchStrategy[Call]:
         return st.builds(
-            lambda expected, cursor, status, payload, leaf, drop: (
+            lambda expected, cursor, status, payload, leaf, drop, refs: (
                 "advance",
-                (wf, expected, cursor, status, *payload, leaf, drop),
+                (wf, expected, cursor, status, *payload, leaf, drop, refs),
             ),
             at(wf, ["", *PATHS]),
             st.sampled_from(["", *PATHS]),
@@ -71,6 +71,8 @@ def calls(cursors: dict[str, str]) -> st.SearchStrategy[Call]:
             st.sampled_from(["", "task", "bag:0", "bag:1", "bag:2", "bag:3", "sleep", "signal"]),
             # a loop iteration dropped as the loop moves on (keys under 2/iter:0/ go)
             st.sampled_from(["", "", "", "2/iter:0/", "2/iter:1/", "1"]),
+            # outputs of steps read by id, recorded (latest wins) only when it applies
+            st.sampled_from([(), (), (("a", '{"v": 1}'),), (("a", '"x"'), ("b2", "[1, 2]"))]),
         )
 
     def per_workflow(wf: str) -> st.SearchStrategy[Call]:
