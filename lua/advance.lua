@@ -12,6 +12,10 @@
 -- ARGV[8]  a loop iteration to drop, as a path prefix ("3/iter:4/"), or "": the new leaf
 --          starts a new iteration and the loop keeps only its last ones (its keys, and its
 --          fields in <prefix>:{<wf>}:attempts)
+-- ARGV[9]  the run (epoch) the message belongs to, or "" (a start: any run): a message of
+--          another run (before a redrive, see redrive.lua) is stale
+-- When the program ends, the cursor before the last one is kept as `prior` (redrive reruns
+-- from the last cursor, whose prev is the output of `prior`).
 -- The program's other keys are named in its registry <prefix>:{<wf>}:keys; all share the
 -- program's hash tag, so they live in KEYS[1]'s cluster slot.
 -- returns  {verdict, status, cursor} where verdict is
@@ -19,10 +23,14 @@
 --   replay   it already happened (cursor moved from ARGV[1]): a redelivery publishes again
 --   stale    the message is older than the program's state: ignore it
 --   missing  no such program
-local s = redis.call("HMGET", KEYS[1], "status", "cursor", "from")
+local s = redis.call("HMGET", KEYS[1], "status", "cursor", "from", "epoch")
 local status, cursor, from = s[1], s[2], s[3]
 if not status then
   return {"missing", "", ""}
+end
+local epoch = ARGV[9] or ""
+if epoch ~= "" and epoch ~= (s[4] or "0") then
+  return {"stale", status, cursor}
 end
 local live = status == "pending" or status == "running"
 if live and cursor == ARGV[1] then
@@ -35,6 +43,9 @@ if live and cursor == ARGV[1] then
   end
   if ARGV[4] ~= "" then
     redis.call("HSET", KEYS[1], ARGV[4], ARGV[5], "ended_ms", now)
+  end
+  if ARGV[3] ~= "running" then
+    redis.call("HSET", KEYS[1], "prior", from or "")
   end
   local base = string.sub(KEYS[1], 1, -6)  -- "<prefix>:{<wf>}:" without "state"
   local registry = base .. "keys"

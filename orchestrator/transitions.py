@@ -102,6 +102,7 @@ def task_messages(
     only: int | None = None,
     *,
     prev_ref: bool = False,
+    epoch: int = 0,
 ) -> dict[str, list[bytes]]:
     """The task messages that run one leaf (or only its member `only`), by pool. A bag's
     members go out in chunks of members of the same pool. A large input is referred to (the
@@ -147,6 +148,7 @@ def task_messages(
                     )
                     for i in rest
                 ],
+                epoch=epoch,
             )
             bodies.append(encode(message))
     return messages
@@ -198,14 +200,26 @@ class Transitions:
             raise Poison(f"{message.wf}: owned by shard {plan.owner}, not by shard {shard}")
         if isinstance(message, Deadline):
             reason = f"deadline of {message.deadline_s}s exceeded"
-            return await end_program(self.store, self.bus, message.wf, "failed", reason)
+            return await end_program(
+                self.store, self.bus, message.wf, "failed", reason, epoch=message.epoch
+            )
+        epoch: int | None = None  # a start belongs to whatever run the program is in
         if isinstance(message, Start):
             expected = ""
-            if plan.evaluates:  # a map first: its items come from CEL (see _following)
+            state = await self.store.state(message.wf)
+            run = int(state.get("epoch") or 0)
+            if run:  # redriven (lua/redrive.lua): run again from where it stopped
+                started = await self._redriven(message.wf, plan, state)
+                if isinstance(started, str):
+                    self.counts[started] += 1
+                    return started
+                outcome = started
+            elif plan.evaluates:  # a map first: its items come from CEL (see _following)
                 outcome = await asyncio.to_thread(machine.first, plan.program, plan.input)
             else:
                 outcome = machine.first(plan.program, plan.input)
         elif isinstance(message, Next | Wake):
+            epoch = run = message.epoch
             expected = message.path
             if isinstance(message, Next):
                 following = await self._following(message, plan)
@@ -222,7 +236,8 @@ class Transitions:
                 metrics.failure_verdict(failure)
                 return failure
             expected, outcome = message.path, failure
-        verdict = await self._advance(message.wf, plan, expected, outcome)
+            epoch = run = message.epoch
+        verdict = await self._advance(message.wf, plan, expected, outcome, epoch)
         if verdict.verdict == "missing":
             raise Poison(f"{message.wf}: no such program")
         # stale: a duplicate or late message, acked and ignored
@@ -242,8 +257,9 @@ class Transitions:
             verdict.verdict == "replay" and redelivered and not ended
         ):
             if isinstance(message, Start) and plan.program.deadline_s is not None:
-                await self._publish_deadline(message.wf, plan)
-            await self._publish(message.wf, plan, outcome, NEW if expected == "" else GOING_ON)
+                await self._publish_deadline(message.wf, plan, run)
+            priority = NEW if expected == "" else GOING_ON
+            await self._publish(message.wf, plan, outcome, priority, run)
             if verdict.verdict == "replay":
                 self.counts["republished"] += 1
                 log.info("%s: %s redelivered after a crash: published again", message.wf, expected)
@@ -280,7 +296,11 @@ class Transitions:
                 )
             if read.values is None:
                 state = await self.store.state(message.wf)
-                if state.get("status") != "running" or state.get("cursor") != message.path:
+                if (
+                    state.get("status") != "running"
+                    or state.get("cursor") != message.path
+                    or int(state.get("epoch") or 0) != message.epoch
+                ):
                     return "stale"
                 raise Poison(f"{message.wf}: step {message.path} has no recorded output to read")
             values = [json.loads(value) for value in read.values]
@@ -300,6 +320,8 @@ class Transitions:
         if not isinstance(step, Sleep):
             raise Poison(f"{message.wf}: step {message.path} is not a sleep")
         state = await self.store.state(message.wf)
+        if int(state.get("epoch") or 0) != message.epoch:
+            return "stale"  # a wake of an earlier run (before a redrive)
         if state.get("status") == "running" and state.get("cursor") == message.path:
             began_ms = int(state.get("updated_ms") or 0)
             delay_ms = ladder_floor_ms(began_ms / 1000 + step.sleep_s - time.time())
@@ -336,13 +358,16 @@ class Transitions:
             return None
         return leaf.path in blobs
 
-    async def _publish_deadline(self, wf: str, plan: Plan) -> None:
-        """The deadline counts from submission: what is left of it when the program starts."""
+    async def _publish_deadline(self, wf: str, plan: Plan, epoch: int) -> None:
+        """The deadline counts from submission: what is left of it when the program starts.
+        A redriven run gets the whole deadline again, from its start."""
         deadline_s = plan.program.deadline_s
         assert deadline_s is not None
         created_ms = int((await self.store.state(wf)).get("created_ms") or 0)
         elapsed_s = max(0.0, time.time() - created_ms / 1000) if created_ms else 0.0
-        body = encode(Deadline(wf=wf, deadline_s=deadline_s))
+        if epoch:
+            elapsed_s = 0.0
+        body = encode(Deadline(wf=wf, deadline_s=deadline_s, epoch=epoch))
         await self.bus.publish_to_shard_later(plan.owner, body, max(0.001, deadline_s - elapsed_s))
 
     async def _record_failure(
@@ -372,7 +397,13 @@ class Transitions:
         if message.attempt >= attempts:
             raise Poison(f"{message.wf}: attempt {message.attempt} of a task tried {attempts}x")
         reply = await self.store.fail(
-            message.wf, message.path, message.index, message.attempt, message.error, attempts
+            message.wf,
+            message.path,
+            message.index,
+            message.attempt,
+            message.error,
+            attempts,
+            message.epoch,
         )
         if reply.verdict in ("missing", "invalid"):
             raise Poison(f"{message.wf}: {', '.join(reply.outputs) or 'no such program'}")
@@ -400,6 +431,7 @@ class Transitions:
                 attempt=message.attempt + 1,
                 only=message.index,
                 prev_ref=prev_ref,
+                epoch=message.epoch,
             )
             delay_s = policy.delay_s(message.attempt)
             await self.marks.failed(message, delay_s)
@@ -408,43 +440,86 @@ class Transitions:
             return "retried"
         return "stale"
 
-    async def _advance(self, wf: str, plan: Plan, expected: str, outcome: machine.Outcome) -> Any:
+    async def _advance(
+        self, wf: str, plan: Plan, expected: str, outcome: machine.Outcome, epoch: int | None
+    ) -> Any:
         if isinstance(outcome, machine.Leaf):
             leaf = "task" if outcome.size is None else f"bag:{outcome.size}"
             if isinstance(outcome.step, Sleep):
                 leaf = "sleep"
             drop = machine.dropped(plan.program, expected, outcome.path)
             return await self.store.advance(
-                wf, expected, outcome.path, "running", leaf=leaf, drop=drop
+                wf, expected, outcome.path, "running", leaf=leaf, drop=drop, epoch=epoch
             )
         if isinstance(outcome, machine.Done):
+            result = json.dumps(outcome.result)
             return await self.store.advance(
-                wf, expected, "", "completed", "result", json.dumps(outcome.result)
+                wf, expected, "", "completed", "result", result, epoch=epoch
             )
-        return await self.store.advance(wf, expected, "", "failed", "error", outcome.error)
+        return await self.store.advance(
+            wf, expected, "", "failed", "error", outcome.error, epoch=epoch
+        )
 
-    async def _publish(self, wf: str, plan: Plan, outcome: machine.Outcome, priority: int) -> None:
+    async def _redriven(self, wf: str, plan: Plan, state: dict[str, str]) -> machine.Outcome | str:
+        """Where a redriven program starts again (`rerun`, recorded by lua/redrive.lua), with
+        the output of `prior` as its prev; "stale" when that output is gone because the
+        program moved on (a late start)."""
+        rerun, prior = state.get("rerun", ""), state.get("prior", "")
+        prev: Any = None
+        if prior:
+            step = machine.leaf_at(plan.program, prior)
+            if isinstance(step, Sleep):  # a sleep passes its prev on: kept at its path
+                [kept] = await self.store.blobs(wf, [prior])
+                found = None if kept is None else [kept]
+                total = 0
+            else:
+                size = len(step.bag) if isinstance(step, Bag) else None
+                if isinstance(step, Map):  # every member finished: the barrier is its size
+                    size = await self.store.members(wf, prior)
+                read = await self.store.outputs(wf, prior, size, self.max_join_bytes)
+                found, total = read.values, read.total
+            if found is None:
+                if state.get("status") != "pending" or state.get("cursor"):
+                    return "stale"
+                if total > self.max_join_bytes:
+                    return machine.Failed(
+                        f"redrive: the output of step {prior} ({total} bytes) is over the "
+                        f"limit of {self.max_join_bytes} (SHARDFLOW_MAX_JOIN_BYTES)"
+                    )
+                return machine.Failed(f"redrive: the output of step {prior} is gone")
+            values = [json.loads(value) for value in found]
+            single = isinstance(step, Task | Sleep)
+            prev = values[0] if single else values
+        args = (plan.program, rerun, prev, plan.input)
+        if plan.evaluates:
+            return await asyncio.to_thread(machine.resume, *args)
+        return machine.resume(*args)
+
+    async def _publish(
+        self, wf: str, plan: Plan, outcome: machine.Outcome, priority: int, epoch: int
+    ) -> None:
         if isinstance(outcome, machine.Leaf):
             if isinstance(outcome.step, Sleep):
-                await self._sleep(wf, plan, outcome)
+                await self._sleep(wf, plan, outcome, epoch)
                 return
             if outcome.size == 0:  # a map over no items: done at once, by its owner
-                body = encode(Next(wf=wf, path=outcome.path, output=[]))
+                body = encode(Next(wf=wf, path=outcome.path, output=[], epoch=epoch))
                 await self.bus.publish_to_shard(plan.owner, body, priority)
                 return
             prev_ref = await self._stash(wf, plan, outcome)
             if prev_ref is None:
                 return  # ended meanwhile (cancelled): nothing to run
             # One pool after the other: a failure leaves no publish running unawaited.
-            for pool, bodies in task_messages(wf, plan, outcome, prev_ref=prev_ref).items():
+            by_pool = task_messages(wf, plan, outcome, prev_ref=prev_ref, epoch=epoch)
+            for pool, bodies in by_pool.items():
                 await self.bus.publish_all(pool, bodies, priority)
 
-    async def _sleep(self, wf: str, plan: Plan, leaf: machine.Leaf) -> None:
+    async def _sleep(self, wf: str, plan: Plan, leaf: machine.Leaf, epoch: int) -> None:
         """Start a sleep: keep what it passes on in Redis, and send its wake, delayed. The
         timer lives in the broker's delay queues, so it survives any restart."""
         assert isinstance(leaf.step, Sleep)
         if not await self.store.stash(wf, {leaf.path: json.dumps(leaf.prev)}):
             return  # ended meanwhile (cancelled)
         delay_s = max(ladder_floor_ms(leaf.step.sleep_s), 1) / 1000
-        body = encode(Wake(wf=wf, path=leaf.path))
+        body = encode(Wake(wf=wf, path=leaf.path, epoch=epoch))
         await self.bus.publish_to_shard_later(plan.owner, body, delay_s)

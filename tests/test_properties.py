@@ -169,10 +169,10 @@ class RecordingStore:
         return getattr(self.inner, name)
 
     async def record(
-        self, wf: str, path: str, size: int, outputs: Mapping[int | None, str]
+        self, wf: str, path: str, size: int, outputs: Mapping[int | None, str], epoch: int = 0
     ) -> Completion:
         before = await self.inner.state(wf)
-        completion = await self.inner.record(wf, path, size, outputs)
+        completion = await self.inner.record(wf, path, size, outputs, epoch)
         if completion.verdict in ("fire", "again", "wait") and (
             before.get("status") != "running" or before.get("cursor") != path
         ):
@@ -197,8 +197,10 @@ class RecordingStore:
             await self._ended(wf)
         return verdict
 
-    async def cancel(self, wf: str, status: str, reason: str) -> Ended | None:
-        ended = await self.inner.cancel(wf, status, reason)
+    async def cancel(
+        self, wf: str, status: str, reason: str, epoch: int | None = None
+    ) -> Ended | None:
+        ended = await self.inner.cancel(wf, status, reason, epoch)
         if ended is not None and ended.now:
             self.cancelled.setdefault(wf, (status, reason))
             await self._ended(wf)
