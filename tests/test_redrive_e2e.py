@@ -222,3 +222,17 @@ async def test_a_message_of_the_earlier_run_is_stale_in_the_new_one(
     assert done["status"] == "completed", done
     assert done["result"]["index"] is None and done["result"]["prev"] == {"args": {}, "prev": None}
     await client.aclose()
+
+
+async def test_explain_tells_the_runs_of_a_redriven_program(cluster: Router) -> None:
+    from router.explain import explain_text
+
+    wf = (await cluster.submit({"steps": [{"task": "boom"}]})).workflow_id
+    assert (await cluster.wait(wf, timeout_s=30))["status"] == "failed"
+    await cluster.redrive(wf)
+    assert (await cluster.wait(wf, timeout_s=30))["status"] == "failed"
+    report = await cluster.explain(wf)
+    assert report is not None and report["run"] == 1
+    text = explain_text(report)
+    assert "This is run 1: it was redriven after the runs below." in text
+    assert "  Run 0 ended failed at step 0: step 0: task 'boom': RuntimeError: boom" in text
