@@ -12,8 +12,12 @@
 -- ARGV[8]  a loop iteration to drop, as a path prefix ("3/iter:4/"), or "": the new leaf
 --          starts a new iteration and the loop keeps only its last ones (its keys, and its
 --          fields in <prefix>:{<wf>}:attempts)
+-- ARGV[9]  the run (epoch) the message belongs to, or "" (a start: any run): a message of
+--          another run (before a redrive, see redrive.lua) is stale
+-- When the program ends, the cursor before the last one is kept as `prior` (redrive reruns
+-- from the last cursor, whose prev is the output of `prior`).
 -- KEYS[2..] the outputs of steps that other steps read, <prefix>:{<wf>}:ref:<id>, with their
---          JSON in ARGV[9..] (KEYS[n] <- ARGV[n + 7]): the steps the new cursor moved past
+--          JSON in ARGV[10..] (KEYS[n] <- ARGV[n + 8]): the steps the new cursor moved past
 --          that carry a referenced id; written (latest wins) and registered only when the
 --          advance applies
 -- The program's other keys are named in its registry <prefix>:{<wf>}:keys; all share the
@@ -23,10 +27,14 @@
 --   replay   it already happened (cursor moved from ARGV[1]): a redelivery publishes again
 --   stale    the message is older than the program's state: ignore it
 --   missing  no such program
-local s = redis.call("HMGET", KEYS[1], "status", "cursor", "from")
+local s = redis.call("HMGET", KEYS[1], "status", "cursor", "from", "epoch")
 local status, cursor, from = s[1], s[2], s[3]
 if not status then
   return {"missing", "", ""}
+end
+local epoch = ARGV[9] or ""
+if epoch ~= "" and epoch ~= (s[4] or "0") then
+  return {"stale", status, cursor}
 end
 local live = status == "pending" or status == "running"
 if live and cursor == ARGV[1] then
@@ -40,10 +48,13 @@ if live and cursor == ARGV[1] then
   if ARGV[4] ~= "" then
     redis.call("HSET", KEYS[1], ARGV[4], ARGV[5], "ended_ms", now)
   end
+  if ARGV[3] ~= "running" then
+    redis.call("HSET", KEYS[1], "prior", from or "")
+  end
   local base = string.sub(KEYS[1], 1, -6)  -- "<prefix>:{<wf>}:" without "state"
   local registry = base .. "keys"
   for i = 2, #KEYS do
-    redis.call("SET", KEYS[i], ARGV[i + 7])
+    redis.call("SET", KEYS[i], ARGV[i + 8])
     redis.call("SADD", registry, KEYS[i])
   end
   local drop = ARGV[8] or ""

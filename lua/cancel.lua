@@ -5,21 +5,27 @@
 -- ARGV[2]  reason, recorded as the program's error
 -- ARGV[3]  retention in ms: every key of the program expires after this ("0": kept forever;
 --          see advance.lua)
+-- ARGV[4]  the run (epoch) a deadline belongs to, or "" (a user's cancel: whatever run)
 -- returns  {"applied", status, owner}  ended now
 --          {"ended", status, owner}    it had already ended: nothing changes
+--          {"stale", status, owner}    live, but in another run than ARGV[4]: nothing changes
 --          {"missing", "", ""}         no such program
-local s = redis.call("HMGET", KEYS[1], "status", "cursor", "owner")
+local s = redis.call("HMGET", KEYS[1], "status", "cursor", "owner", "from", "epoch")
 local status, cursor, owner = s[1], s[2], s[3]
 if not status then
   return {"missing", "", ""}
 end
+local epoch = ARGV[4] or ""
 if status ~= "pending" and status ~= "running" then
   return {"ended", status, owner}
+end
+if epoch ~= "" and epoch ~= (s[5] or "0") then
+  return {"stale", status, owner}
 end
 local t = redis.call("TIME")
 local now = string.format("%d", t[1] * 1000 + math.floor(t[2] / 1000))
 redis.call("HSET", KEYS[1], "status", ARGV[1], "error", ARGV[2], "cursor", "", "from", cursor,
-  "updated_ms", now, "ended_ms", now)
+  "updated_ms", now, "ended_ms", now, "prior", s[4] or "")
 local keep_ms = tonumber(ARGV[3] or "0") or 0
 if keep_ms > 0 then
   local base = string.sub(KEYS[1], 1, -6)

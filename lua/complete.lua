@@ -5,13 +5,15 @@
 --   KEYS[1]    state hash          <prefix>:{<wf>}:state
 --   KEYS[2]    its output          <prefix>:{<wf>}:out:<path>
 --   ARGV[1]    the leaf's path (must be the program's cursor)
---   ARGV[2]    output JSON
+--   ARGV[2]    the run (epoch) of the task: another run's output is stale (see redrive.lua)
+--   ARGV[3]    output JSON
 -- A bag:
 --   KEYS[1]    state hash
 --   KEYS[2]    barrier set         <prefix>:{<wf>}:bar:<path>
 --   KEYS[3..]  every member's output key, in bag order: ...:out:<path>/bag:<i>
 --   ARGV[1]    the leaf's path
---   ARGV[2..]  pairs: member index (from 0), its output JSON
+--   ARGV[2]    the run (epoch) of the task
+--   ARGV[3..]  pairs: member index (from 0), its output JSON
 -- returns  {"fire", output...}   this call completed the step (the barrier fires once):
 --                                every output, in bag order
 --          {"again", output...}  the step was already complete: the same outputs, so a
@@ -27,11 +29,11 @@
 local INLINE = 65536
 local base = string.sub(KEYS[1], 1, -6)
 local registry = base .. "keys"
-local s = redis.call("HMGET", KEYS[1], "status", "cursor", "leaf")
+local s = redis.call("HMGET", KEYS[1], "status", "cursor", "leaf", "epoch")
 if not s[1] then
   return {"missing"}
 end
-if s[1] ~= "running" or s[2] ~= ARGV[1] then
+if s[1] ~= "running" or s[2] ~= ARGV[1] or ARGV[2] ~= (s[4] or "0") then
   return {"stale", s[1], s[2] or ""}
 end
 local leaf = s[3] or ""  -- "" for a program started before leaves were recorded
@@ -40,7 +42,7 @@ if #KEYS == 2 then
     return {"invalid", "step " .. ARGV[1] .. " is a " .. leaf .. ", not a single task"}
   end
   local verdict = "again"
-  if redis.call("SET", KEYS[2], ARGV[2], "NX") then
+  if redis.call("SET", KEYS[2], ARGV[3], "NX") then
     verdict = "fire"
     redis.call("SADD", registry, KEYS[2])
   end
@@ -53,14 +55,14 @@ local size = #KEYS - 2
 if leaf ~= "" and leaf ~= "bag:" .. size then
   return {"invalid", "step " .. ARGV[1] .. " is a " .. leaf .. ", not a bag of " .. size}
 end
-for k = 2, #ARGV, 2 do  -- every index checked before anything is written
+for k = 3, #ARGV, 2 do  -- every index checked before anything is written
   local i = tonumber(ARGV[k])
   if not i or i ~= math.floor(i) or i < 0 or i >= size or not ARGV[k + 1] then
     return {"invalid", "bag member " .. ARGV[k] .. ": a bag of " .. size .. " has 0.." .. (size - 1)}
   end
 end
 local verdict = "again"
-for k = 2, #ARGV, 2 do
+for k = 3, #ARGV, 2 do
   if redis.call("SADD", KEYS[2], ARGV[k]) == 1 then
     redis.call("SET", KEYS[3 + tonumber(ARGV[k])], ARGV[k + 1])
     redis.call("SADD", registry, KEYS[2], KEYS[3 + tonumber(ARGV[k])])

@@ -6,6 +6,7 @@
 -- ARGV[3]  attempt that failed, from 0
 -- ARGV[4]  error text
 -- ARGV[5]  max attempts (1..100)
+-- ARGV[6]  the run (epoch) of the failed task ("0" when absent): another run's is stale
 -- returns  {"retry"}                 first report of this attempt: schedule attempt + 1
 --          {"exhausted", error...}   first report of the last attempt: every attempt's error
 --          {"again", ...}            this attempt was reported before (same reply otherwise)
@@ -13,11 +14,11 @@
 --          {"missing"}               no such program
 --          {"invalid", reason}       index or attempt out of range: nothing recorded
 local MAX_ATTEMPTS = 100  -- bounds the loop below, whatever a caller sends
-local s = redis.call("HMGET", KEYS[1], "status", "cursor", "leaf")
+local s = redis.call("HMGET", KEYS[1], "status", "cursor", "leaf", "epoch")
 if not s[1] then
   return {"missing"}
 end
-if s[1] ~= "running" or s[2] ~= ARGV[1] then
+if s[1] ~= "running" or s[2] ~= ARGV[1] or (ARGV[6] or "0") ~= (s[4] or "0") then
   return {"stale", s[1], s[2] or ""}
 end
 local index, attempt, most = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[5])

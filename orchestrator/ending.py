@@ -15,14 +15,20 @@ from orchestrator.store import Store
 log = logging.getLogger(__name__)
 
 
-async def end_program(store: Store, bus: Publisher, wf: str, status: str, reason: str) -> str:
-    """Cancel (or fail) a live program wherever it stands, and tell the workers.
+async def end_program(
+    store: Store, bus: Publisher, wf: str, status: str, reason: str, *, epoch: int | None = None
+) -> str:
+    """Cancel (or fail) a live program wherever it stands, and tell the workers. With
+    `epoch` (a deadline's), only while the program is still in that run.
 
-    Returns `applied` (ended now), `ended` (it had ended before) or `missing`.
+    Returns `applied` (ended now), `ended` (it had ended before), `stale` (it was redriven
+    since: another run) or `missing`.
     """
-    ended = await store.cancel(wf, status, reason)
+    ended = await store.cancel(wf, status, reason, epoch)
     if ended is None:
         return "missing"
+    if ended.stale:
+        return "stale"
     await store.untrack(wf, ended.owner)
     if ended.now:
         log.info("%s: ended %s: %s", wf, status, reason)

@@ -177,6 +177,44 @@ def _args_too_large(path: str, args: tuple[dict[str, Any], ...], copies: int = 1
     )
 
 
+def resume(
+    program: Program,
+    path: str,
+    prev: Any,
+    input: Any,
+    recorded: Mapping[str, Any] | None = None,
+) -> Outcome:
+    """Where a redriven program starts again: the step at `path` (a leaf, a wait `3/iter:4`,
+    or a top-level step of any kind, "" for the first), run with `prev` as if the step
+    before had just finished with it; `recorded`: the outputs of steps read by id."""
+    if not path:
+        return first(program, input)
+    walk = _walk(program, input, recorded)
+    steps: list[Step] = program.steps
+    parts, prefix, iteration = _split(path), "", 0
+    while True:
+        index, parts = _index(parts, len(steps), path)
+        step = steps[index]
+        here = f"{prefix}{index}"
+        if not parts:
+            return _descend(steps, index, prefix=prefix, prev=prev, iteration=iteration, walk=walk)
+        if isinstance(step, Choice):
+            steps, prefix = _case(step, parts, path), f"{here}/{parts[0]}/"
+            parts = parts[1:]
+            continue
+        if not isinstance(step, Untiloop) or not parts[0].startswith("iter:"):
+            raise PathError(f"{path}: no such step")
+        number = parts[0].removeprefix("iter:")
+        if not number.isdigit():
+            raise PathError(f"{path}: no such step")
+        iteration = int(number)
+        if len(parts) == 1:  # `3/iter:4`: the wait before that iteration
+            if step.interval_s is None:
+                raise PathError(f"{path}: its loop has no interval_s")
+            return Leaf(path, Sleep(sleep_s=step.interval_s), prev, iteration)
+        steps, prefix, parts = step.steps, f"{here}/{parts[0]}/", parts[1:]
+
+
 def leaf_at(program: Program, path: str) -> LeafStep:
     """The task or bag a cursor points at; PathError when the path is not a leaf of the program."""
     steps: list[Step] = program.steps

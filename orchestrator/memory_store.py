@@ -17,11 +17,13 @@ from typing import Any
 from orchestrator.keys import Keys
 from orchestrator.store import (
     MAX_ATTEMPTS,
+    MAX_RUNS,
     MAX_SIGNAL_IDS,
     MAX_SIGNALS_WAITING,
     Completion,
     Ended,
     Recorded,
+    Redriven,
     Stored,
     Verdict,
 )
@@ -137,12 +139,17 @@ class MemoryStore:
         leaf: str = "",
         drop: str = "",
         refs: Sequence[tuple[str, str]] = (),
+        epoch: int | None = None,
     ) -> Verdict:
         """lua/advance.lua"""
         key = self.keys.state(wf)
-        now_status, now_cursor, came_from = self._hmget(key, "status", "cursor", "from")
+        now_status, now_cursor, came_from, run = self._hmget(
+            key, "status", "cursor", "from", "epoch"
+        )
         if now_status is None:
             return Verdict("missing", "", "")
+        if epoch is not None and str(epoch) != (run or "0"):
+            return Verdict("stale", now_status, now_cursor or "")
         live = now_status in ("pending", "running")
         if live and now_cursor == expected:
             now = self._clock()
@@ -154,6 +161,8 @@ class MemoryStore:
             if field:
                 state[field] = payload
                 state["ended_ms"] = now
+            if status != "running":
+                state["prior"] = came_from or ""
             registry = self.keys.registry(wf)
             base = self.keys.state(wf).removesuffix("state")
             for name, text in refs:  # the outputs of the steps it moved past, latest wins
@@ -179,19 +188,26 @@ class MemoryStore:
         return Verdict("stale", now_status, now_cursor or "")
 
     async def complete(
-        self, wf: str, path: str, index: int | None, size: int, output: str
+        self, wf: str, path: str, index: int | None, size: int, output: str, epoch: int = 0
     ) -> Completion:
         """Record one output; for a bag of `size`, also its place in the barrier."""
-        return await self.record(wf, path, size, {index: output})
+        return await self.record(wf, path, size, {index: output}, epoch)
 
     async def record(
-        self, wf: str, path: str, size: int, outputs: Mapping[int | None, str]
+        self,
+        wf: str,
+        path: str,
+        size: int,
+        outputs: Mapping[int | None, str],
+        epoch: int = 0,
     ) -> Completion:
         """lua/complete.lua"""
-        status, cursor, leaf = self._hmget(self.keys.state(wf), "status", "cursor", "leaf")
+        status, cursor, leaf, run = self._hmget(
+            self.keys.state(wf), "status", "cursor", "leaf", "epoch"
+        )
         if status is None:
             return Completion("missing", [])
-        if status != "running" or cursor != path:
+        if status != "running" or cursor != path or str(epoch) != (run or "0"):
             return Completion("stale", [])
         leaf = leaf or ""  # "" for a program started before leaves were recorded
         if None in outputs:
@@ -226,13 +242,22 @@ class MemoryStore:
         return Completion("fire" if fired else "again", members if inline else [])
 
     async def fail(
-        self, wf: str, path: str, index: int | None, attempt: int, error: str, max_attempts: int
+        self,
+        wf: str,
+        path: str,
+        index: int | None,
+        attempt: int,
+        error: str,
+        max_attempts: int,
+        epoch: int = 0,
     ) -> Completion:
         """lua/fail.lua"""
-        status, cursor, leaf = self._hmget(self.keys.state(wf), "status", "cursor", "leaf")
+        status, cursor, leaf, run = self._hmget(
+            self.keys.state(wf), "status", "cursor", "leaf", "epoch"
+        )
         if status is None:
             return Completion("missing", [])
-        if status != "running" or cursor != path:
+        if status != "running" or cursor != path or str(epoch) != (run or "0"):
             return Completion("stale", [])
         if not 1 <= max_attempts <= MAX_ATTEMPTS:
             reason = f"max attempts {max_attempts}: from 1 to {MAX_ATTEMPTS}"
@@ -259,20 +284,70 @@ class MemoryStore:
         errors = [failures.get(f"{member}:{a}", "?") for a in range(attempt + 1)]
         return Completion("exhausted" if first else "again", errors)
 
-    async def cancel(self, wf: str, status: str, reason: str) -> Ended | None:
+    async def cancel(
+        self, wf: str, status: str, reason: str, epoch: int | None = None
+    ) -> Ended | None:
         """lua/cancel.lua"""
         key = self.keys.state(wf)
-        now_status, cursor, owner = self._hmget(key, "status", "cursor", "owner")
+        now_status, cursor, owner, came_from, run = self._hmget(
+            key, "status", "cursor", "owner", "from", "epoch"
+        )
         if now_status is None:
             return None
         if now_status not in ("pending", "running"):
             return Ended(False, now_status, int(owner or 0))
+        if epoch is not None and str(epoch) != (run or "0"):
+            return Ended(False, now_status, int(owner or 0), stale=True)
         now = self._clock()
         state = self._hash(key)
         state.update(status=status, error=reason, cursor="", updated_ms=now, ended_ms=now)
         state["from"] = cursor or ""
+        state["prior"] = came_from or ""
         self._expire_all(wf)
         return Ended(True, status, int(owner or 0))
+
+    async def redrive(
+        self, wf: str, epoch: int, rerun: str, prior: str, record: str, roots: list[str]
+    ) -> Redriven:
+        """lua/redrive.lua"""
+        key = self.keys.state(wf)
+        status, run, owner = self._hmget(key, "status", "epoch", "owner")
+        if status is None:
+            return Redriven("missing", "", 0, 0)
+        found = int(run or "0")
+        if status not in ("failed", "cancelled"):
+            return Redriven("refused", status, found, int(owner or 0))
+        if found != epoch:
+            return Redriven("changed", status, found, int(owner or 0))
+        state = self._hash(key)
+        state[f"run:{found}"] = record
+        state.pop(f"run:{found - MAX_RUNS}", None)
+        state.update(status="pending", epoch=str(found + 1), cursor="", rerun=rerun, prior=prior)
+        state.update({"from": "", "updated_ms": self._clock()})
+        for name in ("error", "result", "ended_ms"):
+            state.pop(name, None)
+
+        def goes(path: str) -> bool:
+            return any(path == root or path.startswith(root + "/") for root in roots)
+
+        base = key.removesuffix("state")
+        registry = self.keys.registry(wf)
+        for name in sorted(self._set(registry)):
+            path = name.removeprefix(base).partition(":")[2]
+            if name != base + "attempts" and goes(path):
+                self._delete(name)
+                self._set(registry).discard(name)
+            else:
+                self.ttl.pop(name, None)
+        self._drop_if_empty(registry)
+        marks = self.data.get(base + "attempts")
+        if isinstance(marks, dict):
+            for name in [name for name in marks if goes(name)]:
+                del marks[name]
+            self._drop_if_empty(base + "attempts")
+        for name in (registry, self.keys.plan(wf), key):
+            self.ttl.pop(name, None)
+        return Redriven("applied", "pending", found + 1, int(owner or 0))
 
     async def stash(self, wf: str, blobs: Mapping[str, str]) -> bool:
         """lua/stash.lua"""
@@ -343,6 +418,10 @@ class MemoryStore:
         return "purged"
 
     # --- shard membership and plain reads ---------------------------------------------------
+
+    async def members(self, wf: str, path: str) -> int:
+        barrier = self.data.get(self.keys.barrier(wf, path))
+        return len(barrier) if isinstance(barrier, set) else 0
 
     async def blobs(self, wf: str, names: list[str]) -> list[str | None]:
         return [self._get(self.keys.blob(wf, name)) for name in names]

@@ -43,6 +43,11 @@ class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# The run of a program a message belongs to: 0 until it is redriven (lua/redrive.lua); sent
+# only when not 0. Bounded far above any real count of redrives.
+Epoch = Annotated[int, Field(ge=0, le=1_000_000)]
+
+
 class Start(_Message):
     """Router to owner shard: run this (already recorded) program from its first step."""
 
@@ -59,6 +64,7 @@ class Next(_Message):
     output: Any = None
     # The output was too large to carry: the owner reads it where complete.lua recorded it.
     stored: bool = False
+    epoch: Epoch = 0  # the run of the task that finished (its task message's)
 
     @model_validator(mode="after")
     def _output_once(self) -> Next:
@@ -81,6 +87,7 @@ class Failed(_Message):
     prev_ref: bool = False
     iteration: int = 0
     item: Any = None  # a map member's item
+    epoch: Epoch = 0  # the run of the task that failed
 
     @model_validator(mode="after")
     def _prev_once(self) -> Failed:
@@ -94,6 +101,7 @@ class Deadline(_Message):
     kind: Literal["deadline"] = "deadline"
     wf: WorkflowId
     deadline_s: float = Field(gt=0, le=30 * 86400)
+    epoch: Epoch = 0  # the run it limits: a redriven program's earlier deadlines end nothing
 
 
 class Wake(_Message):
@@ -103,6 +111,7 @@ class Wake(_Message):
     kind: Literal["wake"] = "wake"
     wf: WorkflowId
     path: Path
+    epoch: Epoch = 0
 
 
 class Signalled(_Message):
@@ -157,6 +166,8 @@ class TaskMessage(_Message):
     owner: int = Field(ge=0, lt=MAX_SHARDS)
     timeout_s: float | None = Field(default=None, gt=0, le=86400)
     batch: list[Slot] = Field(default_factory=list, max_length=MAX_BAG)
+    # The program's run (0 until it is redriven): a task of an earlier run is stale.
+    epoch: Epoch = 0
 
     @model_validator(mode="after")
     def _members_in_bag(self) -> TaskMessage:
@@ -184,9 +195,12 @@ _TASK = TypeAdapter(TaskMessage)
 
 
 def _unused_new_fields(message: _Message) -> dict[str, Any]:
-    """Fields added since 0.1 (`item`), left out while unused: parts from before them refuse
-    unknown fields (extra="forbid"), and must keep reading messages during a rolling upgrade."""
+    """Fields added since 0.1 (`item`, `epoch`), left out while unused: parts from before them
+    refuse unknown fields (extra="forbid"), and must keep reading messages during a rolling
+    upgrade."""
     unused: dict[str, Any] = {}
+    if getattr(message, "epoch", None) == 0:
+        unused["epoch"] = True
     if isinstance(message, TaskMessage | Failed) and message.item is None:
         unused["item"] = True
     if isinstance(message, TaskMessage):

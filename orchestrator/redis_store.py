@@ -14,11 +14,13 @@ from redis.commands.core import AsyncScript
 from orchestrator.keys import Keys
 from orchestrator.settings import Settings
 from orchestrator.store import (
+    MAX_RUNS,
     MAX_SIGNAL_IDS,
     MAX_SIGNALS_WAITING,
     Completion,
     Ended,
     Recorded,
+    Redriven,
     Stored,
     Verdict,
 )
@@ -55,8 +57,9 @@ class RedisStore:
         self._purge = _script(client, "purge")
         self._signal = _script(client, "signal")
         self._take = _script(client, "take")
+        self._redrive = _script(client, "redrive")
         self._scripts: tuple[AsyncScript, ...] = (self._submit, self._advance, self._complete)
-        self._scripts += (self._fail, self._cancel, self._stash, self._purge)
+        self._scripts += (self._fail, self._cancel, self._stash, self._purge, self._redrive)
         self._scripts += (self._signal, self._take)
 
     @classmethod
@@ -96,56 +99,88 @@ class RedisStore:
         leaf: str = "",
         drop: str = "",
         refs: Sequence[tuple[str, str]] = (),
+        epoch: int | None = None,
     ) -> Verdict:
         """Compare-and-advance the cursor (see lua/advance.lua)."""
         args: list[str | int] = [expected, cursor, status, field, payload, leaf]
-        args += [self.retention_ms, drop, *(text for _, text in refs)]
+        args += [self.retention_ms, drop, "" if epoch is None else epoch]
+        args += [text for _, text in refs]
         keys = [self.keys.state(wf), *(self.keys.ref(wf, name) for name, _ in refs)]
         verdict, now_status, now_cursor = await self._advance(keys=keys, args=args)
         return Verdict(verdict, now_status, now_cursor)
 
     async def complete(
-        self, wf: str, path: str, index: int | None, size: int, output: str
+        self, wf: str, path: str, index: int | None, size: int, output: str, epoch: int = 0
     ) -> Completion:
         """Record one output; for a bag of `size`, also its place in the barrier."""
-        return await self.record(wf, path, size, {index: output})
+        return await self.record(wf, path, size, {index: output}, epoch)
 
     async def record(
-        self, wf: str, path: str, size: int, outputs: Mapping[int | None, str]
+        self,
+        wf: str,
+        path: str,
+        size: int,
+        outputs: Mapping[int | None, str],
+        epoch: int = 0,
     ) -> Completion:
         """Record a single task's output (key None), or any members' of a bag of `size`
         (keys: their indices), in one call (see lua/complete.lua)."""
         keys = self.keys
         if None in outputs:
             script_keys = [keys.state(wf), keys.output(wf, path)]
-            args = [path, outputs[None]]
+            args = [path, str(epoch), outputs[None]]
         else:
             members = [keys.output(wf, path, i) for i in range(size)]
             script_keys = [keys.state(wf), keys.barrier(wf, path), *members]
-            args = [path]
+            args = [path, str(epoch)]
             for index, output in outputs.items():
                 args += [str(index), output]
         reply = await self._complete(keys=script_keys, args=args)
         return Completion(reply[0], _carried(reply, ("fire", "again", "invalid")))
 
     async def fail(
-        self, wf: str, path: str, index: int | None, attempt: int, error: str, max_attempts: int
+        self,
+        wf: str,
+        path: str,
+        index: int | None,
+        attempt: int,
+        error: str,
+        max_attempts: int,
+        epoch: int = 0,
     ) -> Completion:
         """Record a failed attempt once: retry, exhausted (with every error), again or stale."""
         reply = await self._fail(
             keys=[self.keys.state(wf), self.keys.failures(wf, path)],
-            args=[path, index or 0, attempt, error, max_attempts],
+            args=[path, index or 0, attempt, error, max_attempts, epoch],
         )
         return Completion(reply[0], _carried(reply, ("exhausted", "again", "invalid")))
 
-    async def cancel(self, wf: str, status: str, reason: str) -> Ended | None:
+    async def cancel(
+        self, wf: str, status: str, reason: str, epoch: int | None = None
+    ) -> Ended | None:
         """End a live program now (see lua/cancel.lua); None when there is no such program."""
+        run: str | int = "" if epoch is None else epoch
         verdict, now_status, owner = await self._cancel(
-            keys=[self.keys.state(wf)], args=[status, reason, self.retention_ms]
+            keys=[self.keys.state(wf)], args=[status, reason, self.retention_ms, run]
         )
         if verdict == "missing":
             return None
-        return Ended(verdict == "applied", now_status, int(owner))
+        return Ended(verdict == "applied", now_status, int(owner), verdict == "stale")
+
+    async def redrive(
+        self, wf: str, epoch: int, rerun: str, prior: str, record: str, roots: list[str]
+    ) -> Redriven:
+        """Open an ended program for a new run (see lua/redrive.lua)."""
+        args: list[str | int] = [epoch, rerun, prior, record, MAX_RUNS, " ".join(roots)]
+        verdict, status, now_epoch, owner = await self._redrive(
+            keys=[self.keys.state(wf)], args=args
+        )
+        if verdict == "missing":
+            return Redriven("missing", "", 0, 0)
+        return Redriven(verdict, status, int(now_epoch), int(owner))
+
+    async def members(self, wf: str, path: str) -> int:
+        return int(await self.client.scard(self.keys.barrier(wf, path)))  # type: ignore[misc]
 
     async def stash(self, wf: str, blobs: Mapping[str, str]) -> bool:
         """Keep large values under the program (see lua/stash.lua)."""
@@ -186,6 +221,8 @@ class RedisStore:
             names = [self.keys.output(wf, path)]
         else:
             names = [self.keys.output(wf, path, i) for i in range(size)]
+        if not names:  # a map over no items
+            return Stored([], 0)
         async with self.client.pipeline(transaction=False) as pipe:
             for name in names:
                 pipe.strlen(name)

@@ -30,6 +30,8 @@ MAX_ATTEMPTS = 100
 # Signals of one name a program keeps before its step takes them; signal ids it remembers.
 MAX_SIGNALS_WAITING = 100
 MAX_SIGNAL_IDS = 1000
+# A redriven program keeps the records of this many of its ended runs (lua/redrive.lua).
+MAX_RUNS = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +47,24 @@ class Recorded:
 
 @dataclass(frozen=True, slots=True)
 class Ended:
-    """What cancel found: whether this call ended the program, its status and owner shard."""
+    """What cancel found: whether this call ended the program, its status and owner shard;
+    `stale`: a deadline of an earlier run (before a redrive), which ends nothing."""
 
     now: bool
     status: str
+    owner: int
+    stale: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Redriven:
+    """What redrive found: `applied` (a new run, pending), `refused` (live or completed),
+    `changed` (ended in another epoch than the caller read) or `missing`; the status, epoch
+    and owner shard after it."""
+
+    verdict: Literal["applied", "refused", "changed", "missing"]
+    status: str
+    epoch: int
     owner: int
 
 
@@ -99,8 +115,10 @@ class Store(Protocol):
         leaf: str = "",
         drop: str = "",
         refs: Sequence[tuple[str, str]] = (),
+        epoch: int | None = None,
     ) -> Verdict:
         """Compare-and-advance the cursor: applied, replay, stale or missing (lua/advance.lua).
+        `epoch`: the run the message belongs to (None: a start, any run); another is stale.
         `leaf` is the new leaf's shape (`task`, `bag:<size>`, "" at the end); `drop` a loop
         iteration whose keys go (a path prefix such as `3/iter:4/`); `refs` the outputs (id,
         JSON) of steps that other steps read, recorded only if the advance applies. When the
@@ -108,21 +126,49 @@ class Store(Protocol):
         ...
 
     async def record(
-        self, wf: str, path: str, size: int, outputs: Mapping[int | None, str]
+        self,
+        wf: str,
+        path: str,
+        size: int,
+        outputs: Mapping[int | None, str],
+        epoch: int = 0,
     ) -> Completion:
         """Record a single task's output (key None) or bag members' (keys: their indices):
-        fire, again, wait, stale, missing or invalid (lua/complete.lua)."""
+        fire, again, wait, stale, missing or invalid (lua/complete.lua). A task of another
+        run (`epoch`) than the program's is stale."""
         ...
 
     async def fail(
-        self, wf: str, path: str, index: int | None, attempt: int, error: str, max_attempts: int
+        self,
+        wf: str,
+        path: str,
+        index: int | None,
+        attempt: int,
+        error: str,
+        max_attempts: int,
+        epoch: int = 0,
     ) -> Completion:
         """Record a failed attempt once: retry, exhausted, again, stale, missing or invalid
         (lua/fail.lua)."""
         ...
 
-    async def cancel(self, wf: str, status: str, reason: str) -> Ended | None:
-        """End a live program now; None when there is no such program (lua/cancel.lua)."""
+    async def cancel(
+        self, wf: str, status: str, reason: str, epoch: int | None = None
+    ) -> Ended | None:
+        """End a live program now; None when there is no such program (lua/cancel.lua).
+        With `epoch` (a deadline's run), a program in another run is left as it is."""
+        ...
+
+    async def redrive(
+        self, wf: str, epoch: int, rerun: str, prior: str, record: str, roots: list[str]
+    ) -> Redriven:
+        """Open a failed or cancelled program for a new run (lua/redrive.lua): the ended run's
+        `record` kept, the keys of the steps at or under `roots` gone, every expiry removed;
+        pending, so that its owner's start runs `rerun` with the output of `prior`."""
+        ...
+
+    async def members(self, wf: str, path: str) -> int:
+        """How many members of the bag or map at `path` finished (its barrier's size)."""
         ...
 
     async def stash(self, wf: str, blobs: Mapping[str, str]) -> bool:

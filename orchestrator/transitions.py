@@ -113,6 +113,7 @@ def task_messages(
     *,
     prev_ref: bool = False,
     chunk_for: Callable[[str], int] | None = None,
+    epoch: int = 0,
 ) -> dict[str, list[bytes]]:
     """The task messages that run one leaf (or only its member `only`), by pool. A bag's
     members go out in chunks of members of the same pool: its `chunk`, or when it names none
@@ -167,6 +168,7 @@ def task_messages(
                     )
                     for i in rest
                 ],
+                epoch=epoch,
             )
             bodies.append(encode(message))
     return messages
@@ -229,18 +231,30 @@ class Transitions:
             raise Poison(f"{message.wf}: owned by shard {plan.owner}, not by shard {shard}")
         if isinstance(message, Deadline):
             reason = f"deadline of {message.deadline_s}s exceeded"
-            return await end_program(self.store, self.bus, message.wf, "failed", reason)
+            return await end_program(
+                self.store, self.bus, message.wf, "failed", reason, epoch=message.epoch
+            )
         if isinstance(message, Signalled):
             verdict = await self._signalled(message, plan)
             self.counts[verdict] += 1
             return verdict
+        epoch: int | None = None  # a start belongs to whatever run the program is in
         if isinstance(message, Start):
             expected = ""
-            if plan.evaluates:  # a map first: its items come from CEL (see _following)
+            state = await self.store.state(message.wf)
+            run = int(state.get("epoch") or 0)
+            if run:  # redriven (lua/redrive.lua): run again from where it stopped
+                started = await self._redriven(message.wf, plan, state)
+                if isinstance(started, str):
+                    self.counts[started] += 1
+                    return started
+                outcome = started
+            elif plan.evaluates:  # a map first: its items come from CEL (see _following)
                 outcome = await asyncio.to_thread(machine.first, plan.program, plan.input)
             else:
                 outcome = machine.first(plan.program, plan.input)
         elif isinstance(message, Next | Wake):
+            epoch = run = message.epoch
             expected = message.path
             steps = await self._refs(message.wf, plan)
             if isinstance(message, Next):
@@ -258,7 +272,8 @@ class Transitions:
                 metrics.failure_verdict(failure)
                 return failure
             expected, outcome = message.path, failure
-        verdict = await self._advance(message.wf, plan, expected, outcome)
+            epoch = run = message.epoch
+        verdict = await self._advance(message.wf, plan, expected, outcome, epoch)
         if verdict.verdict == "missing":
             raise Poison(f"{message.wf}: no such program")
         # stale: a duplicate or late message, acked and ignored
@@ -278,8 +293,9 @@ class Transitions:
             verdict.verdict == "replay" and redelivered and not ended
         ):
             if isinstance(message, Start) and plan.program.deadline_s is not None:
-                await self._publish_deadline(message.wf, plan)
-            await self._publish(message.wf, plan, outcome, NEW if expected == "" else GOING_ON)
+                await self._publish_deadline(message.wf, plan, run)
+            priority = NEW if expected == "" else GOING_ON
+            await self._publish(message.wf, plan, outcome, priority, run)
             if verdict.verdict == "replay":
                 self.counts["republished"] += 1
                 log.info("%s: %s redelivered after a crash: published again", message.wf, expected)
@@ -326,7 +342,11 @@ class Transitions:
                 )
             if read.values is None:
                 state = await self.store.state(message.wf)
-                if state.get("status") != "running" or state.get("cursor") != message.path:
+                if (
+                    state.get("status") != "running"
+                    or state.get("cursor") != message.path
+                    or int(state.get("epoch") or 0) != message.epoch
+                ):
                     return "stale"
                 raise Poison(f"{message.wf}: step {message.path} has no recorded output to read")
             values = [json.loads(value) for value in read.values]
@@ -350,6 +370,8 @@ class Transitions:
         if not isinstance(step, Sleep):
             raise Poison(f"{message.wf}: step {message.path} is not a sleep")
         state = await self.store.state(message.wf)
+        if int(state.get("epoch") or 0) != message.epoch:
+            return "stale"  # a wake of an earlier run (before a redrive)
         if state.get("status") == "running" and state.get("cursor") == message.path:
             began_ms = int(state.get("updated_ms") or 0)
             delay_ms = ladder_floor_ms(began_ms / 1000 + step.sleep_s - time.time())
@@ -376,21 +398,24 @@ class Transitions:
         step = machine.leaf_at(plan.program, cursor)
         if not isinstance(step, Signal) or step.signal != message.name:
             return "kept"
-        return await self._take(message.wf, plan, cursor, step)
+        return await self._take(message.wf, plan, cursor, step, int(state.get("epoch") or 0))
 
-    async def _take(self, wf: str, plan: Plan, path: str, step: Signal) -> str:
+    async def _take(self, wf: str, plan: Plan, path: str, step: Signal, epoch: int) -> str:
         """The signal step at `path` takes its signal, if one is kept: its data is then the
         step's output in Redis, and the owner tells itself the step is done (a `next` it reads
         from Redis, so a crash anywhere replays the same data and never takes a second)."""
         verdict = await self.store.take(wf, path, step.signal)
         if verdict == "taken":
-            await self.bus.publish_to_shard(plan.owner, encode(Next(wf=wf, path=path, stored=True)))
+            body = encode(Next(wf=wf, path=path, stored=True, epoch=epoch))
+            await self.bus.publish_to_shard(plan.owner, body)
         return verdict
 
     async def _timed_out(self, message: Wake, plan: Plan, step: Signal) -> machine.Outcome | str:
         """A signal step's timer: early, it is sent on for what is left; due, the step takes a
         signal kept meanwhile, or fails the program."""
         state = await self.store.state(message.wf)
+        if int(state.get("epoch") or 0) != message.epoch:
+            return "stale"  # a timer of an earlier run (before a redrive)
         if state.get("status") != "running" or state.get("cursor") != message.path:
             return "stale"
         assert step.timeout_s is not None, "a signal without a timeout sets no timer"
@@ -399,7 +424,7 @@ class Transitions:
         if delay_ms > 0:
             await self.bus.publish_to_shard_later(plan.owner, encode(message), delay_ms / 1000)
             return "waiting"
-        verdict = await self._take(message.wf, plan, message.path, step)
+        verdict = await self._take(message.wf, plan, message.path, step, message.epoch)
         if verdict != "waiting":
             return verdict  # taken just in time (or the program moved on)
         return machine.Failed(
@@ -426,13 +451,16 @@ class Transitions:
             return None
         return leaf.path in blobs
 
-    async def _publish_deadline(self, wf: str, plan: Plan) -> None:
-        """The deadline counts from submission: what is left of it when the program starts."""
+    async def _publish_deadline(self, wf: str, plan: Plan, epoch: int) -> None:
+        """The deadline counts from submission: what is left of it when the program starts.
+        A redriven run gets the whole deadline again, from its start."""
         deadline_s = plan.program.deadline_s
         assert deadline_s is not None
         created_ms = int((await self.store.state(wf)).get("created_ms") or 0)
         elapsed_s = max(0.0, time.time() - created_ms / 1000) if created_ms else 0.0
-        body = encode(Deadline(wf=wf, deadline_s=deadline_s))
+        if epoch:
+            elapsed_s = 0.0
+        body = encode(Deadline(wf=wf, deadline_s=deadline_s, epoch=epoch))
         await self.bus.publish_to_shard_later(plan.owner, body, max(0.001, deadline_s - elapsed_s))
 
     async def _record_failure(
@@ -463,7 +491,13 @@ class Transitions:
         if message.attempt >= attempts:
             raise Poison(f"{message.wf}: attempt {message.attempt} of a task tried {attempts}x")
         reply = await self.store.fail(
-            message.wf, message.path, message.index, message.attempt, message.error, attempts
+            message.wf,
+            message.path,
+            message.index,
+            message.attempt,
+            message.error,
+            attempts,
+            message.epoch,
         )
         if reply.verdict in ("missing", "invalid"):
             raise Poison(f"{message.wf}: {', '.join(reply.outputs) or 'no such program'}")
@@ -495,6 +529,7 @@ class Transitions:
                 attempt=message.attempt + 1,
                 only=message.index,
                 prev_ref=prev_ref,
+                epoch=message.epoch,
             )
             delay_s = policy.delay_s(message.attempt)
             await self.marks.failed(message, delay_s)
@@ -524,55 +559,108 @@ class Transitions:
         call = (step, leaf.path, prev, leaf.iteration, plan.input, steps)
         return await asyncio.to_thread(machine.arguments, *call)
 
-    async def _advance(self, wf: str, plan: Plan, expected: str, outcome: machine.Outcome) -> Any:
+    async def _advance(
+        self, wf: str, plan: Plan, expected: str, outcome: machine.Outcome, epoch: int | None
+    ) -> Any:
         if isinstance(outcome, machine.Leaf):
             leaf = "task" if outcome.size is None else f"bag:{outcome.size}"
             if isinstance(outcome.step, Sleep | Signal):
                 leaf = type(outcome.step).__name__.lower()
             drop = machine.dropped(plan.program, expected, outcome.path)
             return await self.store.advance(
-                wf, expected, outcome.path, "running", leaf=leaf, drop=drop, refs=outcome.refs
+                wf,
+                expected,
+                outcome.path,
+                "running",
+                leaf=leaf,
+                drop=drop,
+                refs=outcome.refs,
+                epoch=epoch,
             )
         if isinstance(outcome, machine.Done):
+            result = json.dumps(outcome.result)
             return await self.store.advance(
-                wf, expected, "", "completed", "result", json.dumps(outcome.result)
+                wf, expected, "", "completed", "result", result, epoch=epoch
             )
-        return await self.store.advance(wf, expected, "", "failed", "error", outcome.error)
+        return await self.store.advance(
+            wf, expected, "", "failed", "error", outcome.error, epoch=epoch
+        )
 
-    async def _publish(self, wf: str, plan: Plan, outcome: machine.Outcome, priority: int) -> None:
+    async def _redriven(self, wf: str, plan: Plan, state: dict[str, str]) -> machine.Outcome | str:
+        """Where a redriven program starts again (`rerun`, recorded by lua/redrive.lua), with
+        the output of `prior` as its prev; "stale" when that output is gone because the
+        program moved on (a late start)."""
+        rerun, prior = state.get("rerun", ""), state.get("prior", "")
+        prev: Any = None
+        if prior:
+            step = machine.leaf_at(plan.program, prior)
+            if isinstance(step, Sleep):  # a sleep passes its prev on: kept at its path
+                [kept] = await self.store.blobs(wf, [prior])
+                found = None if kept is None else [kept]
+                total = 0
+            else:
+                size = len(step.bag) if isinstance(step, Bag) else None
+                if isinstance(step, Map):  # every member finished: the barrier is its size
+                    size = await self.store.members(wf, prior)
+                read = await self.store.outputs(wf, prior, size, self.max_join_bytes)
+                found, total = read.values, read.total
+            if found is None:
+                if state.get("status") != "pending" or state.get("cursor"):
+                    return "stale"
+                if total > self.max_join_bytes:
+                    return machine.Failed(
+                        f"redrive: the output of step {prior} ({total} bytes) is over the "
+                        f"limit of {self.max_join_bytes} (SHARDFLOW_MAX_JOIN_BYTES)"
+                    )
+                return machine.Failed(f"redrive: the output of step {prior} is gone")
+            values = [json.loads(value) for value in found]
+            single = isinstance(step, Task | Sleep | Signal)  # a signal's data: out:<path>
+            prev = values[0] if single else values
+        args = (plan.program, rerun, prev, plan.input, await self._refs(wf, plan))
+        if plan.evaluates:
+            return await asyncio.to_thread(machine.resume, *args)
+        return machine.resume(*args)
+
+    async def _publish(
+        self, wf: str, plan: Plan, outcome: machine.Outcome, priority: int, epoch: int
+    ) -> None:
         if isinstance(outcome, machine.Leaf):
             if isinstance(outcome.step, Sleep):
-                await self._sleep(wf, plan, outcome)
+                await self._sleep(wf, plan, outcome, epoch)
                 return
             if isinstance(outcome.step, Signal):
-                await self._await_signal(wf, plan, outcome, outcome.step)
+                await self._await_signal(wf, plan, outcome, outcome.step, epoch)
                 return
             if outcome.size == 0:  # a map over no items: done at once, by its owner
-                body = encode(Next(wf=wf, path=outcome.path, output=[]))
+                body = encode(Next(wf=wf, path=outcome.path, output=[], epoch=epoch))
                 await self.bus.publish_to_shard(plan.owner, body, priority)
                 return
             prev_ref = await self._stash(wf, plan, outcome)
             if prev_ref is None:
                 return  # ended meanwhile (cancelled): nothing to run
             # One pool after the other: a failure leaves no publish running unawaited.
-            by_pool = task_messages(wf, plan, outcome, prev_ref=prev_ref, chunk_for=self.chunk_for)
+            by_pool = task_messages(
+                wf, plan, outcome, prev_ref=prev_ref, chunk_for=self.chunk_for, epoch=epoch
+            )
             for pool, bodies in by_pool.items():
                 await self.bus.publish_all(pool, bodies, priority)
 
-    async def _await_signal(self, wf: str, plan: Plan, leaf: machine.Leaf, step: Signal) -> None:
+    async def _await_signal(
+        self, wf: str, plan: Plan, leaf: machine.Leaf, step: Signal, epoch: int
+    ) -> None:
         """Start waiting for a signal: one kept already is taken now; else its timer is set."""
-        verdict = await self._take(wf, plan, leaf.path, step)
+        verdict = await self._take(wf, plan, leaf.path, step, epoch)
         if verdict == "waiting" and step.timeout_s is not None:
             delay_s = max(ladder_floor_ms(step.timeout_s), 1) / 1000
-            body = encode(Wake(wf=wf, path=leaf.path))
+            body = encode(Wake(wf=wf, path=leaf.path, epoch=epoch))
             await self.bus.publish_to_shard_later(plan.owner, body, delay_s)
 
-    async def _sleep(self, wf: str, plan: Plan, leaf: machine.Leaf) -> None:
+    async def _sleep(self, wf: str, plan: Plan, leaf: machine.Leaf, epoch: int) -> None:
         """Start a sleep: keep what it passes on in Redis, and send its wake, delayed. The
         timer lives in the broker's delay queues, so it survives any restart."""
         assert isinstance(leaf.step, Sleep)
         if not await self.store.stash(wf, {leaf.path: json.dumps(leaf.prev)}):
             return  # ended meanwhile (cancelled)
         delay_s = max(ladder_floor_ms(leaf.step.sleep_s), 1) / 1000
-        body = encode(Wake(wf=wf, path=leaf.path))
+        body = encode(Wake(wf=wf, path=leaf.path, epoch=epoch))
         await self.bus.publish_to_shard_later(plan.owner, body, delay_s)

@@ -28,7 +28,7 @@ from orchestrator.program import (
 from orchestrator.settings import Settings
 from orchestrator.store import TERMINAL, Store
 from router import explain as explaining
-from router import listing
+from router import listing, redriving
 from router.hashing import shard_for
 
 SIGNAL_PATTERN = re.compile(SIGNAL_NAME)
@@ -179,6 +179,45 @@ class Router:
         assert status is not None
         return status
 
+    async def redrive(self, workflow_id: str, from_step: str | None = None) -> dict[str, Any]:
+        """Run a failed or cancelled program again from the step it stopped at (or from the
+        top-level step `from_step`), keeping the outputs of the steps before it; messages of
+        the earlier run are stale from now on. LookupError when there is no such program,
+        RedriveError (naming why) when it is live or completed, or `from_step` is refused."""
+        if self.bus is None:
+            raise RuntimeError("Router needs a bus to redrive")
+        state = await self.store.state(workflow_id)
+        if not state:
+            raise LookupError(f"no program {workflow_id!r}")
+        _refuse(workflow_id, state["status"])
+        raw = await self._plan(workflow_id)
+        if raw is None:
+            raise LookupError(f"no program {workflow_id!r}")
+        program = parse_program(raw["program"], max_bytes=1 << 30)
+        rerun, prior, roots = redriving.where(program, state, from_step)
+        owner = int(state["owner"])
+        # Tracked first, as a submit is: a crash after the script leaves a pending program
+        # that its owner's sweep starts, never one nobody counts.
+        await self.store.track(workflow_id, owner)
+        epoch = int(state.get("epoch") or 0)
+        record = redriving.record(state)
+        found = await self.store.redrive(workflow_id, epoch, rerun, prior, record, roots)
+        if found.verdict != "applied":
+            if found.status in TERMINAL:
+                await self.store.untrack(workflow_id, owner)
+            if found.verdict == "missing":
+                raise LookupError(f"no program {workflow_id!r}")
+            _refuse(workflow_id, found.status)
+            raise redriving.RedriveError(
+                f"program {workflow_id!r} was redriven meanwhile (now run {found.epoch}, "
+                f"{found.status}); look at its status and try again"
+            )
+        await self.store.track(workflow_id, owner)  # a sweep may have dropped it meanwhile
+        await self.bus.publish_to_shard(owner, encode(Start(wf=workflow_id)), NEW)
+        status = await self.status(workflow_id)
+        assert status is not None
+        return status
+
     async def status(self, workflow_id: str) -> dict[str, Any] | None:
         """The program's status as JSON-ready data, or None when there is no such program:
         also its current step (task names, loop iterations, bag members done), every failed
@@ -197,6 +236,8 @@ class Router:
             step=found.step,
             attempts=found.attempts,
         )
+        if "epoch" in state:  # redriven: which run this is, and how the earlier ones ended
+            status.update(run=int(state["epoch"]), runs=redriving.runs(state))
         return status
 
     async def _plan(self, workflow_id: str) -> Any:
@@ -263,6 +304,20 @@ class Router:
                 )
             await asyncio.sleep(pause)
             pause = min(pause * 1.5, 1.0)
+
+
+def _refuse(workflow_id: str, status: str) -> None:
+    """A live or completed program is not redriven: say so, naming its status."""
+    if status in ("pending", "running"):
+        raise redriving.RedriveError(
+            f"program {workflow_id!r} is {status}: only a failed or cancelled program can be "
+            "redriven (cancel it first to run it again)"
+        )
+    if status == "completed":
+        raise redriving.RedriveError(
+            f"program {workflow_id!r} completed: only a failed or cancelled program can be "
+            "redriven (submit it again under a new id)"
+        )
 
 
 def _basic(workflow_id: str, state: dict[str, str]) -> dict[str, Any]:

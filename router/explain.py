@@ -33,6 +33,7 @@ from orchestrator.program import (
     pool_of,
 )
 from orchestrator.store import TERMINAL, Store
+from router import redriving
 from router.listing import as_int, clean
 
 
@@ -369,6 +370,8 @@ async def explain(store: Store, bus: Bus | None, wf: str) -> dict[str, Any] | No
         "shard": None,
         "waiting_for": "",
     }
+    if "epoch" in state:  # redriven: this run, and how the earlier ones ended
+        report.update(run=as_int(state["epoch"]), runs=redriving.runs(state))
     program = found.program
     created = report["created_ms"]
     if program is not None and program.deadline_s is not None and created is not None:
@@ -545,6 +548,12 @@ def explain_text(report: dict[str, Any], now_ms: float | None = None) -> str:
         )
     if report["status"] in TERMINAL and report["error"]:
         lines.append(f"Error: {clean(report['error'], 2000)}")
+    if report.get("runs"):
+        lines.append(f"This is run {report['run']}: it was redriven after the runs below.")
+        for run in report["runs"]:
+            where = f" at step {clean(run['step'], 200)}" if run["step"] else ""
+            error = f": {clean(run['error'], 300)}" if run["error"] else ""
+            lines.append(f"  Run {run['run']} ended {clean(run['status'], 20)}{where}{error}")
     step = report["step"]
     if step is not None:
         steps = report["steps"]

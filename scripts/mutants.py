@@ -51,7 +51,7 @@ MUTANTS = {
     "bare-counter-barrier": (
         "lua/complete.lua",
         """local verdict = "again"
-for k = 2, #ARGV, 2 do
+for k = 3, #ARGV, 2 do
   if redis.call("SADD", KEYS[2], ARGV[k]) == 1 then
     redis.call("SET", KEYS[3 + tonumber(ARGV[k])], ARGV[k + 1])
     redis.call("SADD", registry, KEYS[2], KEYS[3 + tonumber(ARGV[k])])
@@ -61,16 +61,16 @@ end
 if redis.call("SCARD", KEYS[2]) < size then
   return {"wait"}
 end""",
-        """for k = 2, #ARGV, 2 do
+        """for k = 3, #ARGV, 2 do
   redis.call("SET", KEYS[3 + tonumber(ARGV[k])], ARGV[k + 1])
   redis.call("SADD", registry, KEYS[2], KEYS[3 + tonumber(ARGV[k])])
 end
-local count = redis.call("INCRBY", KEYS[2], (#ARGV - 1) / 2)
+local count = redis.call("INCRBY", KEYS[2], (#ARGV - 2) / 2)
 if count < size then
   return {"wait"}
 end
 local verdict = "again"
-if count - (#ARGV - 1) / 2 < size then
+if count - (#ARGV - 2) / 2 < size then
   verdict = "fire"
 end""",
         (MACHINE, DIFFERENTIAL),
@@ -106,8 +106,29 @@ end""",
     ),
     "complete-ignores-the-cursor": (
         "lua/complete.lua",
+        'if s[1] ~= "running" or s[2] ~= ARGV[1] or ARGV[2] ~= (s[4] or "0") then',
+        'if s[1] ~= "running" or ARGV[2] ~= (s[4] or "0") then',
+        (MACHINE, DIFFERENTIAL),
+    ),
+    # Redrive: a task of the earlier run recorded in the new one (the step is the cursor
+    # again, only the epoch tells them apart); a report of the earlier run moving the new
+    # one on; the step that runs again keeping its first run's outputs.
+    "complete-ignores-the-epoch": (
+        "lua/complete.lua",
+        'if s[1] ~= "running" or s[2] ~= ARGV[1] or ARGV[2] ~= (s[4] or "0") then',
         'if s[1] ~= "running" or s[2] ~= ARGV[1] then',
-        'if s[1] ~= "running" then',
+        (MACHINE, DIFFERENTIAL),
+    ),
+    "advance-ignores-the-epoch": (
+        "lua/advance.lua",
+        'if epoch ~= "" and epoch ~= (s[4] or "0") then',
+        "if false then",
+        (MACHINE, DIFFERENTIAL),
+    ),
+    "redrive-keeps-the-rerun-steps-keys": (
+        "lua/redrive.lua",
+        'if key ~= base .. "attempts" and goes(path) then',
+        "if false then",
         (MACHINE, DIFFERENTIAL),
     ),
     "ack-before-publish": (
@@ -203,14 +224,14 @@ end""",
     "ref-recorded-before-the-cursor-check": (
         "lua/advance.lua",
         "if live and cursor == ARGV[1] then",
-        'for i = 2, #KEYS do\n  redis.call("SET", KEYS[i], ARGV[i + 7])\nend\n'
+        'for i = 2, #KEYS do\n  redis.call("SET", KEYS[i], ARGV[i + 8])\nend\n'
         "if live and cursor == ARGV[1] then",
         (REFS_STEPS, DIFFERENTIAL, MACHINE),
     ),
     "ref-keeps-the-first-iteration": (
         "lua/advance.lua",
-        'redis.call("SET", KEYS[i], ARGV[i + 7])',
-        'redis.call("SET", KEYS[i], ARGV[i + 7], "NX")',
+        'redis.call("SET", KEYS[i], ARGV[i + 8])',
+        'redis.call("SET", KEYS[i], ARGV[i + 8], "NX")',
         (REFS_STEPS, DIFFERENTIAL, MACHINE),
     ),
     "retry-forgets-args-from": (

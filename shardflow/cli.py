@@ -38,6 +38,7 @@ from router.client import Router
 from router.explain import explain_text
 from router.ingress import Ingress
 from router.listing import DEFAULT_LIMIT, SCAN_MAX, STATUSES, ListError, parse_duration
+from router.redriving import RedriveError
 from router.retention import purge
 from shardflow.dev import Dev, Together, workers
 from shardflow.views import LiveProgress, list_table
@@ -153,6 +154,25 @@ def _parser() -> argparse.ArgumentParser:
     )
     cancel.add_argument("id")
     cancel.add_argument("--reason", default="cancelled", help="recorded as the program's error")
+
+    redrive = commands.add_parser(
+        "redrive",
+        help="run a failed or cancelled program again from the step it stopped at",
+        description="Run a failed or cancelled program again from the step it stopped at "
+        "(its failed step; for a cancelled one, the step it was running), keeping the "
+        "outputs of the steps before it. Messages of the earlier run are refused as stale; "
+        "`status` keeps how each run ended (`runs`). A running or completed program is "
+        "refused (exit 2), an unknown one too (exit 1). Prints the status as JSON.",
+    )
+    redrive.add_argument("id")
+    redrive.add_argument(
+        "--from",
+        dest="from_step",
+        metavar="STEP",
+        help="run again from this top-level step number instead (at most the one it stopped "
+        "in; every step from there on runs again); the step before it must be a task, a bag, "
+        "a map or a sleep",
+    )
 
     purge = commands.add_parser(
         "purge",
@@ -541,6 +561,20 @@ async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+async def _redrive(settings: Settings, args: argparse.Namespace) -> int:
+    _check_id(args.id)
+    async with connected(settings, "shardflow-redrive") as (store, bus):
+        try:
+            router = Router(settings, store=store, bus=bus)
+            status = await router.redrive(args.id, args.from_step)
+        except LookupError as exc:
+            raise CliError(str(exc), EXIT_FAILED) from None
+        except RedriveError as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
+    _print(json.dumps(status, indent=2))
+    return 0
+
+
 async def _purge(settings: Settings, args: argparse.Namespace) -> int:
     store = RedisStore.connect(settings)
     try:
@@ -613,6 +647,7 @@ _COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], Coroutine[Any, Any
     "explain": _explain,
     "signal": _signal,
     "cancel": _cancel,
+    "redrive": _redrive,
     "purge": _purge,
     "dead": _dead,
     "shards": _shards,

@@ -186,3 +186,20 @@ async def shaky(ctx: TaskContext) -> dict[str, Any]:
     if ctx.attempt == 0:
         raise RuntimeError("the first attempt fails")
     return {"args": ctx.args, "attempt": ctx.attempt}
+
+
+@task()
+async def gated(ctx: TaskContext) -> dict[str, Any]:
+    """Fails while the Redis key `args.gate` exists, from loop iteration `args.from` on; then
+    waits while `args.hold` exists (at most 30 s). For redrive: fail a run, then let the next
+    one pass. Returns its prev, iteration and index."""
+    _record(ctx, "start")
+    client = _client(ctx.input["trace"]["url"])
+    if ctx.iteration >= ctx.args.get("from", 0) and client.exists(ctx.args["gate"]):
+        raise RuntimeError("the gate is closed")
+    for _ in range(600):
+        if not ctx.args.get("hold") or not client.exists(ctx.args["hold"]):
+            break
+        await asyncio.sleep(0.05)
+    _record(ctx, "end")
+    return {"prev": ctx.prev, "iteration": ctx.iteration, "index": ctx.index}

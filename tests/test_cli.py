@@ -321,3 +321,61 @@ def test_the_approval_example_waits_for_its_signal(dev: dict[str, str]) -> None:
     assert "has ended (completed): not signalled" in refused.stderr
     unknown = shardflow("signal", "nobody", "approval", env=dev)
     assert (unknown.returncode, unknown.stderr.strip()) == (1, "shardflow: no program 'nobody'")
+
+
+async def test_redrive_runs_an_ended_program_again_and_refuses_what_it_cannot(
+    settings: Settings,
+) -> None:
+    from orchestrator.redis_store import RedisStore
+
+    env = environment(settings)
+    store = RedisStore.connect(settings)
+    plan = json.dumps({"program": {"steps": [{"task": "t"}]}, "input": None, "owner": 0})
+    for wf in ("cli-cancelled", "cli-other", "cli-done"):
+        await store.submit(wf, plan, 0, "n", "d")
+    await store.cancel("cli-cancelled", "cancelled", "by hand")
+    await store.cancel("cli-other", "cancelled", "by hand")
+    await store.advance("cli-done", "", "0", "running", leaf="task")
+    await store.advance("cli-done", "0", "", "completed", "result", "1")
+    await store.close()
+
+    ok = shardflow("redrive", "cli-cancelled", env=env)
+    assert ok.returncode == 0, ok.stderr
+    status = json.loads(ok.stdout)
+    assert (status["status"], status["run"]) == ("pending", 1)
+    assert [(run["run"], run["status"], run["error"]) for run in status["runs"]] == [
+        (0, "cancelled", "by hand")
+    ]
+    shown = json.loads(shardflow("status", "cli-cancelled", env=env).stdout)
+    assert shown["runs"] == status["runs"]
+    for args, code, error in [
+        (
+            ["cli-done"],
+            2,
+            "program 'cli-done' completed: only a failed or cancelled program can be "
+            "redriven (submit it again under a new id)",
+        ),
+        (
+            ["cli-cancelled"],
+            2,
+            "program 'cli-cancelled' is pending: only a failed or cancelled program can be "
+            "redriven (cancel it first to run it again)",
+        ),
+        (["nothing-here"], 1, "no program 'nothing-here'"),
+        (
+            ["cli-other", "--from", "x"],
+            2,
+            "--from 'x': give a top-level step number (0..0); a step inside a loop or a "
+            "choice runs again only as the failed one (none)",
+        ),
+        (
+            ["bad\nid"],
+            2,
+            "id: workflow id 'bad\\nid': use 1-128 of A-Z a-z 0-9 . _ : @ -, "
+            "starting with a letter or digit",
+        ),
+    ]:
+        refused = shardflow("redrive", *args, env=env)
+        assert (refused.returncode, refused.stderr) == (code, f"shardflow: {error}\n"), args
+    helped = shardflow("redrive", "--help")
+    assert helped.returncode == 0 and "--from STEP" in helped.stdout

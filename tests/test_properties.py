@@ -50,6 +50,7 @@ from orchestrator.settings import Settings
 from orchestrator.store import TERMINAL, Completion, Ended, Store, Verdict
 from orchestrator.transitions import Plans, Transitions
 from router.client import Router
+from router.redriving import RedriveError
 from tests.model import SIGNAL, Expected, expect, output_of, programs, signal_data
 from worker.context import TaskContext
 from worker.pool import Worker
@@ -170,10 +171,10 @@ class RecordingStore:
         return getattr(self.inner, name)
 
     async def record(
-        self, wf: str, path: str, size: int, outputs: Mapping[int | None, str]
+        self, wf: str, path: str, size: int, outputs: Mapping[int | None, str], epoch: int = 0
     ) -> Completion:
         before = await self.inner.state(wf)
-        completion = await self.inner.record(wf, path, size, outputs)
+        completion = await self.inner.record(wf, path, size, outputs, epoch)
         if completion.verdict in ("fire", "again", "wait") and (
             before.get("status") != "running" or before.get("cursor") != path
         ):
@@ -181,6 +182,9 @@ class RecordingStore:
                 f"{wf} {path}: {completion.verdict} while the program was "
                 f"{before.get('status')} at {before.get('cursor')!r}"
             )
+        run = int(before.get("epoch") or 0)
+        if completion.verdict in ("fire", "again", "wait") and epoch != run:
+            self.violations.append(f"{wf} {path}: a task of run {epoch} recorded in run {run}")
         if completion.verdict != "stale":
             self.recorded[(wf, path)].update(index or 0 for index in outputs)
         if completion.verdict == "fire":
@@ -215,8 +219,10 @@ class RecordingStore:
             await self._ended(wf)
         return verdict
 
-    async def cancel(self, wf: str, status: str, reason: str) -> Ended | None:
-        ended = await self.inner.cancel(wf, status, reason)
+    async def cancel(
+        self, wf: str, status: str, reason: str, epoch: int | None = None
+    ) -> Ended | None:
+        ended = await self.inner.cancel(wf, status, reason, epoch)
         if ended is not None and ended.now:
             self.cancelled.setdefault(wf, (status, reason))
             await self._ended(wf)
@@ -225,6 +231,17 @@ class RecordingStore:
     async def _ended(self, wf: str) -> None:
         self.ended[wf] += 1
         self.final.setdefault(wf, await self.inner.state(wf))
+
+    def new_run(self, wf: str, roots: list[str]) -> None:
+        """A redrive opened a new run: it ends once more, and the steps at or under `roots`
+        record (and their barriers fire) again."""
+        self.ended[wf] = 0
+        self.final.pop(wf, None)
+        self.cancelled.pop(wf, None)
+        for key in [key for key in self.recorded if key[0] == wf]:
+            if any(key[1] == root or key[1].startswith(root + "/") for root in roots):
+                del self.recorded[key]
+                self.fired.pop(key, None)
 
 
 class Cluster(RuleBasedStateMachine):
@@ -255,8 +272,10 @@ class Cluster(RuleBasedStateMachine):
         self.expected: dict[str, Expected] = {}
         self.programs: dict[str, Program] = {}
         self.furthest: dict[str, int] = {}  # per program, the latest leaf dispatched so far
-        # (wf, path, index, attempt) -> retries of it published by a first delivery
-        self.retried: Counter[tuple[str, str, int | None, int]] = Counter()
+        # (wf, path, index, attempt, run) -> retries of it published by a first delivery
+        self.retried: Counter[tuple[str, str, int | None, int, int]] = Counter()
+        self.epochs: dict[str, int] = {}  # per program, its run (0 until redriven)
+        self.redrives_left = 0
         self.history: list[Envelope] = []
         self.cancels_left = 0
         self.interleavings_left = 0
@@ -322,8 +341,13 @@ class Cluster(RuleBasedStateMachine):
         violations = self.store.violations
         expected = self.expected[task.wf]
         paths = [path for path, _ in expected.leaves]
-        if task.wf in self.store.ended:
+        if self.store.ended[task.wf]:
             violations.append(f"{task.wf}: {task.path} dispatched after the program ended")
+        if task.epoch != self.epochs.get(task.wf, 0):
+            violations.append(
+                f"{task.wf}: {task.path} of run {task.epoch} dispatched in run "
+                f"{self.epochs.get(task.wf, 0)}"
+            )
         if task.path not in paths:
             violations.append(f"{task.wf}: dispatched {task.path}, not in {paths}")
             return
@@ -360,7 +384,7 @@ class Cluster(RuleBasedStateMachine):
         # A report delivered for the first time schedules its retry once; only a redelivered
         # one (its handler may have died before publishing) may schedule it again.
         if not self.transport.redelivered:
-            key = (task.wf, task.path, task.index, task.attempt)
+            key = (task.wf, task.path, task.index, task.attempt, task.epoch)
             self.retried[key] += 1
             if self.retried[key] > 1:
                 violations.append(
@@ -382,9 +406,10 @@ class Cluster(RuleBasedStateMachine):
 
     @invariant()
     def programs_end_at_most_once_and_as_the_model_says(self) -> None:
-        assert all(count == 1 for count in self.store.ended.values()), self.store.ended
-        for wf in self.store.ended:
-            self._check_end(wf, self.expected[wf])
+        assert all(count <= 1 for count in self.store.ended.values()), self.store.ended
+        for wf, count in self.store.ended.items():
+            if count:
+                self._check_end(wf, self.expected[wf])
 
     @invariant()
     def programs_never_change_after_they_ended(self) -> None:
@@ -427,14 +452,21 @@ class Cluster(RuleBasedStateMachine):
         cancels=st.sampled_from([0, 0, 0, 1, 2]),
         interleavings=st.integers(0, 3),
         early=st.booleans(),
+        redrives=st.sampled_from([0, 1, 2, 3]),
     )
     def submit(
-        self, drawn: list[dict[str, Any]], cancels: int, interleavings: int, early: bool
+        self,
+        drawn: list[dict[str, Any]],
+        cancels: int,
+        interleavings: int,
+        early: bool,
+        redrives: int,
     ) -> None:
         # Budgets for the rarer moves, so that the core ones (deliver, crash, duplicate,
         # stale) keep most of the steps and programs get far before a cancel ends them.
         self.cancels_left = cancels
         self.interleavings_left = interleavings
+        self.redrives_left = redrives
         for program in drawn:
             wf = f"w{uuid.uuid4().hex[:8]}"
             self.expected[wf] = expect(program)
@@ -474,7 +506,8 @@ class Cluster(RuleBasedStateMachine):
         assert not delivery.nacked, "a handler raised: see the log"
         if delivery.acked:
             self.history.append(envelope)
-            if deadline and before["status"] in LIVE:
+            run = json.loads(envelope.body).get("epoch", 0) if deadline else 0
+            if deadline and before["status"] in LIVE and run == int(before.get("epoch") or 0):
                 after = await self.store.state(envelope.wf)
                 reason = f"deadline of {json.loads(envelope.body)['deadline_s']}s exceeded"
                 assert (after["status"], after["error"]) == ("failed", reason), after
@@ -552,6 +585,88 @@ class Cluster(RuleBasedStateMachine):
         else:
             assert now == was, f"a cancel changed an ended program: {was} -> {now}"
 
+    def _redrivable(self) -> list[str]:
+        return [
+            wf
+            for wf in self.expected
+            if self.run(self.store.state(wf)).get("status") in ("failed", "cancelled")
+        ]
+
+    @precondition(lambda self: self.redrives_left > 0 and self._redrivable())
+    @rule(data=st.data(), from_start=st.booleans())
+    def redrive(self, data: st.DataObject, from_start: bool) -> None:
+        """A user redrives a program (`shardflow redrive`, or `--from 0`), at any point of its
+        life: a failed or cancelled one runs again from where it stopped (or from its first
+        step), every message of its earlier run stale; any other is refused, unchanged."""
+        self.redrives_left -= 1
+        # Mostly a program it can redrive; now and then any (a live or completed one: refused).
+        mostly = self._redrivable() if data.draw(st.integers(0, 3), label="refusable") else []
+        wf = data.draw(st.sampled_from(mostly or list(self.expected)), label="program")
+        was = self.run(self.store.state(wf))
+        try:
+            self.run(self.router.redrive(wf, "0" if from_start else None))
+        except RedriveError:
+            now = self.run(self.store.state(wf))
+            assert was["status"] not in ("failed", "cancelled") or "prior" not in was, was
+            assert now == was, f"a refused redrive changed the program: {was} -> {now}"
+            return
+        assert was["status"] in ("failed", "cancelled"), was
+        self._new_run(wf, was, from_start)
+
+    def _new_run(self, wf: str, was: dict[str, str], from_start: bool) -> None:
+        """What the checks expect once `wf` (in state `was`) was redriven."""
+        stopped = was.get("from", "")
+        steps = [str(k) for k in range(len(self.programs[wf].steps))]
+        if from_start or not stopped:
+            roots, position = steps, -1
+        else:
+            roots = [stopped]
+            position = self.expected[wf].position(stopped) - 1
+        self.epochs[wf] = int(was.get("epoch") or 0) + 1
+        self.store.new_run(wf, roots)
+        self.furthest[wf] = position
+
+    def _current_tasks(self) -> list[int]:
+        """Untimed task messages of a running program's current step, in its current run."""
+        found = []
+        for i in self._untimed_tasks():
+            task = decode_task(self.transport.in_flight[i].body)
+            state = self.run(self.store.state(task.wf))
+            now = (state.get("status"), state.get("cursor"), int(state.get("epoch") or 0))
+            if now == ("running", task.path, task.epoch):
+                found.append(i)
+        return found
+
+    @precondition(lambda self: self.redrives_left > 0 and self._current_tasks())
+    @rule(data=st.data())
+    def redrive_while_running(self, data: st.DataObject) -> None:
+        """While a task runs, its program is cancelled (the router dies before telling the
+        workers, so the task goes on) and redriven from that very step, and the new run
+        starts: the old task's output, recorded after that, belongs to no run."""
+        self.redrives_left -= 1
+        index = data.draw(st.sampled_from(self._current_tasks()), label="task")
+        envelope = self.transport.in_flight.pop(index)
+        wf = envelope.wf
+
+        async def meanwhile() -> None:
+            self.transport.crash_after = 0
+            try:
+                await self.router.cancel(wf, "cancelled to redrive")
+            except Crash:
+                pass
+            finally:
+                self.transport.crash_after = None
+            was = await self.store.state(wf)
+            mark = len(self.transport.published)
+            await self.router.redrive(wf)
+            self._new_run(wf, was, from_start=False)
+            for start in self.transport.published[mark:]:  # the new run's start
+                if start in self.transport.in_flight:
+                    self.transport.in_flight.remove(start)
+                    await self._handle(start)
+
+        self.run(self._while_running(envelope, meanwhile))
+
     def _untimed_tasks(self) -> list[int]:
         in_flight = self.transport.in_flight
         return [i for i, e in enumerate(in_flight) if e.kind == "task" and not e.timed]
@@ -625,9 +740,11 @@ class Cluster(RuleBasedStateMachine):
             self.gate = None
         if handling.done():
             handling.result()  # raises what ended it early, if anything did
-            # Not run at all: only a step its program has left may be skipped.
+            # Not run at all: only a step its program has left (or its run: a redrive since)
+            # may be skipped.
             state = await self.store.state(task.wf)
-            assert (state["status"], state["cursor"]) != ("running", task.path), state
+            now = (state["status"], state["cursor"], int(state.get("epoch") or 0))
+            assert now != ("running", task.path, task.epoch), state
         else:
             assert self.held == running, f"{self.held} of {running} handlers started"
         await meanwhile()

@@ -33,6 +33,8 @@ BIG = json.dumps("b" * 65536)
 OUTPUTS = st.sampled_from(['"x"', "1", "[1, 2]", '{"v": 3}'] * 4 + [BIG])
 RETENTION_MS = 3_600_000
 SIGNALS = ["go", "stop"]
+# The run a message belongs to: mostly the first (0), now and then a redriven one.
+EPOCHS = st.sampled_from([0, 0, 0, 1, 2])
 
 
 def _outputs(size: int) -> st.SearchStrategy[dict[int | None, str]]:
@@ -54,15 +56,15 @@ def calls(cursors: dict[str, str]) -> st.SearchStrategy[Call]:
         return st.sampled_from([cursors.get(wf, "")] * 3 + paths)
 
     def record(wf: str) -> st.SearchStrategy[Call]:
-        return st.tuples(at(wf, PATHS), st.integers(1, 3)).flatmap(
-            lambda ps: _outputs(ps[1]).map(lambda out: ("record", (wf, ps[0], ps[1], out)))
+        return st.tuples(at(wf, PATHS), st.integers(1, 3), EPOCHS).flatmap(
+            lambda ps: _outputs(ps[1]).map(lambda out: ("record", (wf, ps[0], ps[1], out, ps[2])))
         )
 
     def advance(wf: str) -> st.SearchStrategy[Call]:
         return st.builds(
-            lambda expected, cursor, status, payload, leaf, drop, refs: (
+            lambda expected, cursor, status, payload, leaf, drop, refs, epoch: (
                 "advance",
-                (wf, expected, cursor, status, *payload, leaf, drop, refs),
+                (wf, expected, cursor, status, *payload, leaf, drop, refs, epoch),
             ),
             at(wf, ["", *PATHS]),
             st.sampled_from(["", *PATHS]),
@@ -73,6 +75,7 @@ def calls(cursors: dict[str, str]) -> st.SearchStrategy[Call]:
             st.sampled_from(["", "", "", "2/iter:0/", "2/iter:1/", "1"]),
             # outputs of steps read by id, recorded (latest wins) only when it applies
             st.sampled_from([(), (), (("a", '{"v": 1}'),), (("a", '"x"'), ("b2", "[1, 2]"))]),
+            st.none() | EPOCHS,  # None: a start, whatever the run
         )
 
     def per_workflow(wf: str) -> st.SearchStrategy[Call]:
@@ -84,9 +87,9 @@ def calls(cursors: dict[str, str]) -> st.SearchStrategy[Call]:
             st.sampled_from(["d1", "d2"]),
         )
         fail = st.builds(
-            lambda path, index, attempt, error, most: (
+            lambda path, index, attempt, error, most, epoch: (
                 "fail",
-                (wf, path, index, attempt, error, most),
+                (wf, path, index, attempt, error, most, epoch),
             ),
             at(wf, PATHS),
             # Mostly reports that fit (so duplicates of one attempt are drawn often), and now
@@ -95,9 +98,22 @@ def calls(cursors: dict[str, str]) -> st.SearchStrategy[Call]:
             st.sampled_from([0, 1] * 3 + [2, -1, 3]),
             st.sampled_from(["e1", "e2"]),
             st.sampled_from([2, 3] * 3 + [1, 0, 101]),
+            EPOCHS,
         )
         cancel = st.builds(
-            lambda status: ("cancel", (wf, status, "r")), st.sampled_from(["cancelled", "failed"])
+            lambda status, epoch: ("cancel", (wf, status, "r", epoch)),
+            st.sampled_from(["cancelled", "failed"]),
+            st.none() | EPOCHS,  # None: a user's cancel; a number: a deadline's run
+        )
+        redrive = st.builds(
+            lambda epoch, rerun, prior, roots: (
+                "redrive",
+                (wf, epoch, rerun, prior, "failed\t1\t2\t0\tboom", roots),
+            ),
+            EPOCHS,
+            st.sampled_from(["", *PATHS]),
+            st.sampled_from(["", *PATHS]),
+            st.lists(st.sampled_from(["0", "1", "2", "2/iter:0", "2/iter:1/0"]), max_size=3),
         )
         track = st.builds(
             lambda name, owner: (name, (wf, owner)),
@@ -127,7 +143,7 @@ def calls(cursors: dict[str, str]) -> st.SearchStrategy[Call]:
         moves = {"advance": advance(wf), "record": record(wf), "fail": fail}
         moves |= {"signal": signal, "take": take}
         others = {"submit": submit, "track": track, "cancel": cancel}
-        others |= {"stash": stash, "purge": purge}
+        others |= {"stash": stash, "purge": purge, "redrive": redrive}
         kinds = [*moves] * 4 + [*others]
         return st.sampled_from(kinds).flatmap(lambda kind: {**moves, **others}[kind])
 
@@ -139,11 +155,11 @@ def again(call: Call) -> Call:
     """The same call once more, with another payload where a re-run could bring one."""
     name, args = call
     if name == "fail":
-        wf, path, index, attempt, error, most = args
-        return name, (wf, path, index, attempt, "e2" if error == "e1" else "e1", most)
+        wf, path, index, attempt, error, most, epoch = args
+        return name, (wf, path, index, attempt, "e2" if error == "e1" else "e1", most, epoch)
     if name == "record":
-        wf, path, size, outputs = args
-        return name, (wf, path, size, {index: '"rerun"' for index in outputs})
+        wf, path, size, outputs, epoch = args
+        return name, (wf, path, size, {index: '"rerun"' for index in outputs}, epoch)
     return call
 
 
@@ -253,5 +269,18 @@ def test_the_model_can_stand_in_for_redis_in_a_whole_run() -> None:
         assert (await store.advance("w", "0", "", "completed")).verdict == "replay"
         assert (await store.cancel("w", "cancelled", "late")) is not None
         assert (await store.state("w"))["status"] == "completed"
+        assert (await store.redrive("w", 0, "0", "", "", ["0"])).verdict == "refused"
+        # A failed program runs again: a new epoch, the old run's messages stale.
+        assert (await store.submit("f", PLANS[0], 2, "demo", "d")).created
+        assert (await store.advance("f", "", "0", "running", leaf="task")).verdict == "applied"
+        assert (await store.advance("f", "0", "", "failed", "error", "e")).verdict == "applied"
+        assert (await store.redrive("f", 1, "0", "", "", ["0"])).verdict == "changed"
+        again = await store.redrive("f", 0, "0", "", "failed\t\t\t0\te", ["0"])
+        assert (again.verdict, again.status, again.epoch) == ("applied", "pending", 1)
+        assert (await store.advance("f", "", "0", "running", leaf="task")).verdict == "applied"
+        assert (await store.record("f", "0", 1, {None: "1"}, 0)).verdict == "stale"
+        assert (await store.advance("f", "0", "", "completed", epoch=0)).verdict == "stale"
+        assert (await store.record("f", "0", 1, {None: "1"}, 1)).verdict == "fire"
+        assert (await store.state("f"))["run:0"] == "failed\t\t\t0\te"
 
     asyncio.run(run())

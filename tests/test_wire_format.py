@@ -150,3 +150,34 @@ def test_a_large_value_is_referred_to_or_carried_never_both() -> None:
     assert decode_shard_message(encode(Failed(wf="w", path="1", error="e", prev_ref=True)))
     with pytest.raises(MessageError, match="over 16777216"):
         decode_task(b" " * (MAX_MESSAGE_BYTES + 1))
+
+
+def test_the_epoch_of_a_redriven_run_travels_only_when_it_is_not_0() -> None:
+    from orchestrator.messages import (
+        Deadline,
+        Failed,
+        MessageError,
+        Next,
+        Wake,
+        decode_shard_message,
+    )
+
+    program = parse_program({"steps": [{"task": "t"}]})
+    leaf = first(program)
+    assert isinstance(leaf, Leaf)
+    (first_run,) = task_messages("w", Plan(program, None, owner=1), leaf)["serial"]
+    assert "epoch" not in json.loads(first_run)  # workers from before redrive read it
+    (again,) = task_messages("w", Plan(program, None, owner=1), leaf, epoch=2)["serial"]
+    assert json.loads(again)["epoch"] == 2 and decode_task(again).epoch == 2
+    reports = [
+        Next(wf="w", path="0", output=1),
+        Failed(wf="w", path="0", error="e"),
+        Wake(wf="w", path="0"),
+        Deadline(wf="w", deadline_s=1.0),
+    ]
+    for report in reports:
+        assert "epoch" not in json.loads(encode(report))
+        carried = report.model_copy(update={"epoch": 3})
+        assert decode_shard_message(encode(carried)) == carried
+    with pytest.raises(MessageError, match="epoch"):
+        decode_shard_message(b'{"kind": "next", "wf": "w", "path": "0", "epoch": -1}')

@@ -122,7 +122,11 @@ class Worker(Service):
         state = await self.store.state(tasks[0].wf)
         if not state:  # never run a handler for a program nobody submitted
             raise Poison(f"{tasks[0].wf}: no such program")
-        if state.get("status") != "running" or state.get("cursor") != tasks[0].path:
+        if (
+            state.get("status") != "running"
+            or state.get("cursor") != tasks[0].path
+            or int(state.get("epoch") or 0) != tasks[0].epoch  # a run before a redrive
+        ):
             self.counts["stale"] += len(tasks)
             return []
         values = await self._values(tasks[0])  # a message's tasks share input and prev
@@ -137,7 +141,7 @@ class Worker(Service):
         if not outputs:
             return reports
         task = tasks[0]  # a message's tasks share program, step and bag
-        completion = await self.store.record(task.wf, task.path, task.size, outputs)
+        completion = await self.store.record(task.wf, task.path, task.size, outputs, task.epoch)
         if completion.verdict in ("missing", "invalid"):
             raise Poison(f"{task.wf}: {', '.join(completion.outputs) or 'no such program'}")
         self.counts[completion.verdict] += len(outputs)
@@ -145,11 +149,11 @@ class Worker(Service):
         # Only a redelivered task may be the one whose report a crash cut short.
         if completion.verdict == "fire" or (completion.verdict == "again" and redelivered):
             if not completion.outputs:  # too large to carry: the owner reads them in Redis
-                reports.append(Next(wf=task.wf, path=task.path, stored=True))
+                reports.append(Next(wf=task.wf, path=task.path, stored=True, epoch=task.epoch))
                 return reports
             joined = [json.loads(out) for out in completion.outputs]
             output = joined if task.index is not None else joined[0]
-            reports.append(Next(wf=task.wf, path=task.path, output=output))
+            reports.append(Next(wf=task.wf, path=task.path, output=output, epoch=task.epoch))
         return reports
 
     async def _values(self, task: TaskMessage) -> tuple[Any, Any]:
@@ -204,6 +208,7 @@ class Worker(Service):
                 prev_ref=task.prev_ref,
                 iteration=task.iteration,
                 item=task.item,
+                epoch=task.epoch,
             )
 
     async def _output(self, task: TaskMessage, ctx: TaskContext) -> str:
