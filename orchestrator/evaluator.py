@@ -257,13 +257,10 @@ def _list_reply(value: Any, max_items: int, max_bytes: int) -> dict[str, Any]:
         return {"gave": type(value).__name__, "repr": repr(value)[:1000]}
     if len(value) > max_items:
         return {"too_many": len(value)}
-    try:
-        text = json.dumps(value, allow_nan=False, ensure_ascii=False)
-    except (TypeError, ValueError) as exc:  # bytes, timestamps, durations, NaN
-        return {"error": "NotJSON", "message": f"its items are not JSON: {exc}"}
-    if len(text.encode()) > max_bytes:
-        return {"too_large": len(text.encode())}
-    return {"items": value}
+    reply = _value_reply(value, max_bytes)
+    if "error" in reply:
+        return {**reply, "message": f"its items are {reply['message']}"}
+    return {"items": value} if "json" in reply else reply
 
 
 def _value_reply(value: Any, max_bytes: int) -> dict[str, Any]:
