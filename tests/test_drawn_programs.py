@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 
 from router.client import Router
 from tests.app import Trace
-from tests.model import NAMED_POOL, expect, programs
+from tests.model import NAMED_POOL, SIGNAL, expect, programs, signal_data
 from tests.ordering import leaf_order
 
 pytestmark = pytest.mark.e2e
@@ -30,6 +30,11 @@ async def test_drawn_programs_run_in_program_order(
 ) -> None:
     expected = expect(program)
     submitted = await cluster.submit(program, trace.as_input())
+    for path in expected.signals:  # each signal step's own, in the order they will take them
+        try:
+            await cluster.signal(submitted.workflow_id, SIGNAL, signal_data(path), path)
+        except ValueError as exc:  # it failed before it needed them all
+            assert "has ended" in str(exc), exc
     status = await cluster.wait(submitted.workflow_id, timeout_s=120)
     assert status["status"] == expected.status, (status, expected)
     if expected.status == "completed":
@@ -39,6 +44,7 @@ async def test_drawn_programs_run_in_program_order(
 
     ran = leaf_order([e for e in trace.events() if e["wf"] == submitted.workflow_id])
     leaves = ran[submitted.workflow_id]
-    assert [path for path, _, _ in leaves] == [path for path, size in expected.leaves if size]
+    tasks = [path for path, size in expected.leaves if size and path not in expected.signals]
+    assert [path for path, _, _ in leaves] == tasks
     for (before, _, done), (after, start, _) in itertools.pairwise(leaves):
         assert 0 <= done < start, f"{after} started (seq {start}) before {before} was done"
