@@ -239,6 +239,7 @@ class Transitions:
             self.counts[verdict] += 1
             return verdict
         epoch: int | None = None  # a start belongs to whatever run the program is in
+        state: dict[str, str] = {}  # read by a start only (its run, and when it was created)
         if isinstance(message, Start):
             expected = ""
             state = await self.store.state(message.wf)
@@ -293,7 +294,7 @@ class Transitions:
             verdict.verdict == "replay" and redelivered and not ended
         ):
             if isinstance(message, Start) and plan.program.deadline_s is not None:
-                await self._publish_deadline(message.wf, plan, run)
+                await self._publish_deadline(message.wf, plan, run, state)
             priority = NEW if expected == "" else GOING_ON
             await self._publish(message.wf, plan, outcome, priority, run)
             if verdict.verdict == "replay":
@@ -451,12 +452,15 @@ class Transitions:
             return None
         return leaf.path in blobs
 
-    async def _publish_deadline(self, wf: str, plan: Plan, epoch: int) -> None:
-        """The deadline counts from submission: what is left of it when the program starts.
-        A redriven run gets the whole deadline again, from its start."""
+    async def _publish_deadline(
+        self, wf: str, plan: Plan, epoch: int, state: dict[str, str]
+    ) -> None:
+        """The deadline counts from submission (`created_ms` of the state the start read):
+        what is left of it when the program starts. A redriven run gets the whole deadline
+        again, from its start."""
         deadline_s = plan.program.deadline_s
         assert deadline_s is not None
-        created_ms = int((await self.store.state(wf)).get("created_ms") or 0)
+        created_ms = int(state.get("created_ms") or 0)
         elapsed_s = max(0.0, time.time() - created_ms / 1000) if created_ms else 0.0
         if epoch:
             elapsed_s = 0.0

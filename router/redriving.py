@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from orchestrator.program import Bag, Map, Program, Sleep, Task
+from orchestrator.program import Bag, Map, Program, Signal, Sleep, Task
 from orchestrator.store import MAX_RUNS
 
 # A run's error as kept in the history: the state keeps the whole of the current one.
@@ -30,7 +30,7 @@ def where(
     failed while moving on, as an untiloop out of iterations, runs its last leaf again; a
     cancelled one, the leaf it was running). With it: a top-level step number, at most the
     one it stopped in; every step from there on runs again (the step before must be a task,
-    a bag, a map or a sleep: its output is the prev)."""
+    a bag, a map, a sleep or a signal: its output is the prev)."""
     stopped = state.get("from", "")
     everything = [str(k) for k in range(len(program.steps))]
     if from_step is None or from_step == stopped:
@@ -56,12 +56,12 @@ def where(
     prior = ""
     if number > 0:
         before = program.steps[number - 1]
-        if not isinstance(before, Task | Bag | Map | Sleep):
+        if not isinstance(before, Task | Bag | Map | Sleep | Signal):
             kind = type(before).__name__.lower()
             raise RedriveError(
                 f"--from {number}: step {number - 1} before it is a {kind}, whose output is not "
                 "kept as one value; redrive from its failed step, or from a step that follows "
-                "a task, a bag, a map or a sleep"
+                "a task, a bag, a map, a sleep or a signal"
             )
         prior = str(number - 1)
     return str(number), prior, everything[number:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from redis.asyncio import Redis
 
 from orchestrator.connections import connected
 from orchestrator.messages import Next, Signalled, encode
@@ -12,6 +13,7 @@ from orchestrator.settings import Settings
 from router.client import Router
 from router.explain import explain_text
 from shardflow.dev import Dev
+from tests.app import Trace
 from tests.polling import until
 from worker.registry import Registry
 
@@ -132,3 +134,23 @@ async def test_a_wait_survives_its_orchestrators_going_away(
             await running
     assert status["status"] == "completed", status
     assert status["result"]["prev"] == "yes"
+
+
+async def test_a_redrive_from_the_step_after_a_signal_reruns_it_with_the_signals_data(
+    cluster: Router, trace: Trace, redis_url: str
+) -> None:
+    gate = f"{trace.key}:gate"
+    program = {"steps": [{"signal": "go"}, {"task": "gated", "args": {"gate": gate}}]}
+    client = Redis.from_url(redis_url)
+    try:
+        await client.set(gate, 1)
+        wf = (await cluster.submit(program, trace.as_input())).workflow_id
+        await cluster.signal(wf, "go", {"n": 7})
+        assert (await cluster.wait(wf, timeout_s=30))["status"] == "failed"
+        await client.delete(gate)
+        await cluster.redrive(wf, "1")  # the step before it is the signal: its data is kept
+        status = await cluster.wait(wf, timeout_s=30)
+    finally:
+        await client.aclose()
+    assert status["status"] == "completed", status
+    assert status["result"]["prev"] == {"n": 7}
