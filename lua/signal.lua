@@ -9,7 +9,7 @@
 -- ARGV[3]  most signals kept, per name, not yet taken
 -- ARGV[4]  most ids remembered (the oldest go first)
 -- returns  {"kept", n}        kept, n waiting for that name now
---          {"duplicate", ""}  that id was sent already: nothing changed
+--          {"duplicate", ""}  that id was sent already (even if the program has ended since)
 --          {"full", n}        n are waiting already: nothing kept
 --          {"ended", status}  the program has ended: nothing kept
 --          {"missing", ""}    no such program
@@ -17,11 +17,13 @@ local status = redis.call("HGET", KEYS[1], "status")
 if not status then
   return {"missing", ""}
 end
-if status ~= "pending" and status ~= "running" then
-  return {"ended", status}
-end
+-- A resend of a signal already kept is a duplicate even once the program has ended: a sender
+-- that lost the first answer learns it was delivered, not that it came too late.
 if ARGV[2] ~= "" and redis.call("ZSCORE", KEYS[3], ARGV[2]) then
   return {"duplicate", ""}
+end
+if status ~= "pending" and status ~= "running" then
+  return {"ended", status}
 end
 local waiting = redis.call("LLEN", KEYS[2])
 if waiting >= tonumber(ARGV[3]) then

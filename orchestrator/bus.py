@@ -6,9 +6,11 @@ import asyncio
 import contextlib
 import logging
 import math
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import aio_pika
+import aiormq
 from aio_pika.abc import (
     AbstractChannel,
     AbstractExchange,
@@ -36,6 +38,15 @@ NEW, GOING_ON = 0, 1
 # 10 ms ... up to 30 days, so each target has at most ~120 delay queues, whatever is asked.
 _STEPS = (10, 12, 15, 18, 22, 27, 33, 39, 47, 56, 68, 82)
 MAX_DELAY_MS = 30 * 86400 * 1000
+# Starting a consumer: attempts, and the pause before each retry (times the attempt).
+CONSUME_ATTEMPTS = 5
+CONSUME_BACKOFF_S = 0.5
+RECONNECT_WAIT_S = 60.0
+_CONSUME_RACE = (
+    aiormq.exceptions.ConnectionInternalError,
+    aiormq.exceptions.ChannelInvalidStateError,
+    aiormq.exceptions.AMQPConnectionError,
+)
 
 
 def ladder_ms(delay_s: float) -> int:
@@ -345,19 +356,45 @@ class Bus:
 
     async def consume(self, queue_name: str, prefetch: int) -> AbstractQueueIterator:
         """A consumer on its own channel, so the prefetch applies to this queue alone."""
-        channel = await self._consumer_channel(prefetch)
-        queue = await channel.get_queue(queue_name, ensure=True)
-        return queue.iterator()
+        return await self._consuming(
+            lambda channel: channel.get_queue(queue_name, ensure=True), prefetch
+        )
 
     async def consume_pool(self, pool: str, prefetch: int) -> AbstractQueueIterator:
         """Consume a pool's task queue, declaring it first: a named pool may be new."""
-        channel = await self._consumer_channel(prefetch)
-        return (await self._declare_pool(channel, pool)).iterator()
+        return await self._consuming(lambda channel: self._declare_pool(channel, pool), prefetch)
 
     async def consume_shard(self, shard: int, prefetch: int) -> AbstractQueueIterator:
         """Consume a shard's queue, declaring it first: it may lie outside today's ring."""
-        channel = await self._consumer_channel(prefetch)
-        return (await self._declare_shard(channel, shard)).iterator()
+        return await self._consuming(lambda channel: self._declare_shard(channel, shard), prefetch)
+
+    async def _consuming(
+        self,
+        queue_of: Callable[[AbstractChannel], Awaitable[AbstractQueue]],
+        prefetch: int,
+    ) -> AbstractQueueIterator:
+        """Declare a queue on a channel of its own and start consuming it.
+
+        RabbitMQ 3.10 answers a consume on a quorum queue that another client is declaring at
+        that moment (replicas starting together) with INTERNAL_ERROR, closing the connection:
+        wait for the robust connection to come back and try again, a bounded number of times.
+        """
+        for attempt in range(1, CONSUME_ATTEMPTS + 1):
+            channel = await self._consumer_channel(prefetch)
+            try:
+                iterator = (await queue_of(channel)).iterator()
+                await iterator.consume()
+                return iterator
+            except _CONSUME_RACE as exc:
+                if attempt == CONSUME_ATTEMPTS:
+                    raise
+                log.warning("consume refused (%r); trying again once reconnected", exc)
+                with contextlib.suppress(Exception):
+                    await channel.close()
+                await asyncio.sleep(CONSUME_BACKOFF_S * attempt)
+                assert self._connection is not None
+                await asyncio.wait_for(self._connection.connected.wait(), RECONNECT_WAIT_S)
+        raise AssertionError("unreachable")
 
     async def _consumer_channel(self, prefetch: int = 0) -> AbstractChannel:
         if self._connection is None:

@@ -364,12 +364,13 @@ class MemoryStore:
         (status,) = self._hmget(self.keys.state(wf), "status")
         if status is None:
             return Verdict("missing", "", "")
-        if status not in ("pending", "running"):
-            return Verdict("ended", status, "")
         ids = self._list(self.keys.signal_ids(wf))
         if signal_id and signal_id in ids:
             self._drop_if_empty(self.keys.signal_ids(wf))
             return Verdict("duplicate", "", "")
+        if status not in ("pending", "running"):
+            self._drop_if_empty(self.keys.signal_ids(wf))
+            return Verdict("ended", status, "")
         waiting = self._list(self.keys.signals(wf, name))
         if len(waiting) >= self.signals_waiting:
             self._drop_if_empty(self.keys.signal_ids(wf))

@@ -1,6 +1,7 @@
 """Quorum queues: a message that keeps failing is dead-lettered by the broker at the limit."""
 
 import asyncio
+import contextlib
 import json
 import subprocess
 from urllib.parse import urlparse
@@ -47,6 +48,26 @@ async def test_a_message_that_always_fails_is_dead_lettered_at_the_delivery_limi
     # x-delivery-limit stays as the backstop for a process that crashes on the message.
     assert headers["x-shardflow-reason"].startswith("failed 2 times, the limit; last:")
     assert headers["x-shardflow-from"] == bus.names.shard_queue(0)
+
+
+async def test_replicas_that_start_together_all_consume_a_new_quorum_lane(
+    settings: Settings,
+) -> None:
+    # RabbitMQ 3.10 refuses a consume on a quorum queue another client is declaring at that
+    # moment, closing the connection: each of three starting together must still consume.
+    async with contextlib.AsyncExitStack() as stack:
+        buses = [
+            (await stack.enter_async_context(connected(settings, f"replica-{n}")))[1]
+            for n in range(3)
+        ]
+        for pool, consumers in [(f"{kind}race{n}", 1 if kind else 3) for n in range(3)
+                                for kind in ("", "serial-")]:  # fmt: skip
+            iterators = await asyncio.gather(*(bus.consume_pool(pool, 1) for bus in buses))
+            state = await buses[0].queue_state(buses[0].names.task_queue(pool))
+            # A lane's broker counts its single active consumer only.
+            assert state == (0, consumers), (pool, state)
+            for iterator in iterators:
+                await iterator.close()
 
 
 def _broker_queue_type(settings: Settings, queue: str) -> str:

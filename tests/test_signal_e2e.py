@@ -85,6 +85,10 @@ async def test_signals_sent_early_are_kept_and_each_is_taken_once_in_order(
         assert not await store.client.exists(store.keys.signals(wf, "tick"))  # all taken
     with pytest.raises(ValueError, match=r"has ended \(completed\): not signalled"):
         await cluster.signal(wf, "tick", 4)
+    # A sender that lost the answer to a delivered signal resends it after the end: a
+    # duplicate, not a refusal.
+    late = await cluster.signal(wf, "tick", 3, signal_id="tick-3")
+    assert late["duplicate"] is True
 
 
 async def test_a_signal_that_never_comes_fails_the_step(cluster: Router) -> None:
