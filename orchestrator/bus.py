@@ -114,6 +114,8 @@ class Consumer(Protocol):
 
     async def consume_control(self) -> AbstractQueueIterator: ...
 
+    async def stop_consuming(self, iterator: AbstractQueueIterator) -> None: ...
+
 
 class Transport(Publisher, Consumer, Protocol):
     """Publishing and consuming: everything a worker uses of the broker."""
@@ -131,6 +133,7 @@ class Bus:
         self._shard_exchange: AbstractExchange | None = None
         self._delay_queues: set[str] = set()
         self._pools: set[str] = set()  # task queues declared on this connection
+        self._consumer_channels: dict[AbstractQueueIterator, AbstractChannel] = {}
 
     async def connect(self) -> None:
         """Connect and declare the whole topology (idempotent; replayed after a reconnect)."""
@@ -323,7 +326,9 @@ class Bus:
         channel = await self._consumer_channel()
         queue = await channel.declare_queue(exclusive=True, auto_delete=True)
         await queue.bind(self.names.control_exchange)
-        return queue.iterator(no_ack=True)
+        iterator = queue.iterator(no_ack=True)
+        self._consumer_channels[iterator] = channel
+        return iterator
 
     async def requeue(
         self, queue: str, body: bytes, headers: dict[str, Any], priority: int | None
@@ -384,6 +389,7 @@ class Bus:
             try:
                 iterator = (await queue_of(channel)).iterator()
                 await iterator.consume()
+                self._consumer_channels[iterator] = channel
                 return iterator
             except _CONSUME_RACE as exc:
                 if attempt == CONSUME_ATTEMPTS:
@@ -395,6 +401,16 @@ class Bus:
                 assert self._connection is not None
                 await asyncio.wait_for(self._connection.connected.wait(), RECONNECT_WAIT_S)
         raise AssertionError("unreachable")
+
+    async def stop_consuming(self, iterator: AbstractQueueIterator) -> None:
+        """Stop a consumer for good, closing its channel too: a robust channel left open would
+        start the consumer again after a reconnect, holding messages nobody reads."""
+        channel = self._consumer_channels.pop(iterator, None)
+        with contextlib.suppress(Exception):
+            await iterator.close()
+        if channel is not None:
+            with contextlib.suppress(Exception):
+                await channel.close()
 
     async def _consumer_channel(self, prefetch: int = 0) -> AbstractChannel:
         if self._connection is None:

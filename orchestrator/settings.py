@@ -30,6 +30,9 @@ class Settings(BaseSettings):
     prefetch: int = Field(default=1, ge=1, le=1000)
     serial_concurrency: Literal[1] = 1
     parallel_concurrency: int = Field(default=16, ge=1, le=1000)
+    # The most of a worker's slots one kind of program (one of a pool's shares, shares.py) may
+    # hold, so a burst of one kind leaves the rest to others; 1: no reserve.
+    fair_share: float = Field(default=0.75, gt=0, le=1)
     # A task message carries its step's args, so a program fits in a message (messages.py).
     max_program_bytes: int = Field(default=256 * 1024, ge=1024, le=8 * 1024 * 1024)
     max_output_bytes: int = Field(default=1024 * 1024, ge=64, le=64 * 1024 * 1024)

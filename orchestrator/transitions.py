@@ -45,6 +45,7 @@ from orchestrator.program import (
     parse_program,
     pool_of,
 )
+from orchestrator.shares import share_of, share_pool
 from orchestrator.store import TERMINAL, Store
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ class Plan:
     big_input: str | None = None
     # Whether moving on may evaluate CEL (an until or a map): then it waits in a thread.
     evaluates: bool = False
+    # Which of a pool's task queues its tasks go to (fair share: orchestrator/shares.py).
+    share: int = 0
 
 
 class Plans:
@@ -82,7 +85,14 @@ class Plans:
         program = parse_program(raw["program"], max_bytes=1 << 30)
         text = json.dumps(raw["input"])
         big = text if len(text) > INLINE_BYTES else None
-        plan = Plan(program, raw["input"], raw["owner"], big, _evaluates(program.steps))
+        plan = Plan(
+            program,
+            raw["input"],
+            raw["owner"],
+            big,
+            _evaluates(program.steps),
+            share_of(program),
+        )
         self._cache[wf] = plan
         if len(self._cache) > self._size:
             self._cache.popitem(last=False)
@@ -115,7 +125,8 @@ def task_messages(
     chunk_for: Callable[[str], int] | None = None,
     epoch: int = 0,
 ) -> dict[str, list[bytes]]:
-    """The task messages that run one leaf (or only its member `only`), by pool. A bag's
+    """The task messages that run one leaf (or only its member `only`), by pool (the program's
+    share of it: `shares.share_pool`). A bag's
     members go out in chunks of members of the same pool: its `chunk`, or when it names none
     `chunk_for(pool)` (the pool's backlog decides; without it, one member per message). A
     large input is referred to (the plan says so), and the prev when `prev_ref`: both must be
@@ -127,7 +138,8 @@ def task_messages(
     indices = list(range(len(members))) if only is None else [only]
     by_pool: dict[str, list[int]] = {}
     for i in indices:
-        by_pool.setdefault(pool_of(step, i if isinstance(step, Bag) else None), []).append(i)
+        pool = share_pool(pool_of(step, i if isinstance(step, Bag) else None), plan.share)
+        by_pool.setdefault(pool, []).append(i)
     messages: dict[str, list[bytes]] = {}
 
     def args(i: int) -> dict[str, Any]:  # a member's args, with what args_from gave

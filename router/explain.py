@@ -32,6 +32,7 @@ from orchestrator.program import (
     parse_program,
     pool_of,
 )
+from orchestrator.shares import share_of, share_pool
 from orchestrator.store import TERMINAL, Store
 from router import redriving
 from router.listing import as_int, clean
@@ -386,8 +387,9 @@ async def explain(store: Store, bus: Bus | None, wf: str) -> dict[str, Any] | No
             open_pools = [t["pool"] for t in step["tasks"] if not t["done"]]
             every = [t["pool"] for t in step["tasks"]] or [step["pool"]]  # a map over none
             pools = dict.fromkeys(open_pools or every)
+            share = share_of(program) if program is not None else 0
             for pool in pools:
-                queue = await _queue(bus, bus.names.task_queue(pool))
+                queue = await _queue(bus, bus.names.task_queue(share_pool(pool, share)))
                 report["pools"].append({"pool": pool, **queue})
             report["pool"] = _without_name(report["pools"][0])
             waiting = [t for t in step["tasks"] if not t["done"] and t["retry_due_ms"]]
@@ -396,7 +398,8 @@ async def explain(store: Store, bus: Bus | None, wf: str) -> dict[str, Any] | No
                 first = min(due, key=lambda t: t["retry_due_ms"])
                 delay_s = _retry_delay(found.where, first)
                 if delay_s is not None:
-                    name = bus.names.delay_queue(first["pool"], ladder_ms(delay_s))
+                    target = share_pool(first["pool"], share)
+                    name = bus.names.delay_queue(target, ladder_ms(delay_s))
                     report["retry_queue"] = await _queue(bus, name)
         if step["pool"] and is_lane(step["pool"]):
             report["lane"] = await _lane(store, wf, step["pool"])

@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+from aio_pika.abc import AbstractQueueIterator
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from orchestrator import logs, metrics
@@ -74,9 +75,13 @@ class Ingress(Service):
 
     async def _consume(self) -> None:
         queue = self.bus.names.ingress_queue
-        iterator = self._track(await self.bus.consume(queue, INGRESS_PREFETCH))
-        log.info("router: consuming %s", queue)
-        async for message in iterator:
+
+        async def start() -> AbstractQueueIterator:
+            iterator = await self.bus.consume(queue, INGRESS_PREFETCH)
+            log.info("router: consuming %s", queue)
+            return iterator
+
+        async for message in self._messages(start, self.bus.stop_consuming):
             self._spawn(
                 self.handle(message, message.reply_to, message.correlation_id, message.message_id)
             )

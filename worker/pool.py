@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Coroutine
@@ -28,8 +29,10 @@ from orchestrator.messages import (
 )
 from orchestrator.program import check_pool_name, is_lane
 from orchestrator.settings import Settings
+from orchestrator.shares import share_pools
 from orchestrator.store import TERMINAL, Store
 from worker.context import TaskContext
+from worker.fair import FairSlots
 from worker.registry import Registry, UnknownTask
 
 log = logging.getLogger(__name__)
@@ -61,6 +64,9 @@ class Worker(Service):
         self.registry = registry
         self.pool = pool
         self.concurrency = concurrency or settings.parallel_concurrency
+        # A share of the pool (a kind of program) holds at most this many slots at once.
+        self.share = max(1, math.ceil(self.concurrency * settings.fair_share))
+        self.slots = FairSlots(self.concurrency)
         self.store = store
         self.bus = bus
         self.counts: Counter[str] = Counter()
@@ -71,11 +77,16 @@ class Worker(Service):
         return format_counts(self.counts)
 
     async def _start(self) -> list[Coroutine[Any, Any, None]]:
-        return [self._consume(), self._listen()]
+        pools = share_pools(self.pool)
+        log.info(
+            "%s: consuming %d queue(s) with concurrency %d, at most %d per share",
+            self.name, len(pools), self.concurrency, self.share,
+        )  # fmt: skip
+        return [*(self._consume(pool) for pool in pools), self._listen()]
 
     async def _listen(self) -> None:
         """Stop the running tasks of programs that were cancelled or ran out of time."""
-        async for message in self._track(await self.bus.consume_control()):
+        async for message in self._messages(self.bus.consume_control, self.bus.stop_consuming):
             try:
                 wf = Cancelled.model_validate_json(message.body).wf
             except ValidationError:
@@ -96,13 +107,19 @@ class Worker(Service):
             log.info("%s: %s cancelled: stopped %d running task(s)", self.name, wf, len(handlers))
         return len(handlers)
 
-    async def _consume(self) -> None:
-        queue = self.bus.names.task_queue(self.pool)
-        iterator = self._track(await self.bus.consume_pool(self.pool, self.concurrency))
-        log.info("%s: consuming %s with concurrency %d", self.name, queue, self.concurrency)
-        async for message in iterator:
-            # The prefetch bounds how many of these run at once.
-            self._spawn(self.handle(message, queue))
+    async def _consume(self, pool: str) -> None:
+        """Consume one of the pool's queues (one share of it): each holds at most its share of
+        the slots (the prefetch), and all take the free ones in turn."""
+        queue = self.bus.names.task_queue(pool)
+        share = self.concurrency if is_lane(pool) else self.share
+        log.debug("%s: consuming %s, at most %d at once", self.name, queue, share)
+        messages = self._messages(
+            lambda: self.bus.consume_pool(pool, share), self.bus.stop_consuming
+        )
+        async for message in messages:
+            await self.slots.acquire(pool)
+            task = self._spawn(self.handle(message, queue))
+            task.add_done_callback(lambda _: self.slots.release())
 
     async def handle(self, delivery: Delivery, source: str) -> None:
         """Run one task message; ack only after the report to the owner is confirmed."""
