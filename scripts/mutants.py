@@ -240,6 +240,20 @@ end""",
         "leaf = replace(leaf, args=())",
         (MACHINE,),
     ),
+    # Fair share: a program's tasks leave its share of the pool; a freed slot goes to the
+    # consumer that asked last (a busy queue would take every slot that frees).
+    "tasks-ignore-their-share": (
+        "orchestrator/transitions.py",
+        "pool = share_pool(pool_of(step, i if isinstance(step, Bag) else None), plan.share)",
+        "pool = pool_of(step, i if isinstance(step, Bag) else None)",
+        (MACHINE,),
+    ),
+    "slots-to-the-newest-waiter": (
+        "worker/fair.py",
+        "_, waiter = self._waiting.popitem(last=False)",
+        "_, waiter = self._waiting.popitem(last=True)",
+        ("tests/test_fair.py::test_a_freed_slot_goes_to_the_queue_that_waited_longest",),
+    ),
 }
 
 
