@@ -9,7 +9,6 @@ release.lua), so a worker that dies holding one loses it when its lease runs out
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 from collections.abc import Sequence
 from typing import Any
@@ -73,11 +72,6 @@ def backoff_s(waits: int, lease_left_s: float | None = None) -> float:
     if lease_left_s is not None:
         delay = min(delay, max(lease_left_s, LIMIT_BACKOFF_S))
     return delay
-
-
-def digest(key: str) -> str:
-    """A key's name in Redis: its digest (any characters, one Redis Cluster slot per key)."""
-    return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def holder(wf: str, path: str, index: int | None) -> str:
