@@ -8,10 +8,10 @@
 -- ARGV[3]  the lease, ms
 -- ARGV[4]  now, ms ("": the Redis server's clock, one clock for every worker; the model
 --          test passes its own)
--- returns  {"acquired", n}        a slot is this holder's until now + lease; n hold one now
---          {"held", n}            the holder had one already: its lease starts again
---          {"busy", n, first_ms}  n (>= max) hold one: nothing changed but the expired
---                                 leases dropped; the first lease runs out at first_ms
+-- returns  {"acquired", n}         a slot is this holder's until now + lease; n hold one now
+--          {"held", n}             the holder had one already: its lease starts again
+--          {"busy", n, left_ms}    n (>= max) hold one: nothing changed but the expired
+--                                  leases dropped; the first lease runs out in left_ms
 local now = tonumber(ARGV[4])
 if not now then
   local t = redis.call("TIME")
@@ -26,7 +26,7 @@ else
   local n = redis.call("ZCARD", KEYS[1])
   if n >= tonumber(ARGV[2]) then
     local first = redis.call("ZRANGE", KEYS[1], 0, 0, "WITHSCORES")
-    return {"busy", tostring(n), first[2]}
+    return {"busy", tostring(n), tostring(tonumber(first[2]) - now)}
   end
 end
 redis.call("ZADD", KEYS[1], now + lease, ARGV[1])

@@ -431,7 +431,7 @@ class MemoryStore:
             verdict = "held"
         elif len(held) >= most:
             first = min(held.items(), key=lambda pair: (int(pair[1]), pair[0]))
-            return Slot("busy", len(held), int(first[1]))
+            return Slot("busy", len(held), int(first[1]) - now)
         held[holder] = str(now + lease_ms)
         self._leased(key, held, now)
         return Slot(verdict, len(held))

@@ -210,8 +210,8 @@ class RedisStore:
         """Take a slot of a per-key limit (see lua/acquire.lua)."""
         now: str | int = "" if now_ms is None else now_ms
         reply = await self._acquire(keys=[self.keys.limit(key)], args=[holder, most, lease_ms, now])
-        first = int(float(reply[2])) if len(reply) > 2 else None
-        return Slot(reply[0], int(reply[1]), first)
+        left = int(float(reply[2])) if len(reply) > 2 else None
+        return Slot(reply[0], int(reply[1]), left)
 
     async def renew(self, key: str, holder: str, lease_ms: int, now_ms: int | None = None) -> Slot:
         """Start a holder's lease again (see lua/renew.lua)."""

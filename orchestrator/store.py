@@ -80,12 +80,12 @@ class Completion:
 @dataclass(frozen=True, slots=True)
 class Slot:
     """What a per-key limit's script answered: acquired, held, busy (acquire), renewed, lost
-    (renew), released, gone (release); how many hold a slot of the key now; for busy, when
-    the first lease runs out (ms)."""
+    (renew), released, gone (release); how many hold a slot of the key now; for busy, how
+    long the first lease has left (ms, by the Redis server's clock)."""
 
     verdict: Literal["acquired", "held", "busy", "renewed", "lost", "released", "gone"]
     held: int = 0
-    first_ms: int | None = None
+    left_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
