@@ -97,9 +97,7 @@ async def test_at_most_max_tasks_of_a_key_run_at_once_and_another_key_goes_on(
     assert report is not None and report["waiting_for"] == "nothing: it ended completed"
 
 
-async def test_bag_members_and_map_items_hold_their_own_keys(
-    cluster: Router, trace: Trace
-) -> None:
+async def test_bag_members_and_map_items_hold_their_own_keys(cluster: Router, trace: Trace) -> None:
     one = {"key": "'solo'", "max": 1}
     bag = {
         "bag": [

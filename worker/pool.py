@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -33,6 +34,8 @@ from worker.context import TaskContext
 from worker.registry import Registry, UnknownTask
 
 log = logging.getLogger(__name__)
+# A slot not given back within this is left to run out with its lease.
+RELEASE_WAIT_S = 5.0
 
 Report = Next | Failed
 
@@ -152,15 +155,17 @@ class Worker(Service):
             return []
         if limit.waits:
             await self.marks.slot_taken(task.wf, task.path, task.index)
-        lost = asyncio.Event()
-        renewing = asyncio.create_task(self._renew(limit.key, holder, lost))
+        lost, done = asyncio.Event(), asyncio.Event()
+        renewing = asyncio.create_task(self._renew(limit.key, holder, lost, done))
         try:
             return await self.run_tasks([task], redelivered=redelivered, lost=lost, checked=True)
         finally:
-            renewing.cancel()
+            # Stopped between two renewals, never inside one: a Redis call cut short could
+            # leave its connection mid-reply.
+            done.set()
             await asyncio.gather(renewing, return_exceptions=True)
             try:
-                await self.store.release(limit.key, holder)
+                await asyncio.wait_for(self.store.release(limit.key, holder), RELEASE_WAIT_S)
             except Exception as exc:  # its lease runs out instead
                 log.warning("%s: could not release a slot of %r: %r", self.name, limit.key, exc)
 
@@ -177,10 +182,14 @@ class Worker(Service):
         self.counts["waited for a slot"] += 1
         metrics.SLOT_WAITS.labels(metrics.pool_label(self.pool)).inc()
 
-    async def _renew(self, key: str, holder: str, lost: asyncio.Event) -> None:
-        """Renew a lease every third of it; set `lost` when it was dropped (it ran out)."""
+    async def _renew(self, key: str, holder: str, lost: asyncio.Event, done: asyncio.Event) -> None:
+        """Renew a lease every third of it until `done`; set `lost` when it was dropped (it
+        ran out)."""
         while True:
-            await asyncio.sleep(self.settings.key_lease_s / 3)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), self.settings.key_lease_s / 3)
+            if done.is_set():
+                return
             try:
                 slot = await self.store.renew(key, holder, self.lease_ms)
             except UNREACHABLE as exc:  # the next try may still be in time
