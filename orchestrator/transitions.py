@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from orchestrator import machine, metrics
+from orchestrator import limits, machine, metrics
 from orchestrator.backlog import Backlog
 from orchestrator.bus import GOING_ON, NEW, Publisher, ladder_floor_ms
 from orchestrator.delivery import Poison
@@ -24,6 +24,7 @@ from orchestrator.messages import (
     INLINE_BYTES,
     Deadline,
     Failed,
+    KeyLimit,
     Next,
     Signalled,
     Slot,
@@ -108,8 +109,8 @@ def _evaluates(steps: list[machine.Step]) -> bool:
     a thread."""
     return any(
         isinstance(step, Map | Untiloop | Choice)
-        or (isinstance(step, Task) and bool(step.args_from))
-        or (isinstance(step, Bag) and any(member.args_from for member in step.bag))
+        or (isinstance(step, Task) and bool(step.args_from or step.limit))
+        or (isinstance(step, Bag) and any(m.args_from or m.limit for m in step.bag))
         for step in steps
     )
 
@@ -147,13 +148,22 @@ def task_messages(
             return members[i].args
         return {**members[i].args, **leaf.args[i if isinstance(step, Bag) else 0]}
 
+    def limit(i: int) -> KeyLimit | None:  # the slot a member must hold, its key evaluated
+        key = leaf.limits[i] if leaf.limits else None
+        found = members[i].limit
+        return None if key is None or found is None else KeyLimit(key=key, max=found.max)
+
     for pool, ours in by_pool.items():
         bodies = messages[pool] = []
         chunk = 1
         if not isinstance(step, Task) and len(ours) > 1:
             chunk = step.chunk or (chunk_for(pool) if chunk_for else 1)
-        for start in range(0, len(ours), chunk):
-            first, *rest = ours[start : start + chunk]
+        # A member with a limit travels alone: its worker holds one slot for one task.
+        groups = [[i] for i in ours if limit(i) is not None]
+        free = [i for i in ours if limit(i) is None]
+        groups += [free[start : start + chunk] for start in range(0, len(free), chunk)]
+        for group in groups:
+            first, *rest = group
             message = TaskMessage(
                 wf=wf,
                 path=leaf.path,
@@ -181,6 +191,7 @@ def task_messages(
                     for i in rest
                 ],
                 epoch=epoch,
+                limit=limit(first),
             )
             bodies.append(encode(message))
     return messages
@@ -536,6 +547,11 @@ class Transitions:
             if isinstance(computed, machine.Failed):
                 return computed
             leaf = replace(leaf, args=computed)
+            call = (step, leaf.path, plan.input, computed, items, message.index)
+            keys = await asyncio.to_thread(limits.keys_of, *call)  # CEL, as _arguments
+            if isinstance(keys, str):
+                return machine.Failed(keys)
+            leaf = replace(leaf, limits=keys)
             if not prev_ref and (await self._stash(message.wf, plan, leaf)) is None:
                 return "stale"
             by_pool = task_messages(
