@@ -183,14 +183,15 @@ async def test_a_task_that_finds_every_slot_held_goes_back_and_runs_nothing() ->
     for holder in ("a", "b"):
         assert (await store.acquire("k", holder, 2, 30_000)).verdict == "acquired"
     task = TaskMessage(wf="w", path="0", task="t", owner=0, limit=KeyLimit(key="k", max=2))
-    assert await worker._limited(task, redelivered=False) == []
+    # From the pool's share 3: it waits in that share again.
+    assert await worker._limited(task, "parallel.3", redelivered=False) == []
     assert ran == []
     [(pool, body, delay_s)] = bus.later
-    assert pool == "parallel" and delay_s == limits.LIMIT_BACKOFF_S
+    assert pool == "parallel.3" and delay_s == limits.LIMIT_BACKOFF_S
     assert decode_task(body).limit == KeyLimit(key="k", max=2, waits=1)
     # A slot comes free: the task runs, holding it, and gives it back.
     await store.release("k", "a")
-    reports = await worker._limited(decode_task(body), redelivered=False)
+    reports = await worker._limited(decode_task(body), "parallel.3", redelivered=False)
     assert ran == ["w"] and [r.kind for r in reports] == ["next"]
     assert set(await _holders(store, "k")) == {"b"}
 

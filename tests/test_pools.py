@@ -157,7 +157,11 @@ async def test_a_bag_on_a_pool_its_members_overrides_and_their_retries(
 async def test_a_bag_member_waits_for_its_own_pool(cluster: Router, settings: Settings) -> None:
     bag = {"bag": [{"task": "add"}, {"task": "late.whoami", "pool": "late"}, {"task": "add"}]}
     wf = (await cluster.submit({"steps": [bag]})).workflow_id
-    report = await until(lambda: cluster.explain(wf), lambda r: (r["step"] or {}).get("done") == 2)
+    # A quorum queue's message count may lag its publish: wait for both.
+    report = await until(
+        lambda: cluster.explain(wf),
+        lambda r: (r["step"] or {}).get("done") == 2 and (r["pool"] or {}).get("depth") == 1,
+    )
     share = share_of(cluster.validate({"steps": [bag]}))
     queue = f"{settings.prefix}.tasks.{share_pool('late', share)}"
     assert report["step"]["pool"] == "parallel"

@@ -133,7 +133,14 @@ class Worker(Service):
                 await self.marks.lane(task.wf, task.path, task.task, self.pool)
             again = redelivered(delivery)
             if task.limit is not None:  # never batched: one task, one slot
-                reports = await self._limited(task, redelivered=again)
+                # Back to the queue it came from when it waits: its share of the pool.
+                tasks_prefix = self.bus.names.task_queue("")
+                pool = (
+                    source.removeprefix(tasks_prefix)
+                    if source.startswith(tasks_prefix)
+                    else self.pool
+                )
+                reports = await self._limited(task, pool, redelivered=again)
             else:
                 reports = await self.run_tasks(task.split(), redelivered=again)
             for report in reports:
@@ -155,7 +162,7 @@ class Worker(Service):
             return False
         return True
 
-    async def _limited(self, task: TaskMessage, *, redelivered: bool) -> list[Report]:
+    async def _limited(self, task: TaskMessage, pool: str, *, redelivered: bool) -> list[Report]:
         """Run a task with a per-key limit while holding a slot of its key. No free slot: the
         message goes back to its pool through the delay ladder (doubling waits) and this
         worker is free at once. The slot is a lease renewed while the handler runs and given
@@ -168,7 +175,7 @@ class Worker(Service):
         holder = limits.holder(task.wf, task.path, task.index)
         slot = await self.store.acquire(limit.key, holder, limit.max, self.lease_ms)
         if slot.verdict == "busy":
-            await self._wait_for_slot(task, slot.held, slot.left_ms)
+            await self._wait_for_slot(task, pool, slot.held, slot.left_ms)
             return []
         if limit.waits:
             await self.marks.slot_taken(task.wf, task.path, task.index)
@@ -186,7 +193,9 @@ class Worker(Service):
             except Exception as exc:  # its lease runs out instead
                 log.warning("%s: could not release a slot of %r: %r", self.name, limit.key, exc)
 
-    async def _wait_for_slot(self, task: TaskMessage, held: int, left_ms: int | None) -> None:
+    async def _wait_for_slot(
+        self, task: TaskMessage, pool: str, held: int, left_ms: int | None
+    ) -> None:
         """Send the task back to its pool after a backoff (never past the first lease's end,
         so a dead holder's slot is taken up soon after it runs out)."""
         assert task.limit is not None
@@ -194,7 +203,7 @@ class Worker(Service):
         left_s = None if left_ms is None else left_ms / 1000
         later = task.limit.model_copy(update={"waits": min(waits + 1, limits.MAX_WAITS)})
         body = encode(task.model_copy(update={"limit": later}))
-        await self.bus.publish_later(self.pool, body, limits.backoff_s(waits, left_s))
+        await self.bus.publish_later(pool, body, limits.backoff_s(waits, left_s))
         await self.marks.slot_wait(task.wf, task.path, task.index, task.limit, held)
         self.counts["waited for a slot"] += 1
         metrics.SLOT_WAITS.labels(metrics.pool_label(self.pool)).inc()
