@@ -36,6 +36,8 @@ from orchestrator.documents import (  # the documents' names stay importable fro
 
 TASK_NAME = r"^[A-Za-z_][A-Za-z0-9_.:-]{0,127}$"
 MAX_BAG = 1000
+# A program's priority, given at submit: 0 (the default) to MAX_PRIORITY, higher first.
+MAX_PRIORITY = 4
 MAX_SLEEP_S = 30 * 86400
 CHUNK = (
     "members per task message, run side by side by one worker; unset: one per message "

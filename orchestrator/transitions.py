@@ -16,7 +16,7 @@ from typing import Any
 
 from orchestrator import limits, machine, metrics
 from orchestrator.backlog import Backlog
-from orchestrator.bus import GOING_ON, NEW, Publisher, ladder_floor_ms
+from orchestrator.bus import GOING_ON, NEW, Publisher, ladder_floor_ms, task_priority
 from orchestrator.delivery import Poison
 from orchestrator.ending import end_program
 from orchestrator.marks import Marks
@@ -34,6 +34,7 @@ from orchestrator.messages import (
     encode,
 )
 from orchestrator.program import (
+    MAX_PRIORITY,
     Bag,
     Choice,
     Map,
@@ -65,6 +66,8 @@ class Plan:
     evaluates: bool = False
     # Which of a pool's task queues its tasks go to (fair share: orchestrator/shares.py).
     share: int = 0
+    # The program's priority (0..MAX_PRIORITY, given at submit): its tasks' head start.
+    priority: int = 0
 
 
 class Plans:
@@ -93,6 +96,7 @@ class Plans:
             big,
             _evaluates(program.steps),
             share_of(program),
+            _priority(raw.get("priority")),
         )
         self._cache[wf] = plan
         if len(self._cache) > self._size:
@@ -101,6 +105,13 @@ class Plans:
 
     def forget(self, wf: str) -> None:
         self._cache.pop(wf, None)
+
+
+def _priority(value: Any) -> int:
+    """A recorded priority (absent before priorities existed: 0); anything else is no level."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_PRIORITY:
+        return value
+    return 0
 
 
 def _evaluates(steps: list[machine.Step]) -> bool:
@@ -565,8 +576,9 @@ class Transitions:
             )
             delay_s = policy.delay_s(message.attempt)
             await self.marks.failed(message, delay_s)
+            level = task_priority(plan.priority, going_on=True)
             for pool, bodies in by_pool.items():  # one member: one pool, one message
-                await self.bus.publish_later(pool, bodies[0], delay_s)
+                await self.bus.publish_later(pool, bodies[0], delay_s, level)
             return "retried"
         return "stale"
 
@@ -674,8 +686,9 @@ class Transitions:
             by_pool = task_messages(
                 wf, plan, outcome, prev_ref=prev_ref, chunk_for=self.chunk_for, epoch=epoch
             )
+            level = task_priority(plan.priority, going_on=priority == GOING_ON)
             for pool, bodies in by_pool.items():
-                await self.bus.publish_all(pool, bodies, priority)
+                await self.bus.publish_all(pool, bodies, level)
 
     async def _await_signal(
         self, wf: str, plan: Plan, leaf: machine.Leaf, step: Signal, epoch: int

@@ -403,6 +403,7 @@ async def explain(store: Store, bus: Bus | None, wf: str) -> dict[str, Any] | No
         "lane": None,
         "shard": None,
         "waiting_for": "",
+        "priority": _priority(raw_plan),
     }
     if "epoch" in state:  # redriven: this run, and how the earlier ones ended
         report.update(run=as_int(state["epoch"]), runs=redriving.runs(state))
@@ -450,6 +451,12 @@ def _retry_delay(where: Where, task: dict[str, Any]) -> float | None:
 
 def _without_name(pool: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in pool.items() if key != "pool"}
+
+
+def _priority(raw_plan: Any) -> int:
+    """The priority the program was submitted with (recorded only when not 0)."""
+    value = raw_plan.get("priority") if isinstance(raw_plan, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 async def _queue(bus: Bus, name: str) -> dict[str, Any]:
@@ -592,6 +599,8 @@ def explain_text(report: dict[str, Any], now_ms: float | None = None) -> str:
         )
     if report["status"] in TERMINAL and report["error"]:
         lines.append(f"Error: {clean(report['error'], 2000)}")
+    if report.get("priority"):
+        lines.append(f"Priority {report['priority']}: its tasks go before lower ones' in a pool.")
     if report.get("runs"):
         lines.append(f"This is run {report['run']}: it was redriven after the runs below.")
         for run in report["runs"]:

@@ -274,9 +274,16 @@ end""",
     ),
     "slots-to-the-newest-waiter": (
         "worker/fair.py",
-        "_, waiter = self._waiting.popitem(last=False)",
-        "_, waiter = self._waiting.popitem(last=True)",
+        "consumer = next(c for c, (_, p) in self._waiting.items() if p == top)",
+        "consumer = [c for c, (_, p) in self._waiting.items() if p == top][-1]",
         ("tests/test_fair.py::test_a_freed_slot_goes_to_the_queue_that_waited_longest",),
+    ),
+    # Priorities: a freed slot goes to the lowest priority waiting.
+    "slots-to-the-lowest-priority": (
+        "worker/fair.py",
+        "top = max(priority for _, priority in self._waiting.values())",
+        "top = min(priority for _, priority in self._waiting.values())",
+        ("tests/test_fair.py::test_a_freed_slot_goes_to_the_highest_priority_first",),
     ),
 }
 

@@ -34,6 +34,27 @@ async def test_a_freed_slot_goes_to_the_queue_that_waited_longest() -> None:
     assert served == ["slow", "fast", "slow"] and slots.busy == 2
 
 
+async def test_a_freed_slot_goes_to_the_highest_priority_first() -> None:
+    slots = FairSlots(1)
+    await slots.acquire("a")
+    served: list[str] = []
+
+    async def take(consumer: str, priority: int) -> None:
+        await slots.acquire(consumer, priority)
+        served.append(consumer)
+        slots.release()
+
+    waiters = [
+        asyncio.create_task(take(name, priority))
+        for name, priority in [("low", 0), ("high", 9), ("mid", 4), ("high too", 9)]
+    ]
+    await asyncio.sleep(0)
+    slots.release()
+    await asyncio.gather(*waiters)
+    assert served == ["high", "high too", "mid", "low"]  # among equals, who waited first
+    assert slots.busy == 0
+
+
 async def test_a_cancelled_waiter_gives_up_its_place_and_no_slot_leaks() -> None:
     slots = FairSlots(1)
     await slots.acquire("a")

@@ -162,7 +162,9 @@ class _Bus:
     def __init__(self) -> None:
         self.later: list[tuple[str, bytes, float]] = []
 
-    async def publish_later(self, pool: str, body: bytes, delay_s: float) -> None:
+    async def publish_later(
+        self, pool: str, body: bytes, delay_s: float, priority: int = 1
+    ) -> None:
         self.later.append((pool, body, delay_s))
 
 

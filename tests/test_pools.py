@@ -13,7 +13,7 @@ import aio_pika
 import pytest
 
 from orchestrator import metrics
-from orchestrator.bus import Bus
+from orchestrator.bus import TASK_MAX_PRIORITY, Bus
 from orchestrator.connections import connected
 from orchestrator.program import ProgramError
 from orchestrator.settings import Settings
@@ -108,7 +108,7 @@ async def test_a_task_on_a_named_pool_waits_for_its_worker_then_completes(
     # The owner declared the queue as the parallel pool's: the same arguments declare again.
     bus = cluster.bus
     assert isinstance(bus, Bus)
-    arguments = bus._queue_arguments(prioritized=True)
+    arguments = bus._queue_arguments(max_priority=TASK_MAX_PRIORITY)
     connection = await aio_pika.connect(settings.amqp_url)
     async with connection:
         channel = await connection.channel()

@@ -133,7 +133,9 @@ class Transport:
             self._count()
             self._keep(self._task(body, retry=False, pool=pool))
 
-    async def publish_later(self, pool: str, body: bytes, delay_s: float) -> None:
+    async def publish_later(
+        self, pool: str, body: bytes, delay_s: float, priority: int = 1
+    ) -> None:
         assert delay_s >= 0, delay_s
         self._count()
         self._keep(self._task(body, retry=True, pool=pool), delayed=True)

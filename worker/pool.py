@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from orchestrator import limits, logs, metrics
-from orchestrator.bus import Transport
+from orchestrator.bus import GOING_ON, Transport
 from orchestrator.delivery import UNREACHABLE, Delivery, Poison, process, redelivered
 from orchestrator.lifecycle import Service, format_counts
 from orchestrator.marks import Marks
@@ -121,7 +121,7 @@ class Worker(Service):
             lambda: self.bus.consume_pool(pool, share), self.bus.stop_consuming
         )
         async for message in messages:
-            await self.slots.acquire(pool)
+            await self.slots.acquire(pool, message.priority or 0)
             task = self._spawn(self.handle(message, queue))
             task.add_done_callback(lambda _: self.slots.release())
 
@@ -140,7 +140,9 @@ class Worker(Service):
                     if source.startswith(tasks_prefix)
                     else self.pool
                 )
-                reports = await self._limited(task, pool, redelivered=again)
+                reports = await self._limited(
+                    task, pool, redelivered=again, priority=delivery.priority
+                )
             else:
                 reports = await self.run_tasks(task.split(), redelivered=again)
             for report in reports:
@@ -162,7 +164,9 @@ class Worker(Service):
             return False
         return True
 
-    async def _limited(self, task: TaskMessage, pool: str, *, redelivered: bool) -> list[Report]:
+    async def _limited(
+        self, task: TaskMessage, pool: str, *, redelivered: bool, priority: int | None = None
+    ) -> list[Report]:
         """Run a task with a per-key limit while holding a slot of its key. No free slot: the
         message goes back to its pool through the delay ladder (doubling waits) and this
         worker is free at once. The slot is a lease renewed while the handler runs and given
@@ -175,7 +179,7 @@ class Worker(Service):
         holder = limits.holder(task.wf, task.path, task.index)
         slot = await self.store.acquire(limit.key, holder, limit.max, self.lease_ms)
         if slot.verdict == "busy":
-            await self._wait_for_slot(task, pool, slot.held, slot.left_ms)
+            await self._wait_for_slot(task, pool, slot.held, slot.left_ms, priority)
             return []
         if limit.waits:
             await self.marks.slot_taken(task.wf, task.path, task.index)
@@ -194,7 +198,7 @@ class Worker(Service):
                 log.warning("%s: could not release a slot of %r: %r", self.name, limit.key, exc)
 
     async def _wait_for_slot(
-        self, task: TaskMessage, pool: str, held: int, left_ms: int | None
+        self, task: TaskMessage, pool: str, held: int, left_ms: int | None, priority: int | None
     ) -> None:
         """Send the task back to its pool after a backoff (never past the first lease's end,
         so a dead holder's slot is taken up soon after it runs out)."""
@@ -203,7 +207,9 @@ class Worker(Service):
         left_s = None if left_ms is None else left_ms / 1000
         later = task.limit.model_copy(update={"waits": min(waits + 1, limits.MAX_WAITS)})
         body = encode(task.model_copy(update={"limit": later}))
-        await self.bus.publish_later(pool, body, limits.backoff_s(waits, left_s))
+        # It keeps its priority (the program's level) while it waits.
+        level = GOING_ON if priority is None else priority
+        await self.bus.publish_later(pool, body, limits.backoff_s(waits, left_s), level)
         await self.marks.slot_wait(task.wf, task.path, task.index, task.limit, held)
         self.counts["waited for a slot"] += 1
         metrics.SLOT_WAITS.labels(metrics.pool_label(self.pool)).inc()
