@@ -214,7 +214,8 @@ async def test_a_named_lane_runs_one_task_at_a_time_beside_the_serial_lane(
             assert (await cluster.wait(wf, timeout_s=30))["status"] == "completed"
     if report["status"] == "running":
         assert report["step"]["pool"] == "serial-billing"
-        assert "Lane serial-billing: held by this program" in explain_text(report)
+        # Held by whichever billing program's task started first: their shards race.
+        assert "Lane serial-billing: held by" in explain_text(report)
     events = [e for e in trace.events() if e["wf"] in ids]
     running = 0
     for event in sorted(events, key=lambda e: e["seq"]):  # never two billing tasks at once
