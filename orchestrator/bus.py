@@ -42,11 +42,8 @@ MAX_DELAY_MS = 30 * 86400 * 1000
 CONSUME_ATTEMPTS = 5
 CONSUME_BACKOFF_S = 0.5
 RECONNECT_WAIT_S = 60.0
-_CONSUME_RACE = (
-    aiormq.exceptions.ConnectionInternalError,
-    aiormq.exceptions.ChannelInvalidStateError,
-    aiormq.exceptions.AMQPConnectionError,
-)
+# A lost connection (INTERNAL_ERROR, a ConnectionInternalError, is one) or a closed channel.
+_CONSUME_RACE = (aiormq.exceptions.AMQPConnectionError, aiormq.exceptions.ChannelInvalidStateError)
 
 
 def ladder_ms(delay_s: float) -> int:
