@@ -50,6 +50,7 @@ from bench.services import AMQP, drop_vhost, vhost  # noqa: E402
 from orchestrator.connections import connected  # noqa: E402
 from orchestrator.keys import Names  # noqa: E402
 from orchestrator.settings import Settings  # noqa: E402
+from orchestrator.shares import share_pools  # noqa: E402
 from router.client import Router  # noqa: E402
 
 
@@ -217,8 +218,9 @@ class Shardflow:
         owners = {f"orchestrator {i} (shards {','.join(map(str, group))})": process.pid
                   for i, (process, group) in enumerate(zip(self.orchestrators, self.shards,
                                                            strict=True))}  # fmt: skip
-        queues = {f"shard {shard}": names.shard_queue(shard) for shard in range(SHARDS)}
-        queues["tasks.parallel"] = names.task_queue("parallel")
+        queues = {f"shard {shard}": [names.shard_queue(shard)] for shard in range(SHARDS)}
+        # Every share of the parallel pool (orchestrator/shares.py), summed.
+        queues["tasks.parallel"] = [names.task_queue(pool) for pool in share_pools("parallel")]
         shares: dict[str, list[float]] = {key: [] for key in owners}
         depths: dict[str, list[float]] = {key: [] for key in queues}
         async with await aio_pika.connect(self.settings.amqp_url) as connection:
@@ -235,9 +237,12 @@ class Shardflow:
                     shares[key].append((used - last[key]) / (now - then))
                     last[key] = used
                 then = now
-                for key, name in queues.items():
-                    queue = await channel.declare_queue(name, passive=True)
-                    depths[key].append(queue.declaration_result.message_count or 0)
+                for key, group in queues.items():
+                    depth = 0
+                    for name in group:
+                        queue = await channel.declare_queue(name, passive=True)
+                        depth += queue.declaration_result.message_count or 0
+                    depths[key].append(depth)
         return {"every_s": every_s, "owner_cpu_share": summary(shares),
                 "queue_depth": summary(depths)}  # fmt: skip
 

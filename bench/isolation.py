@@ -6,7 +6,7 @@ parallel pool, submitted at a steady rate. Slow programs: one task that sleeps S
 Three runs in one process: no burst (the baseline), a burst that fills half the parallel
 pool, and a burst twice the pool (there fast programs must queue: the pools' capacity).
 
-    .venv/bin/python bench/isolation.py [--concurrency 32] [--fast 300] [--rate 60]
+    .venv/bin/python bench/isolation.py [--concurrency 32] [--fast 300] [--rate 60] [--fair-share F]
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.services import drop_keys, drop_vhost, machine, vhost  # noqa: E402
 from orchestrator.connections import connected  # noqa: E402
+from orchestrator.program import parse_program  # noqa: E402
 from orchestrator.settings import Settings  # noqa: E402
+from orchestrator.shares import share_of  # noqa: E402
 from router.client import Router  # noqa: E402
 from shardflow.dev import Dev  # noqa: E402
 from worker.registry import Registry  # noqa: E402
@@ -63,9 +65,17 @@ async def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--fast", type=int, default=300)
     parser.add_argument("--rate", type=float, default=60.0)
+    parser.add_argument(
+        "--fair-share", type=float, default=Settings().fair_share,
+        help="SHARDFLOW_FAIR_SHARE: the most of a worker's slots one kind of program holds "
+        "(1: no reserve)",
+    )  # fmt: skip
     args = parser.parse_args()
     settings = Settings(
-        amqp_url=vhost("shardflow-isolation"), prefix=f"bench{uuid.uuid4().hex[:6]}", shards=4
+        amqp_url=vhost("shardflow-isolation"),
+        prefix=f"bench{uuid.uuid4().hex[:6]}",
+        shards=4,
+        fair_share=args.fair_share,
     )
     registry = Registry.from_modules(["tests.app"])
     results: dict[str, Any] = {}
@@ -104,13 +114,17 @@ async def main() -> None:
         "machine": machine(),
         "command": "python bench/isolation.py " + " ".join(sys.argv[1:]),
         "parallel_concurrency": args.concurrency,
+        "fair_share": args.fair_share,
+        # Which of the pool's queues each kind goes to: the same one would share its slots.
+        "shares": {"fast": share_of(parse_program(FAST)), "slow": share_of(parse_program(SLOW))},
         "fast_programs": args.fast,
         "rate_per_s": args.rate,
         "slow_task_s": SLOW_S,
         "scenarios": results,
         "ratios": ratios,
     }
-    out = ROOT / "bench" / "results" / f"isolation-{report['date']}.json"
+    stamp = "" if args.fair_share == Settings().fair_share else f"-share{args.fair_share}"
+    out = ROOT / "bench" / "results" / f"isolation-{report['date']}{stamp}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"{'scenario':32} {'slow':>5} {'p50 ms':>8} {'p99 ms':>8}")
     for name, r in results.items():

@@ -21,7 +21,7 @@ from aio_pika.abc import (
 )
 
 from orchestrator.keys import Names
-from orchestrator.program import PARALLEL, SERIAL, is_lane
+from orchestrator.program import MAX_PRIORITY, PARALLEL, SERIAL, is_lane
 from orchestrator.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,14 @@ POOLS = (SERIAL, PARALLEL)
 # Message priorities on classic queues: work that continues a started program goes before
 # work that starts a new one, so programs already running finish first.
 NEW, GOING_ON = 0, 1
+# Task queues also order by the program's priority (0..MAX_PRIORITY), above that head start.
+TASK_MAX_PRIORITY = 2 * MAX_PRIORITY + GOING_ON
+
+
+def task_priority(program_priority: int, going_on: bool) -> int:
+    """A task message's priority: the program's level first, then the head start of work
+    that continues a started program."""
+    return 2 * program_priority + (GOING_ON if going_on else NEW)
 
 
 # Delays are rounded up to these steps per decade (at most +22%): 1, 1.2, 1.5 ... 8.2 ms,
@@ -87,7 +95,9 @@ class Publisher(Protocol):
         self, pool: str, bodies: list[bytes], priority: int = GOING_ON
     ) -> None: ...
 
-    async def publish_later(self, pool: str, body: bytes, delay_s: float) -> None: ...
+    async def publish_later(
+        self, pool: str, body: bytes, delay_s: float, priority: int = GOING_ON
+    ) -> None: ...
 
     async def publish_to_shard_later(self, owner: int, body: bytes, delay_s: float) -> None: ...
 
@@ -111,6 +121,8 @@ class Consumer(Protocol):
 
     async def consume_control(self) -> AbstractQueueIterator: ...
 
+    async def stop_consuming(self, iterator: AbstractQueueIterator) -> None: ...
+
 
 class Transport(Publisher, Consumer, Protocol):
     """Publishing and consuming: everything a worker uses of the broker."""
@@ -128,6 +140,8 @@ class Bus:
         self._shard_exchange: AbstractExchange | None = None
         self._delay_queues: set[str] = set()
         self._pools: set[str] = set()  # task queues declared on this connection
+        self._consumer_channels: dict[AbstractQueueIterator, AbstractChannel] = {}
+        self._task_arguments: dict[str, dict[str, Any]] = {}  # by task queue, once checked
 
     async def connect(self) -> None:
         """Connect and declare the whole topology (idempotent; replayed after a reconnect)."""
@@ -182,13 +196,38 @@ class Bus:
 
     async def _declare_pool(self, channel: AbstractChannel, pool: str) -> AbstractQueue:
         """A pool's task queue: a serial lane's has a single active consumer, any other many."""
-        queue = await channel.declare_queue(
-            self.names.task_queue(pool),
-            durable=True,
-            arguments=self._queue_arguments(single_active=is_lane(pool), prioritized=True),
-        )
+        name = self.names.task_queue(pool)
+        arguments = self._task_arguments.get(name)
+        if arguments is None:
+            arguments = await self._task_queue_arguments(name, is_lane(pool))
+        queue = await channel.declare_queue(name, durable=True, arguments=arguments)
         self._pools.add(pool)
         return queue
+
+    async def _task_queue_arguments(self, name: str, lane: bool) -> dict[str, Any]:
+        """A task queue's arguments, with TASK_MAX_PRIORITY levels; a classic queue declared
+        by an older version has fewer (2): tried first on a channel of its own (a refusal
+        closes it), that queue keeps its levels and the program's priority is lost there
+        until it is drained and deleted, said once in the log."""
+        arguments = self._queue_arguments(single_active=lane, max_priority=TASK_MAX_PRIORITY)
+        if "x-max-priority" in arguments:
+            probe = await self._consumer_channel()
+            try:
+                await probe.declare_queue(name, durable=True, arguments=arguments)
+            except aio_pika.exceptions.ChannelPreconditionFailed as exc:
+                if "x-max-priority" not in str(exc):
+                    raise
+                log.warning(
+                    "%s was declared by an older shardflow with 2 priority levels: program "
+                    "priorities are ignored there until it is drained and deleted",
+                    name,
+                )
+                arguments = {**arguments, "x-max-priority": GOING_ON}
+            finally:
+                with contextlib.suppress(Exception):
+                    await probe.close()
+        self._task_arguments[name] = arguments
+        return arguments
 
     async def _ensure_pool(self, pool: str) -> None:
         # A message published to a queue that does not exist is returned (mandatory), and a
@@ -201,7 +240,7 @@ class Bus:
         queue = await channel.declare_queue(
             self.names.shard_queue(shard),
             durable=True,
-            arguments=self._queue_arguments(single_active=True, prioritized=True),
+            arguments=self._queue_arguments(single_active=True, max_priority=GOING_ON),
         )
         await queue.bind(self.names.orchestrator_exchange, routing_key=str(shard))
         return queue
@@ -223,11 +262,11 @@ class Bus:
         return result.message_count or 0, result.consumer_count or 0
 
     def _queue_arguments(
-        self, *, single_active: bool = False, dead_letter: bool = True, prioritized: bool = False
+        self, *, single_active: bool = False, dead_letter: bool = True, max_priority: int = 0
     ) -> dict[str, Any]:
         arguments: dict[str, Any] = {}
-        if prioritized and self.settings.queue_type == "classic":
-            arguments["x-max-priority"] = GOING_ON  # quorum queues have no priorities
+        if max_priority and self.settings.queue_type == "classic":
+            arguments["x-max-priority"] = max_priority  # quorum queues have no priorities
         if single_active:
             arguments["x-single-active-consumer"] = True
         if dead_letter:
@@ -273,11 +312,14 @@ class Bus:
             *(exchange.publish(_message(body, priority=priority), queue) for body in bodies)
         )
 
-    async def publish_later(self, pool: str, body: bytes, delay_s: float) -> None:
+    async def publish_later(
+        self, pool: str, body: bytes, delay_s: float, priority: int = GOING_ON
+    ) -> None:
         """Publish a task after `delay_s`, through a TTL queue that dead-letters to the pool
-        (declared first: a dead-lettered message for a missing queue is dropped)."""
+        (declared first: a dead-lettered message for a missing queue is dropped); it keeps
+        its `priority` there."""
         await self._ensure_pool(pool)
-        await self._publish_delayed(pool, "", self.names.task_queue(pool), body, delay_s)
+        await self._publish_delayed(pool, "", self.names.task_queue(pool), body, delay_s, priority)
 
     async def publish_to_shard_later(self, owner: int, body: bytes, delay_s: float) -> None:
         """Publish to the owner shard after `delay_s` (a program's deadline)."""
@@ -285,7 +327,13 @@ class Bus:
         await self._publish_delayed(f"shard{owner}", exchange, str(owner), body, delay_s)
 
     async def _publish_delayed(
-        self, target: str, exchange: str, routing_key: str, body: bytes, delay_s: float
+        self,
+        target: str,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        delay_s: float,
+        priority: int = GOING_ON,
     ) -> None:
         # One queue per delay: per-queue TTLs expire in order, per-message ones would not. The
         # delay is rounded up to a fixed ladder, so the queues are few and bounded.
@@ -301,7 +349,8 @@ class Bus:
                 arguments["x-queue-type"] = "quorum"
             await self._channel.declare_queue(name, durable=True, arguments=arguments)
             self._delay_queues.add(name)
-        await self._channel.default_exchange.publish(_message(body), routing_key=name)
+        message = _message(body, priority=priority)
+        await self._channel.default_exchange.publish(message, routing_key=name)
 
     async def reply(self, to: str, correlation_id: str | None, body: bytes) -> None:
         """Answer an RPC-style request on its reply queue (nobody listening is fine)."""
@@ -320,7 +369,9 @@ class Bus:
         channel = await self._consumer_channel()
         queue = await channel.declare_queue(exclusive=True, auto_delete=True)
         await queue.bind(self.names.control_exchange)
-        return queue.iterator(no_ack=True)
+        iterator = queue.iterator(no_ack=True)
+        self._consumer_channels[iterator] = channel
+        return iterator
 
     async def requeue(
         self, queue: str, body: bytes, headers: dict[str, Any], priority: int | None
@@ -381,6 +432,7 @@ class Bus:
             try:
                 iterator = (await queue_of(channel)).iterator()
                 await iterator.consume()
+                self._consumer_channels[iterator] = channel
                 return iterator
             except _CONSUME_RACE as exc:
                 if attempt == CONSUME_ATTEMPTS:
@@ -392,6 +444,16 @@ class Bus:
                 assert self._connection is not None
                 await asyncio.wait_for(self._connection.connected.wait(), RECONNECT_WAIT_S)
         raise AssertionError("unreachable")
+
+    async def stop_consuming(self, iterator: AbstractQueueIterator) -> None:
+        """Stop a consumer for good, closing its channel too: a robust channel left open would
+        start the consumer again after a reconnect, holding messages nobody reads."""
+        channel = self._consumer_channels.pop(iterator, None)
+        with contextlib.suppress(Exception):
+            await iterator.close()
+        if channel is not None:
+            with contextlib.suppress(Exception):
+                await channel.close()
 
     async def _consumer_channel(self, prefetch: int = 0) -> AbstractChannel:
         if self._connection is None:

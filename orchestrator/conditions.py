@@ -49,6 +49,9 @@ import cel
 from orchestrator.evaluator import EVALUATOR, EvaluatorError
 
 VARIABLES = frozenset({"input", "prev", "iteration", "steps"})
+# A per-key limit's key (`limit.key`) reads only what its task message carries: the input, the
+# task's args (with what args_from gave) and a map member's item.
+KEY_VARIABLES = frozenset({"input", "args", "item"})
 MAX_SOURCE_CHARS = 1000
 MAX_NESTING = 32
 MAX_COMPREHENSION_NESTING = 3
@@ -79,8 +82,9 @@ class ConditionError(ValueError):
 
 
 @lru_cache(maxsize=512)
-def compile_condition(source: str) -> cel.Program:
-    """Compile once; raise ConditionError naming what is wrong."""
+def compile_condition(source: str, variables: frozenset[str] = VARIABLES) -> cel.Program:
+    """Compile once; raise ConditionError naming what is wrong (`variables`: the names it may
+    read)."""
     if len(source) > MAX_SOURCE_CHARS:
         raise ConditionError(f"{len(source)} characters, more than the limit of {MAX_SOURCE_CHARS}")
     bound = _scan(source)  # names bound by comprehensions (`x` in `prev.all(x, x > 1)`)
@@ -89,10 +93,10 @@ def compile_condition(source: str) -> cel.Program:
         program = cel.compile(source)
     except ValueError as exc:
         raise ConditionError(_one_line(str(exc), source)) from None
-    unknown = sorted(set(program.variables()) - VARIABLES - _TYPES - bound)
+    unknown = sorted(set(program.variables()) - variables - _TYPES - bound)
     if unknown:
         raise ConditionError(
-            f"unknown variable {_names(unknown)}; use {', '.join(sorted(VARIABLES))}"
+            f"unknown variable {_names(unknown)}; use {', '.join(sorted(variables))}"
         )
     functions = [name for name in program.functions() if name[0].isalpha() or name[0] == "_"]
     unknown = sorted(name for name in set(functions) - _FUNCTIONS if not _is_operator(name))
@@ -143,10 +147,14 @@ def evaluate(
 
 
 def _run(
-    source: str, context: dict[str, Any], budget_s: float | None, extra: dict[str, Any]
+    source: str,
+    context: dict[str, Any],
+    budget_s: float | None,
+    extra: dict[str, Any],
+    variables: frozenset[str] = VARIABLES,
 ) -> dict[str, Any]:
     """One evaluation in the evaluator process: its reply, or ConditionError."""
-    compile_condition(source)
+    compile_condition(source, variables)
     budget = BUDGET_S if budget_s is None else budget_s
     try:
         request = json.dumps({"source": source, "context": context, "budget_s": budget, **extra})
@@ -212,6 +220,29 @@ def evaluate_value(
     if "too_large" in reply:
         raise ConditionError(f"gave {reply['too_large']} bytes, over {max_bytes}")
     return _raise_error(reply, source)
+
+
+def evaluate_key(
+    source: str, *, input: Any, args: Any, item: Any, max_chars: int, budget_s: float | None = None
+) -> str:
+    """Evaluate a per-key limit's key (`limit.key`, over input, args and item): a non-empty
+    string of at most `max_chars` characters, within the budget (as `evaluate`);
+    ConditionError naming the fault."""
+    context = {"input": input, "args": args, "item": item}
+    # Bytes bound the reply before it is decoded: a string of max_chars is at most 6 bytes of
+    # JSON a character (a control character's escape), plus its quotes.
+    reply = _run(source, context, budget_s, {"max_value_bytes": 6 * max_chars + 2}, KEY_VARIABLES)
+    if "too_large" in reply:
+        raise ConditionError(f"gave a value of {reply['too_large']} bytes, not a key")
+    if "json" not in reply:
+        return _raise_error(reply, source)
+    value = json.loads(reply["json"])
+    if not isinstance(value, str):
+        kind = "null" if value is None else type(value).__name__
+        raise ConditionError(f"gave {kind} {_cut(reply['json'])}, not a string")
+    if not value or len(value) > max_chars:
+        raise ConditionError(f"gave a key of {len(value)} characters: from 1 to {max_chars}")
+    return value
 
 
 async def evaluate_async(

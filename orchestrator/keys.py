@@ -6,6 +6,7 @@ one Redis Cluster slot and every Lua script stays cluster-safe.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
@@ -93,6 +94,18 @@ class Keys:
     def lane(self, pool: str) -> str:
         """The same for any serial lane (`serial`, `serial-<name>`)."""
         return f"{self.prefix}:lane:{pool}"
+
+    def limit(self, key: str) -> str:
+        """The holders of a per-key limit's slots (sorted set: holder -> lease expiry ms).
+        Named by the key's digest: any characters, and a hash tag of its own (one Redis
+        Cluster slot per key, apart from every program's)."""
+        digest = hashlib.sha256(key.encode()).hexdigest()[:32]
+        return f"{self.prefix}:limit:{{{digest}}}"
+
+    def limit_waits(self, wf: str) -> str:
+        """Tasks of the program that found no free slot, for `explain`: `<path>[/bag:<i>]` ->
+        JSON `{"key", "max", "held", "since_ms"}`; removed when the task gets a slot."""
+        return f"{self.prefix}:{{{wf}}}:limits"
 
     def shard_owner(self, shard: int) -> str:
         """`<host>/<pid> <ms>` of the process that last handled a message of the shard."""

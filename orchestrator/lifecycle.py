@@ -6,12 +6,18 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
-from aio_pika.abc import AbstractQueueIterator
+from aio_pika.abc import AbstractIncomingMessage, AbstractQueueIterator
+from aiormq.exceptions import ChannelInvalidStateError
 
 log = logging.getLogger(__name__)
+
+# The pause before a consumer that failed under a broker restart starts again.
+RECONSUME_S = 1.0
+# A lost connection (aiormq's errors are OSErrors), as a consumer sees it.
+_LOST = (OSError, ChannelInvalidStateError)
 
 
 def raise_if_cancelled() -> None:
@@ -31,8 +37,8 @@ def format_counts(counts: Counter[str]) -> str:
 class Service:
     """Consumer loops that stop taking work on shutdown, get a grace period, then are cancelled.
 
-    Subclasses implement `_start()`, returning the loops to run; each loop registers its queue
-    iterator with `_track()` so shutdown can cancel the consumer first.
+    Subclasses implement `_start()`, returning the loops to run; each loop reads its queue
+    through `_messages()`, so shutdown can cancel the consumer first.
     """
 
     name = "service"
@@ -40,15 +46,36 @@ class Service:
     def __init__(self, grace_s: float) -> None:
         self.grace_s = grace_s
         self._stop = asyncio.Event()
-        self._iterators: list[AbstractQueueIterator] = []
+        self._iterators: set[AbstractQueueIterator] = set()
         self._in_flight: set[asyncio.Task[Any]] = set()
 
     async def _start(self) -> list[Coroutine[Any, Any, None]]:
         raise NotImplementedError
 
-    def _track(self, iterator: AbstractQueueIterator) -> AbstractQueueIterator:
-        self._iterators.append(iterator)
-        return iterator
+    async def _messages(
+        self,
+        start: Callable[[], Awaitable[AbstractQueueIterator]],
+        stop: Callable[[AbstractQueueIterator], Awaitable[None]],
+    ) -> AsyncIterator[AbstractIncomingMessage]:
+        """The messages of a consumer that `start` opens, until shutdown. aio-pika's robust
+        iterator consumes again after a reconnect, but one whose channel closed as the broker
+        went down may end or raise instead: then `stop` it (its channel too) and start again."""
+        while True:
+            iterator = await start()
+            self._iterators.add(iterator)
+            try:
+                async for message in iterator:
+                    yield message
+                if self._stop.is_set():
+                    return
+                log.warning("%s: a consumer ended under us; consuming again", self.name)
+            except _LOST as exc:
+                log.warning("%s: a consumer failed (%r); consuming again", self.name, exc)
+            finally:
+                self._iterators.discard(iterator)
+            await stop(iterator)
+            raise_if_cancelled()
+            await asyncio.sleep(RECONSUME_S)
 
     def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run one message's work beside the loop; held until done, awaited on stop.
@@ -88,7 +115,7 @@ class Service:
             for loop in loops:
                 loop.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
-            for iterator in self._iterators:
+            for iterator in list(self._iterators):
                 with contextlib.suppress(Exception):
                     await iterator.close()
             pending = list(self._in_flight)

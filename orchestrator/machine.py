@@ -21,6 +21,7 @@ from orchestrator.conditions import (
     evaluate_value,
     quote,
 )
+from orchestrator.limits import keys_of
 from orchestrator.program import Bag, Choice, Map, Program, Signal, Sleep, Task, Untiloop
 
 Step = Task | Bag | Map | Sleep | Signal | Untiloop | Choice
@@ -55,6 +56,8 @@ class Leaf:
     items: tuple[Any, ...] | None = None
     args: tuple[dict[str, Any], ...] = ()
     refs: tuple[tuple[str, str], ...] = ()
+    # The key of each member's per-key limit (None: it has none; (): no member has one).
+    limits: tuple[str | None, ...] = ()
 
     @property
     def size(self) -> int | None:
@@ -366,7 +369,10 @@ def _descend(
     too_large = _args_too_large(path, args)
     if too_large is not None:
         return too_large
-    return Leaf(path=path, step=step, prev=prev, iteration=iteration, args=args)
+    limits = keys_of(step, path, walk.input, args, None)
+    if isinstance(limits, str):
+        return Failed(limits)
+    return Leaf(path=path, step=step, prev=prev, iteration=iteration, args=args, limits=limits)
 
 
 def _chosen(step: Choice, path: str, prev: Any, iteration: int, walk: _Walk) -> Outcome:
@@ -431,7 +437,11 @@ def _mapped(
     too_large = _args_too_large(path, args, len(items))
     if too_large is not None:
         return too_large
-    return Leaf(path=path, step=step, prev=prev, iteration=iteration, items=tuple(items), args=args)
+    limits = keys_of(step, path, walk.input, args, items)
+    if isinstance(limits, str):
+        return Failed(limits)
+    found = tuple(items)
+    return Leaf(path, step, prev, iteration, items=found, args=args, limits=limits)
 
 
 def _split(path: str) -> list[str]:

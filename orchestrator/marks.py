@@ -21,7 +21,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from orchestrator.bus import ladder_ms
-from orchestrator.messages import Failed
+from orchestrator.messages import Failed, KeyLimit
 from orchestrator.redis_store import RedisStore
 from orchestrator.store import Store
 
@@ -102,6 +102,29 @@ class Marks:
         status = await self._client.hget(self.keys.state(wf), "status")  # type: ignore[misc]
         if status not in ("pending", "running") and self._retention_ms > 0:
             await self._client.pexpire(key, self._retention_ms)
+
+    async def slot_wait(
+        self, wf: str, path: str, index: int | None, limit: KeyLimit, held: int
+    ) -> None:
+        """A task found every slot of its key held and waits (best effort, as every mark)."""
+        if self._client is None:
+            return
+        key = self.keys.limit_waits(wf)
+        value = {"key": limit.key, "max": limit.max, "held": held, "waits": limit.waits + 1}
+        with contextlib.suppress(RedisError, OSError):
+            async with self._client.pipeline(transaction=False) as pipe:  # the wf's slot
+                pipe.hset(key, attempt_field(path, index), json.dumps({**value, "at_ms": now_ms()}))
+                pipe.sadd(self.keys.registry(wf), key)
+                await pipe.execute()
+            status = await self._client.hget(self.keys.state(wf), "status")  # type: ignore[misc]
+            if status not in ("pending", "running") and self._retention_ms > 0:
+                await self._client.pexpire(key, self._retention_ms)  # ended just now
+
+    async def slot_taken(self, wf: str, path: str, index: int | None) -> None:
+        """A task that waited got its slot: no longer waiting."""
+        if self._client is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await self._client.hdel(self.keys.limit_waits(wf), attempt_field(path, index))  # type: ignore[misc]
 
     async def lane(self, wf: str, path: str, task: str, pool: str = "serial") -> None:
         """A serial lane runs this task now (best effort: a mark never stops a task)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from orchestrator.keys import Keys
 from orchestrator.store import (
@@ -24,6 +24,7 @@ from orchestrator.store import (
     Ended,
     Recorded,
     Redriven,
+    Slot,
     Stored,
     Verdict,
 )
@@ -403,6 +404,56 @@ class MemoryStore:
         self._drop_if_empty(self.keys.signals(wf, name))
         self._register(wf, self.keys.output(wf, path))
         return "taken"
+
+    # --- per-key limits: a sorted set kept as holder -> expiry ms (str) ----------------------
+
+    def _holders(self, key: str) -> dict[str, str]:
+        return self._hash(self.keys.limit(key))
+
+    def _leased(self, key: str, held: dict[str, str], now: int) -> None:
+        """The key expires with its last lease (PEXPIRE), or is gone with its last holder."""
+        name = self.keys.limit(key)
+        if held:
+            self.ttl[name] = max(int(score) for score in held.values()) - now
+        else:
+            self._delete(name)
+
+    async def acquire(
+        self, key: str, holder: str, most: int, lease_ms: int, now_ms: int | None = None
+    ) -> Slot:
+        """lua/acquire.lua"""
+        now = int(self._clock()) if now_ms is None else now_ms
+        held = self._holders(key)
+        for name in [name for name, score in held.items() if int(score) <= now]:
+            del held[name]  # run out: the slot is free again
+        verdict: Literal["acquired", "held"] = "acquired"
+        if holder in held:
+            verdict = "held"
+        elif len(held) >= most:
+            first = min(held.items(), key=lambda pair: (int(pair[1]), pair[0]))
+            return Slot("busy", len(held), int(first[1]) - now)
+        held[holder] = str(now + lease_ms)
+        self._leased(key, held, now)
+        return Slot(verdict, len(held))
+
+    async def renew(self, key: str, holder: str, lease_ms: int, now_ms: int | None = None) -> Slot:
+        """lua/renew.lua"""
+        now = int(self._clock()) if now_ms is None else now_ms
+        held = self._holders(key)
+        if holder not in held:
+            self._drop_if_empty(self.keys.limit(key))
+            return Slot("lost")
+        held[holder] = str(now + lease_ms)
+        self._leased(key, held, now)
+        return Slot("renewed")
+
+    async def release(self, key: str, holder: str) -> Slot:
+        """lua/release.lua"""
+        held = self._holders(key)
+        removed = held.pop(holder, None) is not None
+        if not held:
+            self._delete(self.keys.limit(key))
+        return Slot("released" if removed else "gone", len(held))
 
     async def purge(self, wf: str, statuses: str, ended_before_ms: int) -> str:
         """lua/purge.lua"""

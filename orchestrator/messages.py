@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from orchestrator.delivery import Poison, first_error
 from orchestrator.keys import WORKFLOW_ID
-from orchestrator.program import MAX_BAG, SIGNAL_NAME, TASK_NAME
+from orchestrator.program import MAX_BAG, MAX_LIMIT, MAX_LIMIT_KEY_CHARS, SIGNAL_NAME, TASK_NAME
 from orchestrator.settings import MAX_SHARDS
 from orchestrator.store import MAX_ATTEMPTS
 
@@ -145,6 +145,15 @@ class Slot(_Message):
     item: Any = None
 
 
+class KeyLimit(_Message):
+    """A task's per-key limit, its key evaluated by the owner; `waits`: how often it found no
+    free slot (its next wait doubles)."""
+
+    key: str = Field(min_length=1, max_length=MAX_LIMIT_KEY_CHARS)
+    max: int = Field(ge=1, le=MAX_LIMIT)
+    waits: int = Field(default=0, ge=0, le=1_000_000)
+
+
 class TaskMessage(_Message):
     """Owner shard to a pool: run one task (and the bag members in `batch`); report to `owner`."""
 
@@ -168,12 +177,16 @@ class TaskMessage(_Message):
     batch: list[Slot] = Field(default_factory=list, max_length=MAX_BAG)
     # The program's run (0 until it is redriven): a task of an earlier run is stale.
     epoch: Epoch = 0
+    # Run only while holding a slot of this key (a task with a limit travels alone).
+    limit: KeyLimit | None = None
 
     @model_validator(mode="after")
     def _members_in_bag(self) -> TaskMessage:
         indices = [self.index, *(slot.index for slot in self.batch)]
         if self.batch and self.index is None:
             raise ValueError("batch: only bag members travel together")
+        if self.batch and self.limit is not None:
+            raise ValueError("batch: a task with a limit travels alone")
         if self.index is None and self.size != 1:
             raise ValueError("size: a single task has size 1")
         if any(i is not None and i >= self.size for i in indices):
@@ -195,12 +208,14 @@ _TASK = TypeAdapter(TaskMessage)
 
 
 def _unused_new_fields(message: _Message) -> dict[str, Any]:
-    """Fields added since 0.1 (`item`, `epoch`), left out while unused: parts from before them
-    refuse unknown fields (extra="forbid"), and must keep reading messages during a rolling
-    upgrade."""
+    """Fields added since 0.1 (`item`, `epoch`, `limit`), left out while unused: parts from
+    before them refuse unknown fields (extra="forbid"), and must keep reading messages during a
+    rolling upgrade."""
     unused: dict[str, Any] = {}
     if getattr(message, "epoch", None) == 0:
         unused["epoch"] = True
+    if isinstance(message, TaskMessage) and message.limit is None:
+        unused["limit"] = True
     if isinstance(message, TaskMessage | Failed) and message.item is None:
         unused["item"] = True
     if isinstance(message, TaskMessage):

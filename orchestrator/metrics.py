@@ -58,6 +58,11 @@ TASK_DURATION = Histogram(
 )
 TASKS_RUNNING = Gauge("shardflow_tasks_running", "Task handlers running now.", ["pool"])
 RETRIES = Counter("shardflow_retries_total", "Failed tasks scheduled to run again.")
+SLOT_WAITS = Counter(
+    "shardflow_slot_waits_total",
+    "Tasks that found every slot of their per-key limit held, sent back to wait.",
+    ["pool"],
+)
 DEAD_LETTERS = Counter(
     "shardflow_dead_letters_total",
     "Messages parked in the dead-letter queue: refused (poison) or over the failure limit.",

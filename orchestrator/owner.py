@@ -9,6 +9,8 @@ import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from aio_pika.abc import AbstractQueueIterator
+
 from orchestrator import logs, metrics
 from orchestrator.backlog import Backlog
 from orchestrator.bus import NEW, Bus, Publisher
@@ -169,9 +171,13 @@ class Orchestrator(Service):
 
     async def _consume(self, shard: int) -> None:
         queue = self.bus.names.shard_queue(shard)
-        iterator = self._track(await self.bus.consume_shard(shard, self.settings.prefetch))
-        log.info("orchestrator: consuming %s", queue)
-        async for message in iterator:
+
+        async def start() -> AbstractQueueIterator:
+            iterator = await self.bus.consume_shard(shard, self.settings.prefetch)
+            log.info("orchestrator: consuming %s", queue)
+            return iterator
+
+        async for message in self._messages(start, self.bus.stop_consuming):
             await self.marks.owner(shard)  # who owns the shard, for `explain`
             # One message at a time, in delivery order; shielded so a stop lets it finish.
             await asyncio.shield(

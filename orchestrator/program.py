@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from orchestrator.conditions import (
+    KEY_VARIABLES,
     MAX_SOURCE_CHARS,
     STEP_ID,
     ConditionError,
@@ -35,6 +36,8 @@ from orchestrator.documents import (  # the documents' names stay importable fro
 
 TASK_NAME = r"^[A-Za-z_][A-Za-z0-9_.:-]{0,127}$"
 MAX_BAG = 1000
+# A program's priority, given at submit: 0 (the default) to MAX_PRIORITY, higher first.
+MAX_PRIORITY = 4
 MAX_SLEEP_S = 30 * 86400
 CHUNK = (
     "members per task message, run side by side by one worker; unset: one per message "
@@ -122,6 +125,37 @@ class Retry(_Model):
         return min(self.backoff_s * self.factor**attempt, self.max_backoff_s)
 
 
+# Per-key concurrency limits: the most tasks of one key that may run at once, and the
+# longest key a `limit.key` may give (longer, or not a string: its step fails naming it).
+MAX_LIMIT = 1000
+MAX_LIMIT_KEY_CHARS = 256
+
+
+def _key_compiles(source: str) -> str:
+    try:
+        compile_condition(source, KEY_VARIABLES)
+    except ConditionError as exc:
+        raise ValueError(f"invalid CEL: {exc}") from None
+    return source
+
+
+class Limit(_Model):
+    """At most `max` tasks with the same key run at once, across every worker and pool."""
+
+    key: str = Field(
+        min_length=1,
+        max_length=MAX_SOURCE_CHARS,
+        description="CEL over input, args and (a map's member) item, evaluated by the owner "
+        f"when the task is sent: a string of 1-{MAX_LIMIT_KEY_CHARS} characters",
+    )
+    max: int = Field(ge=1, le=MAX_LIMIT, description="tasks of one key running at once")
+
+    @field_validator("key")
+    @classmethod
+    def _check_key(cls, value: str) -> str:
+        return _key_compiles(value)
+
+
 MAX_ARGS_FROM = 20
 
 # A step's name for references (`steps.<id>` in CEL): unique in its program.
@@ -159,6 +193,7 @@ class Member(_Model):
     retry: Retry | None = None
     timeout_s: float | None = Field(default=None, gt=0, le=86400)
     pool: BagPool | None = None
+    limit: Limit | None = None
 
 
 class Task(Member):

@@ -21,6 +21,7 @@ from orchestrator.store import (
     Ended,
     Recorded,
     Redriven,
+    Slot,
     Stored,
     Verdict,
 )
@@ -58,9 +59,12 @@ class RedisStore:
         self._signal = _script(client, "signal")
         self._take = _script(client, "take")
         self._redrive = _script(client, "redrive")
+        self._acquire = _script(client, "acquire")
+        self._renew = _script(client, "renew")
+        self._release = _script(client, "release")
         self._scripts: tuple[AsyncScript, ...] = (self._submit, self._advance, self._complete)
         self._scripts += (self._fail, self._cancel, self._stash, self._purge, self._redrive)
-        self._scripts += (self._signal, self._take)
+        self._scripts += (self._signal, self._take, self._acquire, self._renew, self._release)
 
     @classmethod
     def connect(cls, settings: Settings) -> RedisStore:
@@ -199,6 +203,26 @@ class RedisStore:
         keys = [self.keys.state(wf), self.keys.output(wf, path), self.keys.signals(wf, name)]
         [verdict] = await self._take(keys=keys, args=[path])
         return str(verdict)
+
+    async def acquire(
+        self, key: str, holder: str, most: int, lease_ms: int, now_ms: int | None = None
+    ) -> Slot:
+        """Take a slot of a per-key limit (see lua/acquire.lua)."""
+        now: str | int = "" if now_ms is None else now_ms
+        reply = await self._acquire(keys=[self.keys.limit(key)], args=[holder, most, lease_ms, now])
+        left = int(float(reply[2])) if len(reply) > 2 else None
+        return Slot(reply[0], int(reply[1]), left)
+
+    async def renew(self, key: str, holder: str, lease_ms: int, now_ms: int | None = None) -> Slot:
+        """Start a holder's lease again (see lua/renew.lua)."""
+        now: str | int = "" if now_ms is None else now_ms
+        [verdict] = await self._renew(keys=[self.keys.limit(key)], args=[holder, lease_ms, now])
+        return Slot(verdict)
+
+    async def release(self, key: str, holder: str) -> Slot:
+        """Give a holder's slot back (see lua/release.lua)."""
+        verdict, held = await self._release(keys=[self.keys.limit(key)], args=[holder])
+        return Slot(verdict, int(held))
 
     async def blobs(self, wf: str, names: list[str]) -> list[str | None]:
         if not names:

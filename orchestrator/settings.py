@@ -30,6 +30,9 @@ class Settings(BaseSettings):
     prefetch: int = Field(default=1, ge=1, le=1000)
     serial_concurrency: Literal[1] = 1
     parallel_concurrency: int = Field(default=16, ge=1, le=1000)
+    # The most of a worker's slots one kind of program (one of a pool's shares, shares.py) may
+    # hold, so a burst of one kind leaves the rest to others; 1: no reserve.
+    fair_share: float = Field(default=0.75, gt=0, le=1)
     # A task message carries its step's args, so a program fits in a message (messages.py).
     max_program_bytes: int = Field(default=256 * 1024, ge=1024, le=8 * 1024 * 1024)
     max_output_bytes: int = Field(default=1024 * 1024, ge=64, le=64 * 1024 * 1024)
@@ -42,6 +45,9 @@ class Settings(BaseSettings):
     # queue has a backlog (orchestrator/backlog.py); 1: always one member per message.
     auto_chunk: int = Field(default=10, ge=1, le=100)
     plan_cache_size: int = Field(default=1024, ge=1)
+    # A per-key limit's slot is a lease this long, renewed every third of it while its task
+    # runs: a worker that dies holding one frees it at most this long after (lua/acquire.lua).
+    key_lease_s: float = Field(default=30.0, ge=0.3, le=3600)
     grace_s: float = Field(default=10.0, ge=0)
     # How long a starting orchestrator or worker waits for RabbitMQ and Redis.
     startup_wait_s: float = Field(default=120.0, ge=0)

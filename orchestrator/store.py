@@ -78,6 +78,17 @@ class Completion:
 
 
 @dataclass(frozen=True, slots=True)
+class Slot:
+    """What a per-key limit's script answered: acquired, held, busy (acquire), renewed, lost
+    (renew), released, gone (release); how many hold a slot of the key now; for busy, how
+    long the first lease has left (ms, by the Redis server's clock)."""
+
+    verdict: Literal["acquired", "held", "busy", "renewed", "lost", "released", "gone"]
+    held: int = 0
+    left_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Stored:
     """A step's recorded outputs read back: `values` in bag order (None when one is missing or
     together they are over the reader's limit), and their size in bytes."""
@@ -188,6 +199,21 @@ class Store(Protocol):
     async def take(self, wf: str, path: str, name: str) -> str:
         """The signal step at `path` takes its signal (lua/take.lua): taken, waiting, stale
         or missing."""
+        ...
+
+    async def acquire(
+        self, key: str, holder: str, most: int, lease_ms: int, now_ms: int | None = None
+    ) -> Slot:
+        """Take a slot of a per-key limit if fewer than `most` hold one, dropping run-out
+        leases first (lua/acquire.lua); `now_ms` None: the Redis server's clock."""
+        ...
+
+    async def renew(self, key: str, holder: str, lease_ms: int, now_ms: int | None = None) -> Slot:
+        """Start a holder's lease again, unless it was dropped: renewed or lost (lua/renew.lua)."""
+        ...
+
+    async def release(self, key: str, holder: str) -> Slot:
+        """Give a holder's slot back: released or gone (lua/release.lua)."""
         ...
 
     async def refs(self, wf: str, ids: list[str]) -> dict[str, str]:

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from orchestrator import machine, metrics
+from orchestrator import limits, machine, metrics
 from orchestrator.backlog import Backlog
-from orchestrator.bus import GOING_ON, NEW, Publisher, ladder_floor_ms
+from orchestrator.bus import GOING_ON, NEW, Publisher, ladder_floor_ms, task_priority
 from orchestrator.delivery import Poison
 from orchestrator.ending import end_program
 from orchestrator.marks import Marks
@@ -24,6 +24,7 @@ from orchestrator.messages import (
     INLINE_BYTES,
     Deadline,
     Failed,
+    KeyLimit,
     Next,
     Signalled,
     Slot,
@@ -33,6 +34,7 @@ from orchestrator.messages import (
     encode,
 )
 from orchestrator.program import (
+    MAX_PRIORITY,
     Bag,
     Choice,
     Map,
@@ -45,6 +47,7 @@ from orchestrator.program import (
     parse_program,
     pool_of,
 )
+from orchestrator.shares import share_of, share_pool
 from orchestrator.store import TERMINAL, Store
 
 log = logging.getLogger(__name__)
@@ -61,6 +64,10 @@ class Plan:
     big_input: str | None = None
     # Whether moving on may evaluate CEL (an until or a map): then it waits in a thread.
     evaluates: bool = False
+    # Which of a pool's task queues its tasks go to (fair share: orchestrator/shares.py).
+    share: int = 0
+    # The program's priority (0..MAX_PRIORITY, given at submit): its tasks' head start.
+    priority: int = 0
 
 
 class Plans:
@@ -82,7 +89,15 @@ class Plans:
         program = parse_program(raw["program"], max_bytes=1 << 30)
         text = json.dumps(raw["input"])
         big = text if len(text) > INLINE_BYTES else None
-        plan = Plan(program, raw["input"], raw["owner"], big, _evaluates(program.steps))
+        plan = Plan(
+            program,
+            raw["input"],
+            raw["owner"],
+            big,
+            _evaluates(program.steps),
+            share_of(program),
+            _priority(raw.get("priority")),
+        )
         self._cache[wf] = plan
         if len(self._cache) > self._size:
             self._cache.popitem(last=False)
@@ -92,14 +107,21 @@ class Plans:
         self._cache.pop(wf, None)
 
 
+def _priority(value: Any) -> int:
+    """A recorded priority (absent before priorities existed: 0); anything else is no level."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_PRIORITY:
+        return value
+    return 0
+
+
 def _evaluates(steps: list[machine.Step]) -> bool:
     """Whether any step is an untiloop, a map or a choice (any deeper down is inside one up
     here), or computes arguments (`args_from`): moving on may then evaluate CEL, and waits in
     a thread."""
     return any(
         isinstance(step, Map | Untiloop | Choice)
-        or (isinstance(step, Task) and bool(step.args_from))
-        or (isinstance(step, Bag) and any(member.args_from for member in step.bag))
+        or (isinstance(step, Task) and bool(step.args_from or step.limit))
+        or (isinstance(step, Bag) and any(m.args_from or m.limit for m in step.bag))
         for step in steps
     )
 
@@ -115,7 +137,8 @@ def task_messages(
     chunk_for: Callable[[str], int] | None = None,
     epoch: int = 0,
 ) -> dict[str, list[bytes]]:
-    """The task messages that run one leaf (or only its member `only`), by pool. A bag's
+    """The task messages that run one leaf (or only its member `only`), by pool (the program's
+    share of it: `shares.share_pool`). A bag's
     members go out in chunks of members of the same pool: its `chunk`, or when it names none
     `chunk_for(pool)` (the pool's backlog decides; without it, one member per message). A
     large input is referred to (the plan says so), and the prev when `prev_ref`: both must be
@@ -127,7 +150,8 @@ def task_messages(
     indices = list(range(len(members))) if only is None else [only]
     by_pool: dict[str, list[int]] = {}
     for i in indices:
-        by_pool.setdefault(pool_of(step, i if isinstance(step, Bag) else None), []).append(i)
+        pool = share_pool(pool_of(step, i if isinstance(step, Bag) else None), plan.share)
+        by_pool.setdefault(pool, []).append(i)
     messages: dict[str, list[bytes]] = {}
 
     def args(i: int) -> dict[str, Any]:  # a member's args, with what args_from gave
@@ -135,13 +159,22 @@ def task_messages(
             return members[i].args
         return {**members[i].args, **leaf.args[i if isinstance(step, Bag) else 0]}
 
+    def limit(i: int) -> KeyLimit | None:  # the slot a member must hold, its key evaluated
+        key = leaf.limits[i] if leaf.limits else None
+        found = members[i].limit
+        return None if key is None or found is None else KeyLimit(key=key, max=found.max)
+
     for pool, ours in by_pool.items():
         bodies = messages[pool] = []
         chunk = 1
         if not isinstance(step, Task) and len(ours) > 1:
             chunk = step.chunk or (chunk_for(pool) if chunk_for else 1)
-        for start in range(0, len(ours), chunk):
-            first, *rest = ours[start : start + chunk]
+        # A member with a limit travels alone: its worker holds one slot for one task.
+        groups = [[i] for i in ours if limit(i) is not None]
+        free = [i for i in ours if limit(i) is None]
+        groups += [free[start : start + chunk] for start in range(0, len(free), chunk)]
+        for group in groups:
+            first, *rest = group
             message = TaskMessage(
                 wf=wf,
                 path=leaf.path,
@@ -169,6 +202,7 @@ def task_messages(
                     for i in rest
                 ],
                 epoch=epoch,
+                limit=limit(first),
             )
             bodies.append(encode(message))
     return messages
@@ -524,6 +558,11 @@ class Transitions:
             if isinstance(computed, machine.Failed):
                 return computed
             leaf = replace(leaf, args=computed)
+            call = (step, leaf.path, plan.input, computed, items, message.index)
+            keys = await asyncio.to_thread(limits.keys_of, *call)  # CEL, as _arguments
+            if isinstance(keys, str):
+                return machine.Failed(keys)
+            leaf = replace(leaf, limits=keys)
             if not prev_ref and (await self._stash(message.wf, plan, leaf)) is None:
                 return "stale"
             by_pool = task_messages(
@@ -537,8 +576,9 @@ class Transitions:
             )
             delay_s = policy.delay_s(message.attempt)
             await self.marks.failed(message, delay_s)
+            level = task_priority(plan.priority, going_on=True)
             for pool, bodies in by_pool.items():  # one member: one pool, one message
-                await self.bus.publish_later(pool, bodies[0], delay_s)
+                await self.bus.publish_later(pool, bodies[0], delay_s, level)
             return "retried"
         return "stale"
 
@@ -646,8 +686,9 @@ class Transitions:
             by_pool = task_messages(
                 wf, plan, outcome, prev_ref=prev_ref, chunk_for=self.chunk_for, epoch=epoch
             )
+            level = task_priority(plan.priority, going_on=priority == GOING_ON)
             for pool, bodies in by_pool.items():
-                await self.bus.publish_all(pool, bodies, priority)
+                await self.bus.publish_all(pool, bodies, level)
 
     async def _await_signal(
         self, wf: str, plan: Plan, leaf: machine.Leaf, step: Signal, epoch: int

@@ -19,6 +19,7 @@ from orchestrator.keys import check_workflow_id
 from orchestrator.marks import Marks, now_ms
 from orchestrator.messages import Signalled, Start, encode
 from orchestrator.program import (
+    MAX_PRIORITY,
     MAX_SIGNAL_BYTES,
     SIGNAL_NAME,
     Program,
@@ -81,10 +82,18 @@ class Router:
         program: Program | str | bytes | dict[str, Any],
         input: Any = None,
         workflow_id: str | None = None,
+        priority: int = 0,
     ) -> Submitted:
-        """Record and start a program; an id that exists is returned as it is, never rerun."""
+        """Record and start a program; an id that exists is returned as it is, never rerun.
+        `priority` (0..MAX_PRIORITY): its tasks go before lower ones' in each pool."""
         if self.bus is None:
             raise RuntimeError("Router needs a bus to submit")
+        if (
+            isinstance(priority, bool)
+            or not isinstance(priority, int)
+            or not (0 <= priority <= MAX_PRIORITY)
+        ):
+            raise ProgramError([f"priority: {priority!r} is not a whole number 0-{MAX_PRIORITY}"])
         checked = self.validate(program)
         try:
             wf = check_workflow_id(workflow_id) if workflow_id is not None else uuid.uuid4().hex
@@ -94,7 +103,10 @@ class Router:
         owner = shard_for(wf, self.settings.shards)
         try:
             program_json = checked.model_dump(mode="json", exclude_defaults=True)
-            plan = json.dumps({"program": program_json, "input": input, "owner": owner})
+            recorded = {"program": program_json, "input": input, "owner": owner}
+            if priority:  # absent: 0, as before priorities existed
+                recorded["priority"] = priority
+            plan = json.dumps(recorded)
             # What makes a submission the same one again: its program and its input.
             digest = hashlib.sha256(
                 json.dumps([program_json, input], sort_keys=True).encode()

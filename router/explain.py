@@ -32,6 +32,7 @@ from orchestrator.program import (
     parse_program,
     pool_of,
 )
+from orchestrator.shares import share_of, share_pool
 from orchestrator.store import TERMINAL, Store
 from router import redriving
 from router.listing import as_int, clean
@@ -169,7 +170,7 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
     cursor = state.get("cursor") or ""
     where = locate(program, cursor) if cursor else None
     found.where = where
-    calls = [("hgetall", store.keys.attempts(wf))]
+    calls = [("hgetall", store.keys.attempts(wf)), ("hgetall", store.keys.limit_waits(wf))]
     if where is not None:
         calls.append(("hgetall", store.keys.failures(wf, cursor)))
         if isinstance(where.step, Bag | Map):
@@ -178,6 +179,8 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
             calls.append(("exists", store.keys.output(wf, cursor)))
     answers = await reads.many(calls) if reads.available else [{}] * len(calls)
     marks: dict[str, str] = answers[0] or {}
+    slot_waits: dict[str, str] = answers[1] or {}
+    answers = [answers[0], *answers[2:]]
     failed_paths = sorted({_split_field(name)[0] for name in marks})
     errors = (
         await reads.many([("hgetall", store.keys.failures(wf, path)) for path in failed_paths])
@@ -233,8 +236,10 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
                     "max_attempts": retry.max_attempts if retry else 1,
                     "failed": failed,
                     "retry_due_ms": mark["due_ms"] if mark else None,
+                    "limit": _slot_wait(slot_waits.get(attempt_field(cursor, index), "")),
                 }
             )
+        await _held_now(store, tasks)
         updated = as_int(state.get("updated_ms"))
         found.step = {
             "path": cursor,
@@ -255,6 +260,35 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
             "running_s": None if updated is None else round(max(0.0, now - updated) / 1000, 3),
         }
     return found
+
+
+def _slot_wait(text: str) -> dict[str, Any] | None:
+    """A task's wait for a slot of its key (orchestrator/marks.py), if its mark reads well."""
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("key"), str):
+        return None
+    numbers = {name: as_int(value.get(name)) for name in ("max", "held", "waits", "at_ms")}
+    if any(number is None for number in numbers.values()):
+        return None
+    return {"key": clean(value["key"], 300), **numbers}
+
+
+async def _held_now(store: Store, tasks: list[dict[str, Any]]) -> None:
+    """How many hold a slot of each key a task waits for, read now (the mark's count is as
+    the task last found it)."""
+    client = redis_of(store)
+    waiting = [t for t in tasks if t["limit"] is not None and not t["done"]]
+    if client is None or not waiting:
+        return
+    async with client.pipeline(transaction=False) as pipe:
+        for task in waiting:
+            pipe.zcard(store.keys.limit(task["limit"]["key"]))
+        counts = await pipe.execute()
+    for task, count in zip(waiting, counts, strict=True):
+        task["limit"]["held"] = int(count)
 
 
 def _kind(step: Leafy) -> str:
@@ -369,6 +403,7 @@ async def explain(store: Store, bus: Bus | None, wf: str) -> dict[str, Any] | No
         "lane": None,
         "shard": None,
         "waiting_for": "",
+        "priority": _priority(raw_plan),
     }
     if "epoch" in state:  # redriven: this run, and how the earlier ones ended
         report.update(run=as_int(state["epoch"]), runs=redriving.runs(state))
@@ -386,8 +421,9 @@ async def explain(store: Store, bus: Bus | None, wf: str) -> dict[str, Any] | No
             open_pools = [t["pool"] for t in step["tasks"] if not t["done"]]
             every = [t["pool"] for t in step["tasks"]] or [step["pool"]]  # a map over none
             pools = dict.fromkeys(open_pools or every)
+            share = share_of(program) if program is not None else 0
             for pool in pools:
-                queue = await _queue(bus, bus.names.task_queue(pool))
+                queue = await _queue(bus, bus.names.task_queue(share_pool(pool, share)))
                 report["pools"].append({"pool": pool, **queue})
             report["pool"] = _without_name(report["pools"][0])
             waiting = [t for t in step["tasks"] if not t["done"] and t["retry_due_ms"]]
@@ -396,7 +432,8 @@ async def explain(store: Store, bus: Bus | None, wf: str) -> dict[str, Any] | No
                 first = min(due, key=lambda t: t["retry_due_ms"])
                 delay_s = _retry_delay(found.where, first)
                 if delay_s is not None:
-                    name = bus.names.delay_queue(first["pool"], ladder_ms(delay_s))
+                    target = share_pool(first["pool"], share)
+                    name = bus.names.delay_queue(target, ladder_ms(delay_s))
                     report["retry_queue"] = await _queue(bus, name)
         if step["pool"] and is_lane(step["pool"]):
             report["lane"] = await _lane(store, wf, step["pool"])
@@ -414,6 +451,12 @@ def _retry_delay(where: Where, task: dict[str, Any]) -> float | None:
 
 def _without_name(pool: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in pool.items() if key != "pool"}
+
+
+def _priority(raw_plan: Any) -> int:
+    """The priority the program was submitted with (recorded only when not 0)."""
+    value = raw_plan.get("priority") if isinstance(raw_plan, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 async def _queue(bus: Bus, name: str) -> dict[str, Any]:
@@ -494,6 +537,14 @@ def _waiting_for(report: dict[str, Any], *, cursor: str, now: float) -> str:
             f"a retry: task {t['task']!r} attempt {t['attempt'] + 1} of {t['max_attempts']} "
             f"is due at {_clock(t['retry_due_ms'])} (in {_span((t['retry_due_ms'] - now) / 1000)})"
         )
+    slots = [t for t in open_tasks if t not in retries and t.get("limit")]
+    if slots and len(slots) == len(open_tasks):
+        limit = slots[0]["limit"]
+        more = f" (and {len(slots) - 1} more task(s) for slots)" if len(slots) > 1 else ""
+        return (
+            f"a slot of key {limit['key']!r}: {limit['held']} of {limit['max']} held by "
+            f"other tasks; {_task_label(slots[0])} tried {limit['waits']} time(s){more}"
+        )
     # A pool with no consumer: its tasks wait until a worker for it starts.
     waiting_pools = {t["pool"] for t in open_tasks if t not in retries}
     for pool in report["pools"]:
@@ -548,6 +599,8 @@ def explain_text(report: dict[str, Any], now_ms: float | None = None) -> str:
         )
     if report["status"] in TERMINAL and report["error"]:
         lines.append(f"Error: {clean(report['error'], 2000)}")
+    if report.get("priority"):
+        lines.append(f"Priority {report['priority']}: its tasks go before lower ones' in a pool.")
     if report.get("runs"):
         lines.append(f"This is run {report['run']}: it was redriven after the runs below.")
         for run in report["runs"]:
@@ -595,6 +648,12 @@ def explain_text(report: dict[str, Any], now_ms: float | None = None) -> str:
                 lines.append(
                     f"  {label}: attempt {failure['attempt'] + 1} failed: "
                     f"{clean(failure['error'], 300)}"
+                )
+            slot = task.get("limit")
+            if slot:
+                lines.append(
+                    f"  {label}: waits for a slot of key {slot['key']!r} "
+                    f"({slot['held']} of {slot['max']} held; tried {slot['waits']} time(s))."
                 )
             due = task["retry_due_ms"]
             if due and task["failed"]:

@@ -18,13 +18,15 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from aio_pika.abc import AbstractQueueIterator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from orchestrator import logs, metrics
 from orchestrator.bus import Bus
 from orchestrator.delivery import Delivery, Poison, first_error, process
 from orchestrator.documents import ProgramError, parse_document
 from orchestrator.lifecycle import Service, format_counts
+from orchestrator.program import MAX_PRIORITY
 from orchestrator.settings import Settings
 from router.client import Router
 
@@ -41,6 +43,7 @@ class Request(BaseModel):
     program: dict[str, Any]
     input: Any = None
     workflow_id: str | None = None
+    priority: int = Field(default=0, ge=0, le=MAX_PRIORITY, strict=True)
 
 
 class SignalRequest(BaseModel):
@@ -74,9 +77,13 @@ class Ingress(Service):
 
     async def _consume(self) -> None:
         queue = self.bus.names.ingress_queue
-        iterator = self._track(await self.bus.consume(queue, INGRESS_PREFETCH))
-        log.info("router: consuming %s", queue)
-        async for message in iterator:
+
+        async def start() -> AbstractQueueIterator:
+            iterator = await self.bus.consume(queue, INGRESS_PREFETCH)
+            log.info("router: consuming %s", queue)
+            return iterator
+
+        async for message in self._messages(start, self.bus.stop_consuming):
             self._spawn(
                 self.handle(message, message.reply_to, message.correlation_id, message.message_id)
             )
@@ -126,7 +133,9 @@ class Ingress(Service):
             parse_document(delivery.body, what="request", max_bytes=len(delivery.body))
             workflow_id = request.workflow_id or derived_id(message_id, delivery.body)
             logs.bind(workflow_id=workflow_id)
-            submitted = await self.router.submit(request.program, request.input, workflow_id)
+            submitted = await self.router.submit(
+                request.program, request.input, workflow_id, request.priority
+            )
             self.counts["created" if submitted.created else "existing"] += 1
             metrics.SUBMITTED.labels("created" if submitted.created else "existing").inc()
             await answer(

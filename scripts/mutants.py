@@ -234,11 +234,56 @@ end""",
         'redis.call("SET", KEYS[i], ARGV[i + 8], "NX")',
         (REFS_STEPS, DIFFERENTIAL, MACHINE),
     ),
+    # Per-key limits: a run-out lease still counted (a dead worker's slot never comes back), a
+    # release that frees another holder's slot (the limit exceeded), a renewal that brings
+    # back a lease an acquire already dropped (its slot counted twice). Only the model beside
+    # the Lua sees the release: the e2e test's holders each release once, so the count of
+    # slots held stays right even when the wrong one goes.
+    "acquire-ignores-expired-leases": (
+        "lua/acquire.lua",
+        'redis.call("ZREMRANGEBYSCORE", KEYS[1], "-inf", now)\n',
+        "",
+        (DIFFERENTIAL,),
+    ),
+    "release-frees-another-holder": (
+        "lua/release.lua",
+        'local removed = redis.call("ZREM", KEYS[1], ARGV[1])',
+        'local removed = #redis.call("ZPOPMIN", KEYS[1]) / 2',
+        (DIFFERENTIAL,),
+    ),
+    "renew-revives-a-dropped-lease": (
+        "lua/renew.lua",
+        'if not redis.call("ZSCORE", KEYS[1], ARGV[1]) then\n  return {"lost"}\nend\n'
+        'redis.call("ZADD", KEYS[1], "XX", now + tonumber(ARGV[2]), ARGV[1])',
+        'redis.call("ZADD", KEYS[1], now + tonumber(ARGV[2]), ARGV[1])',
+        (DIFFERENTIAL,),
+    ),
     "retry-forgets-args-from": (
         "orchestrator/transitions.py",
         "leaf = replace(leaf, args=computed)",
         "leaf = replace(leaf, args=())",
         (MACHINE,),
+    ),
+    # Fair share: a program's tasks leave its share of the pool; a freed slot goes to the
+    # consumer that asked last (a busy queue would take every slot that frees).
+    "tasks-ignore-their-share": (
+        "orchestrator/transitions.py",
+        "pool = share_pool(pool_of(step, i if isinstance(step, Bag) else None), plan.share)",
+        "pool = pool_of(step, i if isinstance(step, Bag) else None)",
+        (MACHINE,),
+    ),
+    "slots-to-the-newest-waiter": (
+        "worker/fair.py",
+        "consumer = next(c for c, (_, p) in self._waiting.items() if p == top)",
+        "consumer = [c for c, (_, p) in self._waiting.items() if p == top][-1]",
+        ("tests/test_fair.py::test_a_freed_slot_goes_to_the_queue_that_waited_longest",),
+    ),
+    # Priorities: a freed slot goes to the lowest priority waiting.
+    "slots-to-the-lowest-priority": (
+        "worker/fair.py",
+        "top = max(priority for _, priority in self._waiting.values())",
+        "top = min(priority for _, priority in self._waiting.values())",
+        ("tests/test_fair.py::test_a_freed_slot_goes_to_the_highest_priority_first",),
     ),
 }
 

@@ -26,6 +26,7 @@ from orchestrator.health import serving
 from orchestrator.keys import check_workflow_id
 from orchestrator.owner import Orchestrator, ShardError
 from orchestrator.program import (
+    MAX_PRIORITY,
     MAX_SIGNAL_BYTES,
     ProgramError,
     check_pool_name,
@@ -123,6 +124,14 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("program", type=Path, help="program JSON file ('-' for stdin)")
     submit.add_argument("--input", default="null", help="the program's input, as JSON")
     submit.add_argument("--id", help="workflow id (default: a new random id)")
+    submit.add_argument(
+        "--priority",
+        type=int,
+        default=0,
+        choices=range(MAX_PRIORITY + 1),
+        metavar=f"0-{MAX_PRIORITY}",
+        help="higher goes first: its tasks go before lower ones' in each pool (default 0)",
+    )
     submit.add_argument(
         "--wait", action="store_true", help="wait for the end; print the result JSON"
     )
@@ -449,7 +458,7 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
     known = _registry(args.app).names() if args.app else None
     async with connected(settings, "shardflow-submit") as (store, bus):
         router = Router(settings, store=store, bus=bus, known_tasks=known)
-        submitted = await router.submit(text, payload, args.id)
+        submitted = await router.submit(text, payload, args.id, args.priority)
         if not args.wait:
             _print(submitted.workflow_id)
             return 0

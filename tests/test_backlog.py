@@ -10,7 +10,9 @@ import pytest
 from orchestrator.backlog import AUTO_STEP, Backlog, auto_chunk
 from orchestrator.connections import connected
 from orchestrator.owner import Orchestrator
+from orchestrator.program import parse_program
 from orchestrator.settings import Settings
+from orchestrator.shares import share_of, share_pool
 from router.client import Router
 from tests.polling import until
 from worker.pool import Worker
@@ -67,22 +69,24 @@ async def test_a_backlog_sends_bags_in_chunks_unless_they_name_theirs(
     """Orchestrators with no worker: the first bag's 100 members wait one per message; then
     the pool has a backlog, so the next bag goes out 10 members per message (the limit);
     a bag that names chunk 1 keeps it. A worker then runs all three to the right results."""
-    queue = f"{settings.prefix}.tasks.parallel"
+    # The three share a name, so a queue: the backlog that counts is their share's of the pool.
+    pool = share_pool("parallel", share_of(parse_program(_bag("bags"))))
+    queue = f"{settings.prefix}.tasks.{pool}"
     async with connected(settings) as (store, bus):
         orchestrator = Orchestrator(settings, range(settings.shards), store=store, bus=bus)
         running = asyncio.create_task(orchestrator.run())
         worker = Worker(settings, registry, pool="parallel", store=store, bus=bus)
         try:
             router = Router(settings, store=store, bus=bus)
-            first = (await router.submit(_bag("first"))).workflow_id
+            first = (await router.submit(_bag("bags"))).workflow_id
             await until(lambda: _depth(bus, queue), lambda found: found["ready"] == 100)
             await until(
-                lambda: _answer(orchestrator.backlog.ready("parallel")),
+                lambda: _answer(orchestrator.backlog.ready(pool)),
                 lambda found: found["chunk"] == 100,
             )
-            second = (await router.submit(_bag("second"))).workflow_id
+            second = (await router.submit(_bag("bags"))).workflow_id
             await until(lambda: _depth(bus, queue), lambda found: found["ready"] >= 110)
-            third = (await router.submit(_bag("third", chunk=1))).workflow_id
+            third = (await router.submit(_bag("bags", chunk=1))).workflow_id
             found = await until(lambda: _depth(bus, queue), lambda found: found["ready"] >= 210)
             assert found["ready"] == 210  # 100 + 100 / 10 + 100
             working = asyncio.create_task(worker.run())

@@ -712,3 +712,121 @@ def test_kill_reach_counts_what_each_kill_cut(plans: dict[str, list[Leaf]]) -> N
         Reach("parallela", running=2, mid_step=1, cut=1),
         Reach("parallelb", running=2, mid_step=0, cut=0),
     ]
+
+
+# --- a worker killed while it holds a slot of a per-key limit ---------------------------------
+
+LEASE_S = 1.5  # the slot lease of this test's workers: a dead holder's slot is back this soon
+HOLDERS = 6  # programs of one key, with a limit of 2
+
+
+def holders_over_time(log: Log, key_of: dict[str, str]) -> list[tuple[str, int]]:
+    """After each start of a task, how many tasks of its key were running: each start counts
+    until its end or until the kill of its process (it died with it)."""
+    open_runs: Counter[tuple[str, int]] = Counter()  # (key, pid) -> running
+    seen = []
+    for e in log:
+        if e.get("event") == "kill":
+            for held in [held for held in open_runs if held[1] == e["pid"]]:
+                del open_runs[held]
+        elif e.get("event") in ("start", "end") and e["wf"] in key_of:
+            held = (key_of[e["wf"]], e["pid"])
+            if e["event"] == "start":
+                open_runs[held] += 1
+                key = held[0]
+                seen.append((key, sum(n for (k, _), n in open_runs.items() if k == key)))
+            else:
+                open_runs[held] = max(0, open_runs[held] - 1)
+    return seen
+
+
+def test_holders_over_time_closes_the_runs_of_a_killed_process() -> None:
+    def run(event: str, wf: str, pid: int) -> dict[str, Any]:
+        return {"event": event, "wf": wf, "path": "0", "index": None, "pid": pid}
+
+    log: Log = [
+        run("start", "a", 1),
+        run("start", "b", 2),
+        {"event": "kill", "pid": 1},
+        run("start", "c", 2),
+        run("start", "a", 2),
+        run("end", "b", 2),
+        run("start", "d", 3),
+    ]
+    key_of = {"a": "k", "b": "k", "c": "k", "d": "k"}
+    assert holders_over_time(log, key_of) == [("k", 1), ("k", 2), ("k", 2), ("k", 3), ("k", 3)]
+
+
+@pytest.mark.fault
+async def test_a_slot_held_by_a_killed_worker_comes_back_and_the_limit_holds(
+    settings: Settings, tmp_path: Path
+) -> None:
+    env = {
+        "SHARDFLOW_AMQP_URL": settings.amqp_url,
+        "SHARDFLOW_REDIS_URL": settings.redis_url,
+        "SHARDFLOW_SHARDS": str(settings.shards),
+        "SHARDFLOW_PREFIX": settings.prefix,
+        "SHARDFLOW_GRACE_S": "2",
+        "SHARDFLOW_METRICS_PORT": "0",
+        "SHARDFLOW_KEY_LEASE_S": str(LEASE_S),
+    }
+    fleet = Fleet(env, tmp_path)
+    shards = ",".join(map(str, range(settings.shards)))
+    fleet.specs = {"orch": ["orchestrator", "--shards", shards]}
+    for name in ("wa", "wb"):
+        fleet.specs[name] = [
+            "worker", "--pool", "parallel", "--app", "tests.app", "--concurrency", "4"
+        ]  # fmt: skip
+    log = ExecLog(settings.redis_url, f"{settings.prefix}:exec")
+    store = RedisStore(
+        Redis.from_url(settings.redis_url, decode_responses=True), Keys(settings.prefix)
+    )
+    from orchestrator.bus import Bus
+
+    bus = Bus(settings)
+    await bus.connect()
+    step = {
+        "task": "fault.step",
+        "pool": "parallel",
+        "args": {"sleep_s": 1.0},
+        "limit": {"key": "input.customer", "max": 2},
+    }
+    ids = [f"k{n}" for n in range(HOLDERS)] + ["other"]
+    try:
+        fleet.start_all()
+        router = Router(settings, store=store, bus=bus)
+        for wf in ids:
+            customer = "solo" if wf == "other" else "acme"
+            await router.submit({"steps": [step]}, {**log.as_input(), "customer": customer}, wf)
+        # Kill the worker of the first task that started: it holds a slot of acme.
+        deadline = time.monotonic() + 30
+        while not (started := [e for e in log.read() if e.get("event") == "start"]):
+            assert time.monotonic() < deadline, "no task started"
+            await asyncio.sleep(0.02)
+        pid = started[0]["pid"]
+        [victim] = [name for name, p in fleet.processes.items() if p.pid == pid]
+        fleet.kill(victim)
+        log.mark("kill", victim=victim, pid=pid)
+        killed_wf = started[0]["wf"]
+        fleet.start(victim)
+        statuses = await _wait_all(store, ids, timeout_s=60)
+        held_after = await store.client.zcard(store.keys.limit("acme"))
+    finally:
+        await bus.close()
+        exits = fleet.stop_all()
+        await store.close()
+    events = log.read()
+    log.drop()
+    (tmp_path / "exec.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert all(s.get("status") == "completed" for s in statuses.values()), statuses
+    key_of = {wf: ("solo" if wf == "other" else "acme") for wf in ids}
+    seen = holders_over_time(events, key_of)
+    acme = [n for key, n in seen if key == "acme"]
+    print(f"\nacme holders at each start: {acme}; killed {victim} running {killed_wf}")
+    assert max(acme) == 2, seen  # reached, and never exceeded, kill or no kill
+    # The killed task ran again to its end: its slot came back when its lease ran out.
+    kill_at = next(n for n, e in enumerate(events) if e.get("event") == "kill")
+    again = [e for e in events[kill_at:] if e.get("wf") == killed_wf and e.get("event") == "end"]
+    assert again, f"{killed_wf} never ran to its end after the kill"
+    assert held_after == 0  # every slot given back or run out
+    assert all(code == 0 for code in exits), exits

@@ -61,6 +61,9 @@ async def test_requests_are_submitted_and_bad_ones_refused_with_the_fault(
         json.dumps({**GOOD, "extra": 1}).encode(),
         json.dumps({**GOOD, "workflow_id": "via-amqp"}).encode(),
         b'{"program": {"steps": [{"task": "add"}]}, "input": 1, "input": 2}',
+        json.dumps({**GOOD, "workflow_id": "urgent", "priority": 4}).encode(),
+        json.dumps({**GOOD, "priority": 5}).encode(),
+        json.dumps({**GOOD, "priority": "1"}).encode(),
     ]
     answers = await ask(settings, requests)
     assert answers[0] == {"workflow_id": "via-amqp", "shard": answers[0]["shard"],
@@ -74,11 +77,15 @@ async def test_requests_are_submitted_and_bad_ones_refused_with_the_fault(
     assert answers[6]["created"] is False  # the same id again: never a second run
     # pydantic alone would keep the last "input"; two equal keys are refused, as in a program.
     assert answers[7] == {"error": "request: duplicate key 'input'"}
+    assert answers[8]["created"] is True
+    assert answers[9] == {"error": "priority: Input should be less than or equal to 4"}
+    assert answers[10] == {"error": "priority: Input should be a valid integer"}
+    assert (await ingress.explain("urgent") or {})["priority"] == 4
     assert (await ingress.wait("via-amqp", timeout_s=30))["result"] == 2
     async with connected(settings) as (_, bus):
         parked = await bus.peek_dead(10)
     reasons = sorted(headers["x-shardflow-reason"] for headers, _ in parked)
-    assert len(reasons) == 6
+    assert len(reasons) == 8
     assert sorted(a["error"] for a in answers if "error" in a) == reasons
 
 

@@ -41,7 +41,9 @@ class Recorder:
             raise Crash
         self.tasks.extend(bodies)
 
-    async def publish_later(self, pool: str, body: bytes, delay_s: float) -> None:
+    async def publish_later(
+        self, pool: str, body: bytes, delay_s: float, priority: int = 1
+    ) -> None:
         self.tasks.append(body)
 
     async def publish_control(self, body: bytes) -> None: ...

@@ -13,10 +13,11 @@ import aio_pika
 import pytest
 
 from orchestrator import metrics
-from orchestrator.bus import Bus
+from orchestrator.bus import TASK_MAX_PRIORITY, Bus
 from orchestrator.connections import connected
 from orchestrator.program import ProgramError
 from orchestrator.settings import Settings
+from orchestrator.shares import share_of, share_pool
 from router.client import Router
 from router.explain import explain_text
 from shardflow.cli import _parser, _pools
@@ -83,7 +84,9 @@ async def test_a_task_on_a_named_pool_waits_for_its_worker_then_completes(
         ]
     }
     wf = (await cluster.submit(program)).workflow_id
-    queue = f"{settings.prefix}.tasks.reports"
+    # Its share of the pool: the queue its kind of program hashes to (orchestrator/shares.py).
+    share = share_of(cluster.validate(program))
+    queue = f"{settings.prefix}.tasks.{share_pool('reports', share)}"
     report = await until(
         lambda: cluster.explain(wf),
         lambda r: r["step"] is not None and r["step"]["path"] == "1" and r["pool"]["depth"] == 1,
@@ -105,7 +108,7 @@ async def test_a_task_on_a_named_pool_waits_for_its_worker_then_completes(
     # The owner declared the queue as the parallel pool's: the same arguments declare again.
     bus = cluster.bus
     assert isinstance(bus, Bus)
-    arguments = bus._queue_arguments(prioritized=True)
+    arguments = bus._queue_arguments(max_priority=TASK_MAX_PRIORITY)
     connection = await aio_pika.connect(settings.amqp_url)
     async with connection:
         channel = await connection.channel()
@@ -154,8 +157,13 @@ async def test_a_bag_on_a_pool_its_members_overrides_and_their_retries(
 async def test_a_bag_member_waits_for_its_own_pool(cluster: Router, settings: Settings) -> None:
     bag = {"bag": [{"task": "add"}, {"task": "late.whoami", "pool": "late"}, {"task": "add"}]}
     wf = (await cluster.submit({"steps": [bag]})).workflow_id
-    report = await until(lambda: cluster.explain(wf), lambda r: (r["step"] or {}).get("done") == 2)
-    queue = f"{settings.prefix}.tasks.late"
+    # A quorum queue's message count may lag its publish: wait for both.
+    report = await until(
+        lambda: cluster.explain(wf),
+        lambda r: (r["step"] or {}).get("done") == 2 and (r["pool"] or {}).get("depth") == 1,
+    )
+    share = share_of(cluster.validate({"steps": [bag]}))
+    queue = f"{settings.prefix}.tasks.{share_pool('late', share)}"
     assert report["step"]["pool"] == "parallel"
     assert [t["pool"] for t in report["step"]["tasks"]] == ["parallel", "late", "parallel"]
     assert report["waiting_for"] == (

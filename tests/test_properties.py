@@ -47,6 +47,7 @@ from orchestrator.owner import handle_shard_message
 from orchestrator.program import Program, parse_program, pool_of
 from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
+from orchestrator.shares import share_of, share_pool
 from orchestrator.store import TERMINAL, Completion, Ended, Store, Verdict
 from orchestrator.transitions import Plans, Transitions
 from router.client import Router
@@ -132,7 +133,9 @@ class Transport:
             self._count()
             self._keep(self._task(body, retry=False, pool=pool))
 
-    async def publish_later(self, pool: str, body: bytes, delay_s: float) -> None:
+    async def publish_later(
+        self, pool: str, body: bytes, delay_s: float, priority: int = 1
+    ) -> None:
         assert delay_s >= 0, delay_s
         self._count()
         self._keep(self._task(body, retry=True, pool=pool), delayed=True)
@@ -336,7 +339,8 @@ class Cluster(RuleBasedStateMachine):
     def _check_dispatch(self, task: TaskMessage, *, retry: bool, pool: str) -> None:
         """Called as each task message is published: every earlier step must be complete,
         the program still live, a retry within the member's attempts and scheduled once,
-        every task it carries sent to its own pool (the member's, the bag's, the task's) and
+        every task it carries sent to its own pool (the member's, the bag's, the task's; the
+        program's share of it) and
         with the args the model computes (those read from earlier steps by id too)."""
         violations = self.store.violations
         expected = self.expected[task.wf]
@@ -352,7 +356,8 @@ class Cluster(RuleBasedStateMachine):
             violations.append(f"{task.wf}: dispatched {task.path}, not in {paths}")
             return
         step = leaf_at(self.programs[task.wf], task.path)
-        pools = {pool_of(step, one.index) for one in task.split()}
+        share = share_of(self.programs[task.wf])  # the program's kind picks the pool's queue
+        pools = {share_pool(pool_of(step, one.index), share) for one in task.split()}
         if pools != {pool}:
             violations.append(f"{task.wf} {task.path}: tasks of pools {pools} sent to {pool}")
         for one in task.split():  # args_from read the outputs the model says (steps.<id>)

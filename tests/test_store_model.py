@@ -35,6 +35,11 @@ RETENTION_MS = 3_600_000
 SIGNALS = ["go", "stop"]
 # The run a message belongs to: mostly the first (0), now and then a redriven one.
 EPOCHS = st.sampled_from([0, 0, 0, 1, 2])
+# Per-key limits: two keys, three holders, clocks (ms) far enough apart for leases to run out.
+LIMIT_KEYS = ["k1", "k{2}"]
+HOLDERS = ["h1", "h2", "h3"]
+LEASE_MS = 5000
+NOWS = st.sampled_from([1000, 3000, 6500, 9000, 14000])
 
 
 def _outputs(size: int) -> st.SearchStrategy[dict[int | None, str]]:
@@ -147,8 +152,29 @@ def calls(cursors: dict[str, str]) -> st.SearchStrategy[Call]:
         kinds = [*moves] * 4 + [*others]
         return st.sampled_from(kinds).flatmap(lambda kind: {**moves, **others}[kind])
 
+    limit = st.one_of(
+        st.builds(
+            lambda key, holder, most, now: ("acquire", (key, holder, most, LEASE_MS, now)),
+            st.sampled_from(LIMIT_KEYS),
+            st.sampled_from(HOLDERS),
+            st.sampled_from([1, 2, 2, 3]),
+            NOWS,
+        ),
+        st.builds(
+            lambda key, holder, now: ("renew", (key, holder, LEASE_MS, now)),
+            st.sampled_from(LIMIT_KEYS),
+            st.sampled_from(HOLDERS),
+            NOWS,
+        ),
+        st.builds(
+            lambda key, holder: ("release", (key, holder)),
+            st.sampled_from(LIMIT_KEYS),
+            st.sampled_from(HOLDERS),
+        ),
+    )
     # c is never submitted by the prelude: drawn now and then, for the missing verdicts
-    return st.sampled_from(["a", "a", "b", "b", "c"]).flatmap(per_workflow)
+    programs = st.sampled_from(["a", "a", "b", "b", "c"]).flatmap(per_workflow)
+    return st.sampled_from([programs] * 4 + [limit]).flatmap(lambda kind: kind)
 
 
 def again(call: Call) -> Call:
@@ -173,11 +199,19 @@ async def dump(client: Redis, prefix: str) -> tuple[dict[str, Any], set[str]]:
         kinds = await pipe.execute()
         read = {"hash": pipe.hgetall, "set": pipe.smembers, "string": pipe.get}
         for key, kind in zip(keys, kinds, strict=True):
-            if kind in ("list", "zset"):  # the model keeps a sorted set's members in order
+            if kind == "zset" and ":limit:" in key:  # holders with their lease expiry
+                pipe.zrange(key, 0, -1, withscores=True)
+            elif kind in ("list", "zset"):  # the model keeps a sorted set's members in order
                 getattr(pipe, "lrange" if kind == "list" else "zrange")(key, 0, -1)
             else:
                 read[kind](key)
         values = await pipe.execute()
+        values = [
+            {member: str(int(score)) for member, score in value}
+            if ":limit:" in key and isinstance(value, list)
+            else value
+            for key, value in zip(keys, values, strict=True)
+        ]
         for key in keys:
             pipe.pttl(key)
         ttls = await pipe.execute()

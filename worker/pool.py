@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Coroutine
@@ -12,9 +14,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from orchestrator import logs, metrics
-from orchestrator.bus import Transport
-from orchestrator.delivery import Delivery, Poison, process, redelivered
+from orchestrator import limits, logs, metrics
+from orchestrator.bus import GOING_ON, Transport
+from orchestrator.delivery import UNREACHABLE, Delivery, Poison, process, redelivered
 from orchestrator.lifecycle import Service, format_counts
 from orchestrator.marks import Marks
 from orchestrator.messages import (
@@ -28,11 +30,15 @@ from orchestrator.messages import (
 )
 from orchestrator.program import check_pool_name, is_lane
 from orchestrator.settings import Settings
+from orchestrator.shares import share_pools
 from orchestrator.store import TERMINAL, Store
 from worker.context import TaskContext
+from worker.fair import FairSlots
 from worker.registry import Registry, UnknownTask
 
 log = logging.getLogger(__name__)
+# A slot not given back within this is left to run out with its lease.
+RELEASE_WAIT_S = 5.0
 
 Report = Next | Failed
 
@@ -61,21 +67,30 @@ class Worker(Service):
         self.registry = registry
         self.pool = pool
         self.concurrency = concurrency or settings.parallel_concurrency
+        # A share of the pool (a kind of program) holds at most this many slots at once.
+        self.share = max(1, math.ceil(self.concurrency * settings.fair_share))
+        self.slots = FairSlots(self.concurrency)
         self.store = store
         self.bus = bus
         self.counts: Counter[str] = Counter()
         self.marks = Marks(store)  # who holds the serial lane, for `explain`
+        self.lease_ms = round(settings.key_lease_s * 1000)
         self._running: dict[str, set[asyncio.Task[Any]]] = {}
 
     def summary(self) -> str:
         return format_counts(self.counts)
 
     async def _start(self) -> list[Coroutine[Any, Any, None]]:
-        return [self._consume(), self._listen()]
+        pools = share_pools(self.pool)
+        log.info(
+            "%s: consuming %d queue(s) with concurrency %d, at most %d per share",
+            self.name, len(pools), self.concurrency, self.share,
+        )  # fmt: skip
+        return [*(self._consume(pool) for pool in pools), self._listen()]
 
     async def _listen(self) -> None:
         """Stop the running tasks of programs that were cancelled or ran out of time."""
-        async for message in self._track(await self.bus.consume_control()):
+        async for message in self._messages(self.bus.consume_control, self.bus.stop_consuming):
             try:
                 wf = Cancelled.model_validate_json(message.body).wf
             except ValidationError:
@@ -96,13 +111,19 @@ class Worker(Service):
             log.info("%s: %s cancelled: stopped %d running task(s)", self.name, wf, len(handlers))
         return len(handlers)
 
-    async def _consume(self) -> None:
-        queue = self.bus.names.task_queue(self.pool)
-        iterator = self._track(await self.bus.consume_pool(self.pool, self.concurrency))
-        log.info("%s: consuming %s with concurrency %d", self.name, queue, self.concurrency)
-        async for message in iterator:
-            # The prefetch bounds how many of these run at once.
-            self._spawn(self.handle(message, queue))
+    async def _consume(self, pool: str) -> None:
+        """Consume one of the pool's queues (one share of it): each holds at most its share of
+        the slots (the prefetch), and all take the free ones in turn."""
+        queue = self.bus.names.task_queue(pool)
+        share = self.concurrency if is_lane(pool) else self.share
+        log.debug("%s: consuming %s, at most %d at once", self.name, queue, share)
+        messages = self._messages(
+            lambda: self.bus.consume_pool(pool, share), self.bus.stop_consuming
+        )
+        async for message in messages:
+            await self.slots.acquire(pool, message.priority or 0)
+            task = self._spawn(self.handle(message, queue))
+            task.add_done_callback(lambda _: self.slots.release())
 
     async def handle(self, delivery: Delivery, source: str) -> None:
         """Run one task message; ack only after the report to the owner is confirmed."""
@@ -110,15 +131,27 @@ class Worker(Service):
             task = decode_task(delivery.body)
             if is_lane(self.pool):
                 await self.marks.lane(task.wf, task.path, task.task, self.pool)
-            reports = await self.run_tasks(task.split(), redelivered=redelivered(delivery))
+            again = redelivered(delivery)
+            if task.limit is not None:  # never batched: one task, one slot
+                # Back to the queue it came from when it waits: its share of the pool.
+                tasks_prefix = self.bus.names.task_queue("")
+                pool = (
+                    source.removeprefix(tasks_prefix)
+                    if source.startswith(tasks_prefix)
+                    else self.pool
+                )
+                reports = await self._limited(
+                    task, pool, redelivered=again, priority=delivery.priority
+                )
+            else:
+                reports = await self.run_tasks(task.split(), redelivered=again)
             for report in reports:
                 await self.bus.publish_to_shard(task.owner, encode(report))
 
-    async def run_tasks(self, tasks: list[TaskMessage], *, redelivered: bool) -> list[Report]:
-        """Run one message's tasks side by side and record their outputs in one call; the
-        reports for the owner: failures, and `next` when this completed the step."""
-        # A step its program has left (a late copy from a replay, or a redelivery after a crash
-        # past the report) is not run again: nothing it could record would count.
+    async def _current(self, tasks: list[TaskMessage]) -> bool:
+        """Whether the program is still at the tasks' step, in their run. A step its program
+        has left (a late copy from a replay, or a redelivery after a crash past the report)
+        is not run again: nothing it could record would count."""
         state = await self.store.state(tasks[0].wf)
         if not state:  # never run a handler for a program nobody submitted
             raise Poison(f"{tasks[0].wf}: no such program")
@@ -128,10 +161,93 @@ class Worker(Service):
             or int(state.get("epoch") or 0) != tasks[0].epoch  # a run before a redrive
         ):
             self.counts["stale"] += len(tasks)
+            return False
+        return True
+
+    async def _limited(
+        self, task: TaskMessage, pool: str, *, redelivered: bool, priority: int | None = None
+    ) -> list[Report]:
+        """Run a task with a per-key limit while holding a slot of its key. No free slot: the
+        message goes back to its pool through the delay ladder (doubling waits) and this
+        worker is free at once. The slot is a lease renewed while the handler runs and given
+        back however it ends; if it cannot be renewed in time (it was lost), the handler is
+        stopped and the attempt fails, as on a timeout."""
+        limit = task.limit
+        assert limit is not None
+        if not await self._current([task]):
+            return []
+        holder = limits.holder(task.wf, task.path, task.index)
+        slot = await self.store.acquire(limit.key, holder, limit.max, self.lease_ms)
+        if slot.verdict == "busy":
+            await self._wait_for_slot(task, pool, slot.held, slot.left_ms, priority)
+            return []
+        if limit.waits:
+            await self.marks.slot_taken(task.wf, task.path, task.index)
+        lost, done = asyncio.Event(), asyncio.Event()
+        renewing = asyncio.create_task(self._renew(limit.key, holder, lost, done))
+        try:
+            return await self.run_tasks([task], redelivered=redelivered, lost=lost, checked=True)
+        finally:
+            # Stopped between two renewals, never inside one: a Redis call cut short could
+            # leave its connection mid-reply.
+            done.set()
+            await asyncio.gather(renewing, return_exceptions=True)
+            try:
+                await asyncio.wait_for(self.store.release(limit.key, holder), RELEASE_WAIT_S)
+            except Exception as exc:  # its lease runs out instead
+                log.warning("%s: could not release a slot of %r: %r", self.name, limit.key, exc)
+
+    async def _wait_for_slot(
+        self, task: TaskMessage, pool: str, held: int, left_ms: int | None, priority: int | None
+    ) -> None:
+        """Send the task back to its pool after a backoff (never past the first lease's end,
+        so a dead holder's slot is taken up soon after it runs out)."""
+        assert task.limit is not None
+        waits = task.limit.waits
+        left_s = None if left_ms is None else left_ms / 1000
+        later = task.limit.model_copy(update={"waits": min(waits + 1, limits.MAX_WAITS)})
+        body = encode(task.model_copy(update={"limit": later}))
+        # It keeps its priority (the program's level) while it waits.
+        level = GOING_ON if priority is None else priority
+        await self.bus.publish_later(pool, body, limits.backoff_s(waits, left_s), level)
+        await self.marks.slot_wait(task.wf, task.path, task.index, task.limit, held)
+        self.counts["waited for a slot"] += 1
+        metrics.SLOT_WAITS.labels(metrics.pool_label(self.pool)).inc()
+
+    async def _renew(self, key: str, holder: str, lost: asyncio.Event, done: asyncio.Event) -> None:
+        """Renew a lease every third of it until `done`; set `lost` when it was dropped (it
+        ran out)."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), self.settings.key_lease_s / 3)
+            if done.is_set():
+                return
+            try:
+                slot = await self.store.renew(key, holder, self.lease_ms)
+            except UNREACHABLE as exc:  # the next try may still be in time
+                log.warning("%s: could not renew a slot of %r: %r", self.name, key, exc)
+                continue
+            if slot.verdict == "lost":
+                log.warning("%s: lost a slot of %r: its lease ran out", self.name, key)
+                lost.set()
+                return
+
+    async def run_tasks(
+        self,
+        tasks: list[TaskMessage],
+        *,
+        redelivered: bool,
+        lost: asyncio.Event | None = None,
+        checked: bool = False,
+    ) -> list[Report]:
+        """Run one message's tasks side by side and record their outputs in one call; the
+        reports for the owner: failures, and `next` when this completed the step. `lost`: set
+        when the slot a limited task holds is lost; `checked`: the step is known current."""
+        if not checked and not await self._current(tasks):
             return []
         values = await self._values(tasks[0])  # a message's tasks share input and prev
         if len(tasks) == 1:  # the common case, without gather's extra task
-            outcomes = [await self._attempt(tasks[0], *values)]
+            outcomes = [await self._attempt(tasks[0], *values, lost)]
         else:
             outcomes = await asyncio.gather(*(self._attempt(task, *values) for task in tasks))
         reports: list[Report] = [outcome for outcome in outcomes if isinstance(outcome, Failed)]
@@ -168,7 +284,9 @@ class Worker(Service):
         prev = found[task.path] if task.prev_ref else task.prev
         return input, prev
 
-    async def _attempt(self, task: TaskMessage, input: Any, prev: Any) -> str | Failed | None:
+    async def _attempt(
+        self, task: TaskMessage, input: Any, prev: Any, lost: asyncio.Event | None = None
+    ) -> str | Failed | None:
         """Run one handler: its output as JSON, its failure, or None when it was cancelled."""
         ctx = TaskContext(
             input=input,
@@ -184,7 +302,7 @@ class Worker(Service):
         logs.bind(workflow_id=task.wf, step=task.path, task=task.task, attempt=task.attempt)
         started = time.monotonic()
         try:
-            output = await self._output(task, ctx)
+            output = await self._output(task, ctx, lost)
             metrics.task_ended(self.pool, task.task, self.registry.handlers, "completed", started)
             return output
         except asyncio.CancelledError:
@@ -211,23 +329,34 @@ class Worker(Service):
                 epoch=task.epoch,
             )
 
-    async def _output(self, task: TaskMessage, ctx: TaskContext) -> str:
+    async def _output(
+        self, task: TaskMessage, ctx: TaskContext, lost: asyncio.Event | None = None
+    ) -> str:
         # The handler runs in a task of its own, so a cancelled program can stop just it.
         handler = asyncio.create_task(_guarded(self.registry.run(task.task, ctx)))
         running = self._running.setdefault(task.wf, set())
         running.add(handler)
         metrics.TASKS_RUNNING.labels(self.pool).inc()
+        watch = asyncio.create_task(lost.wait()) if lost is not None else None
         try:
-            done, _ = await asyncio.wait({handler}, timeout=task.timeout_s)
+            waits = {handler} if watch is None else {handler, watch}
+            done, _ = await asyncio.wait(
+                waits, timeout=task.timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
-            if not handler.done():  # timed out, or this worker is stopping
+            if watch is not None:
+                watch.cancel()
+            if not handler.done():  # timed out, lost its slot, or this worker is stopping
                 handler.cancel()
                 await asyncio.gather(handler, return_exceptions=True)
             running.discard(handler)
             metrics.TASKS_RUNNING.labels(self.pool).dec()
             if not running:
                 del self._running[task.wf]
-        if not done:
+        if handler not in done and watch is not None and watch in done:
+            key = task.limit.key if task.limit else ""
+            raise _TaskError(f"stopped: its slot of key {key!r} was lost (the lease ran out)")
+        if handler not in done:
             raise _TaskError(f"timed out after {task.timeout_s}s")
         if handler.cancelled():
             raise _ProgramCancelled
