@@ -50,6 +50,7 @@ MAX_DELAY_MS = 30 * 86400 * 1000
 CONSUME_ATTEMPTS = 5
 CONSUME_BACKOFF_S = 0.5
 RECONNECT_WAIT_S = 60.0
+CLOSE_TIMEOUT_S = 10.0  # closing a consumer's channel, which a lost connection may not answer
 # A lost connection (INTERNAL_ERROR, a ConnectionInternalError, is one) or a closed channel.
 _CONSUME_RACE = (aiormq.exceptions.AMQPConnectionError, aiormq.exceptions.ChannelInvalidStateError)
 
@@ -224,8 +225,7 @@ class Bus:
                 )
                 arguments = {**arguments, "x-max-priority": GOING_ON}
             finally:
-                with contextlib.suppress(Exception):
-                    await probe.close()
+                await _close_quietly(probe)
         self._task_arguments[name] = arguments
         return arguments
 
@@ -434,12 +434,16 @@ class Bus:
                 await iterator.consume()
                 self._consumer_channels[iterator] = channel
                 return iterator
+            except (asyncio.CancelledError, TimeoutError):
+                # Given up (a start's timeout, a stop): a robust channel left open would
+                # start the consumer after a reconnect, holding messages nobody reads.
+                await _close_quietly(channel)
+                raise
             except _CONSUME_RACE as exc:
+                await _close_quietly(channel)
                 if attempt == CONSUME_ATTEMPTS:
                     raise
                 log.warning("consume refused (%r); trying again once reconnected", exc)
-                with contextlib.suppress(Exception):
-                    await channel.close()
                 await asyncio.sleep(CONSUME_BACKOFF_S * attempt)
                 assert self._connection is not None
                 await asyncio.wait_for(self._connection.connected.wait(), RECONNECT_WAIT_S)
@@ -450,10 +454,9 @@ class Bus:
         start the consumer again after a reconnect, holding messages nobody reads."""
         channel = self._consumer_channels.pop(iterator, None)
         with contextlib.suppress(Exception):
-            await iterator.close()
+            await asyncio.wait_for(iterator.close(), CLOSE_TIMEOUT_S)
         if channel is not None:
-            with contextlib.suppress(Exception):
-                await channel.close()
+            await _close_quietly(channel)
 
     async def _consumer_channel(self, prefetch: int = 0) -> AbstractChannel:
         if self._connection is None:
@@ -462,6 +465,12 @@ class Bus:
         if prefetch:
             await channel.set_qos(prefetch_count=prefetch)
         return channel
+
+
+async def _close_quietly(channel: AbstractChannel) -> None:
+    """Close a channel we give up on, bounded: a closing connection may never answer."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(channel.close(), CLOSE_TIMEOUT_S)
 
 
 def _message(

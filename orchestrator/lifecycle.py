@@ -16,6 +16,9 @@ log = logging.getLogger(__name__)
 
 # The pause before a consumer that failed under a broker restart starts again.
 RECONSUME_S = 1.0
+# A consumer start or stop that takes longer is given up (and a start tried again): a broker
+# that never answers one RPC must not hold a part's loop, or its stop, forever.
+CONSUMER_RPC_TIMEOUT_S = 30.0
 # A lost connection (aiormq's errors are OSErrors), as a consumer sees it.
 _LOST = (OSError, ChannelInvalidStateError)
 
@@ -48,6 +51,9 @@ class Service:
         self._stop = asyncio.Event()
         self._iterators: set[AbstractQueueIterator] = set()
         self._in_flight: set[asyncio.Task[Any]] = set()
+        # One consumer start at a time: a worker starts one per share queue, and several
+        # opening channels and declaring at once on one connection only contend.
+        self._starting = asyncio.Lock()
 
     async def _start(self) -> list[Coroutine[Any, Any, None]]:
         raise NotImplementedError
@@ -61,7 +67,14 @@ class Service:
         iterator consumes again after a reconnect, but one whose channel closed as the broker
         went down may end or raise instead: then `stop` it (its channel too) and start again."""
         while True:
-            iterator = await start()
+            try:
+                async with self._starting:
+                    iterator = await asyncio.wait_for(start(), CONSUMER_RPC_TIMEOUT_S)
+            except (TimeoutError, *_LOST) as exc:
+                raise_if_cancelled()
+                log.warning("%s: a consumer did not start (%r); trying again", self.name, exc)
+                await asyncio.sleep(RECONSUME_S)
+                continue
             self._iterators.add(iterator)
             try:
                 async for message in iterator:
@@ -73,7 +86,8 @@ class Service:
                 log.warning("%s: a consumer failed (%r); consuming again", self.name, exc)
             finally:
                 self._iterators.discard(iterator)
-            await stop(iterator)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(stop(iterator), CONSUMER_RPC_TIMEOUT_S)
             raise_if_cancelled()
             await asyncio.sleep(RECONSUME_S)
 
@@ -117,7 +131,7 @@ class Service:
             await asyncio.gather(*loops, return_exceptions=True)
             for iterator in list(self._iterators):
                 with contextlib.suppress(Exception):
-                    await iterator.close()
+                    await asyncio.wait_for(iterator.close(), CONSUMER_RPC_TIMEOUT_S)
             pending = list(self._in_flight)
             if pending:
                 _, late = await asyncio.wait(pending, timeout=self.grace_s)

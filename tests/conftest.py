@@ -10,8 +10,11 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import threading
+import traceback
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -223,3 +226,20 @@ async def cluster(
         finally:
             dev.shutdown()
             await running
+
+
+def _dump_tasks(signum: int, frame: object) -> None:
+    """`kill -USR1 <pytest>`: every asyncio task's stack on the real stderr, for a run that
+    hangs idle (pytest-timeout shows threads, and a hung loop's thread only sits in select)."""
+    try:
+        tasks = asyncio.all_tasks()
+    except RuntimeError:  # no loop running now
+        return
+    out = sys.__stderr__
+    for task in tasks:
+        print(f"--- {task!r}", file=out)
+        for found in task.get_stack(limit=30):
+            print("".join(traceback.format_stack(found, limit=1)), end="", file=out)
+
+
+signal.signal(signal.SIGUSR1, _dump_tasks)

@@ -47,6 +47,7 @@ from router.client import Router
 from tests.app import fault_output
 from tests.brokers import PrivateRabbit, PrivateRedis
 from tests.ordering import assert_leaves_in_order
+from tests.polling import until
 
 ROOT = Path(__file__).parent.parent
 PROGRAMS = int(os.environ.get("SHARDFLOW_FAULT_PROGRAMS", "200"))
@@ -810,7 +811,15 @@ async def test_a_slot_held_by_a_killed_worker_comes_back_and_the_limit_holds(
         killed_wf = started[0]["wf"]
         fleet.start(victim)
         statuses = await _wait_all(store, ids, timeout_s=60)
-        held_after = await store.client.zcard(store.keys.limit("acme"))
+        # A duplicate run (a message redelivered after the kill while its copy waited) may
+        # still be giving its slot back as its program completes: every slot is given back or
+        # runs out within a lease.
+        holders = store.keys.limit("acme")
+
+        async def held() -> dict[str, Any]:
+            return {"held": await store.client.zcard(holders)}
+
+        await until(held, lambda h: h["held"] == 0, 2 * LEASE_S + 1)
     finally:
         await bus.close()
         exits = fleet.stop_all()
@@ -828,5 +837,4 @@ async def test_a_slot_held_by_a_killed_worker_comes_back_and_the_limit_holds(
     kill_at = next(n for n, e in enumerate(events) if e.get("event") == "kill")
     again = [e for e in events[kill_at:] if e.get("wf") == killed_wf and e.get("event") == "end"]
     assert again, f"{killed_wf} never ran to its end after the kill"
-    assert held_after == 0  # every slot given back or run out
     assert all(code == 0 for code in exits), exits

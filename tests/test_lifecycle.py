@@ -32,7 +32,7 @@ class _Iterator:
 
 
 class _Reader(Service):
-    def __init__(self, iterators: list[_Iterator]) -> None:
+    def __init__(self, iterators: list[_Iterator | None]) -> None:
         super().__init__(grace_s=1)
         self.iterators, self.got, self.stopped = iterators, [], []  # type: ignore[var-annotated]
 
@@ -41,7 +41,10 @@ class _Reader(Service):
 
     async def _read(self) -> None:
         async def start() -> Any:
-            return self.iterators.pop(0)
+            found = self.iterators.pop(0)
+            if found is None:  # a start the broker never answers
+                await asyncio.Event().wait()
+            return found
 
         async def stop(iterator: Any) -> None:
             self.stopped.append(iterator)
@@ -73,3 +76,57 @@ async def test_an_error_that_is_no_lost_connection_still_stops_the_service(
     reader = _Reader([_Iterator(["a"], ValueError("a bug"))])
     with pytest.raises(ValueError, match="a bug"):
         await asyncio.wait_for(reader.run(), 5)
+
+
+async def test_a_start_that_never_answers_is_given_up_and_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(lifecycle, "RECONSUME_S", 0)
+    monkeypatch.setattr(lifecycle, "CONSUMER_RPC_TIMEOUT_S", 0.05)
+    reader = _Reader([None, _Iterator(["a", "last"])])
+    await asyncio.wait_for(reader.run(), 5)
+    assert reader.got == ["a", "last"]
+
+
+async def test_a_stop_that_never_answers_does_not_hold_the_service(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(lifecycle, "CONSUMER_RPC_TIMEOUT_S", 0.05)
+
+    class _Stuck(_Iterator):
+        async def close(self) -> None:
+            await asyncio.Event().wait()
+
+    reader = _Reader([_Stuck(["a", "last"])])
+    await asyncio.wait_for(reader.run(), 5)
+    assert reader.got == ["a", "last"]
+
+
+async def test_consumers_start_one_at_a_time() -> None:
+    starting = running = 0
+
+    class _Many(Service):
+        async def _start(self) -> list[Coroutine[Any, Any, None]]:
+            return [self._read() for _ in range(4)]
+
+        async def _read(self) -> None:
+            async def start() -> Any:
+                nonlocal starting, running
+                starting += 1
+                running = max(running, starting)
+                await asyncio.sleep(0.01)
+                starting -= 1
+                return _Iterator([])
+
+            async def stop(iterator: Any) -> None:
+                pass
+
+            async for _ in self._messages(start, stop):
+                pass
+
+    many = _Many(grace_s=1)
+    serving = asyncio.create_task(many.run())
+    await asyncio.sleep(0.2)
+    many.shutdown()
+    await asyncio.wait_for(serving, 5)
+    assert running == 1
