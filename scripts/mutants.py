@@ -258,6 +258,40 @@ end""",
         'redis.call("ZADD", KEYS[1], now + tonumber(ARGV[2]), ARGV[1])',
         (DIFFERENTIAL,),
     ),
+    # Per-key limits in the worker: it runs the handler when acquire said busy (over the
+    # limit), keeps the slot when the attempt failed (leaked until its lease runs out), sends a
+    # waiting task back to the pool's first share instead of the queue it came from.
+    "limit-runs-when-busy": (
+        "worker/pool.py",
+        """        if slot.verdict == "busy":
+            await self._wait_for_slot(task, pool, slot.held, slot.left_ms)
+            return []
+""",
+        "",
+        (MACHINE,),
+    ),
+    "limit-kept-when-the-attempt-failed": (
+        "worker/pool.py",
+        """        try:
+            return await self.run_tasks([task], redelivered=redelivered, lost=lost, checked=True)
+        finally:""",
+        """        reports = await self.run_tasks(
+            [task], redelivered=redelivered, lost=lost, checked=True
+        )
+        if any(isinstance(report, Failed) for report in reports):
+            done.set()
+            return reports
+        try:
+            return reports
+        finally:""",
+        (MACHINE,),
+    ),
+    "limit-wait-leaves-its-share": (
+        "worker/pool.py",
+        "reports = await self._limited(task, pool, redelivered=again)",
+        "reports = await self._limited(task, self.pool, redelivered=again)",
+        (MACHINE,),
+    ),
     "retry-forgets-args-from": (
         "orchestrator/transitions.py",
         "leaf = replace(leaf, args=computed)",

@@ -92,7 +92,7 @@ def redis_url() -> str:
 _PREFIXES: set[str] = set()  # every test's, for a run that had to share the default vhost
 _FINISHED: set[str] = set()  # prefixes of finished tests whose queues may still exist
 _VHOST = [""]  # this run's own vhost, once made
-SWEEP_EVERY = 25  # finished tests between two sweeps of their queues
+SWEEP_EVERY = 15  # finished tests between two sweeps of their queues
 
 
 def _drop_queues(vhost: str, prefixes: set[str]) -> None:

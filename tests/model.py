@@ -284,6 +284,10 @@ class Expected:
     args: dict[tuple[str, int | None], dict[str, Any]] = field(default_factory=dict)
     # the latest output of each step with an id, as the program goes
     refs: dict[str, Any] = field(default_factory=dict)
+    # the input it is submitted with (tests/model.py's input_of), which limit keys read
+    input: Any = None
+    # (path, bag index or None) -> (key, max) of a limited task's slot (see with_limits)
+    keys: dict[tuple[str, int | None], tuple[str, int]] = field(default_factory=dict)
 
     def position(self, path: str) -> int:
         return [leaf for leaf, _ in self.leaves].index(path)
@@ -295,7 +299,7 @@ class _Stop(Exception):
 
 def expect(program: dict[str, Any]) -> Expected:
     """Interpret a drawn program the slow, obvious way."""
-    expected = Expected()
+    expected = Expected(input=input_of(program))
     try:
         expected.result = _run(program["steps"], None, "", expected, 0)
     except _Stop:
@@ -377,6 +381,9 @@ def _member(step: dict[str, Any], path: str, index: int | None, expected: Expect
     for name, source in step.get("args_from", {}).items():
         args[name] = expected.refs[source.removeprefix("steps.")]
     expected.args[(path, index)] = args
+    if "limit" in step:  # a map's items are 0, 1, ... (see MAP_LIST)
+        item = index if "map" in step else None
+        expected.keys[(path, index)] = key_of(step, expected.input, args, item)
     if step["task"] == "boom":
         errors = ["RuntimeError: boom"] * most
     elif step["task"] == "flaky" and len(step["args"]["fails"]) >= most:
@@ -405,3 +412,78 @@ def _fail(expected: Expected, error_prefix: str, errors: list[str]) -> None:
     expected.error_prefix = error_prefix
     expected.errors = errors
     raise _Stop
+
+
+# --- per-key limits (#15 item 3) -----------------------------------------------------------
+# A drawn program's input names a tenant (a fixed function of the program, so a replay submits
+# the same); keys come from it, from `args.k` and from a map's item, so that programs (and the
+# members of one map) share keys. Each key names its max ("m1:" or "m2:"): one max per key.
+TENANTS = ("t0", "t1")
+KEY_ARGS = ("a", "b")
+
+
+def input_of(program: dict[str, Any]) -> dict[str, str]:
+    """The input the property test submits a drawn program with."""
+    digest = zlib.crc32(repr(program).encode())
+    return {"tenant": TENANTS[digest % len(TENANTS)]}
+
+
+# CEL key -> (max, the key in plain Python over input, args and item: the model's own)
+LIMIT_KEYS: dict[str, tuple[int, Any]] = {
+    "'m1:' + input.tenant": (1, lambda input, args, item: "m1:" + input["tenant"]),
+    "'m2:' + input.tenant": (2, lambda input, args, item: "m2:" + input["tenant"]),
+    "'m1:' + args.k": (1, lambda input, args, item: "m1:" + args["k"]),
+    "'m2:' + input.tenant + args.k": (
+        2,
+        lambda input, args, item: f"m2:{input['tenant']}{args['k']}",
+    ),
+    "'m1:i' + string(item % 2)": (1, lambda input, args, item: f"m1:i{item % 2}"),
+}
+_ITEM_KEYS = ["'m1:i' + string(item % 2)"]
+
+
+@st.composite
+def _with_limits(draw: st.DrawFn, program: dict[str, Any]) -> dict[str, Any]:
+    """The same program with a per-key limit on some tasks, bag members and maps (one in
+    three; shrinks to none). A key over `args.k` gives the step that argument."""
+    sometimes = st.integers(0, 2).map(lambda n: n == 2)
+
+    def limited(member: dict[str, Any], mapped: bool) -> dict[str, Any]:
+        if not draw(sometimes):
+            return member
+        key = draw(st.sampled_from([*LIMIT_KEYS][:4] + (_ITEM_KEYS if mapped else [])))
+        member = {**member, "limit": {"key": key, "max": LIMIT_KEYS[key][0]}}
+        if "args." in key:
+            member["args"] = {**member.get("args", {}), "k": draw(st.sampled_from(KEY_ARGS))}
+        return member
+
+    def walk(steps: list[Any]) -> list[Any]:
+        out = []
+        for step in steps:
+            step = dict(step)
+            if "bag" in step:
+                step["bag"] = [limited(member, False) for member in step["bag"]]
+            elif "task" in step:  # a task or a map
+                step = limited(step, "map" in step)
+            elif "until" in step:
+                step["steps"] = walk(step["steps"])
+            elif "choice" in step:
+                step["choice"] = [{**case, "steps": walk(case["steps"])} for case in step["choice"]]
+                if "otherwise" in step:
+                    step["otherwise"] = walk(step["otherwise"])
+            out.append(step)
+        return out
+
+    return {**program, "steps": walk(program["steps"])}
+
+
+def with_limits(drawn: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
+    """Drawn programs, some of whose tasks, members and maps hold a slot of a per-key limit
+    (max 1 or 2) while they run; submit them with `input_of(program)`."""
+    return drawn.flatmap(_with_limits)
+
+
+def key_of(step: dict[str, Any], input: Any, args: dict[str, Any], item: Any) -> tuple[str, int]:
+    """The key (and max) the model computes for a limited task, bag member or map item."""
+    most, compute = LIMIT_KEYS[step["limit"]["key"]]
+    return compute(input, args, item), most

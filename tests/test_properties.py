@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -39,7 +40,7 @@ from hypothesis.stateful import (
 )
 from redis.asyncio import Redis
 
-from orchestrator.keys import Keys
+from orchestrator.keys import Keys, Names
 from orchestrator.machine import leaf_at
 from orchestrator.memory_store import MemoryStore
 from orchestrator.messages import Cancelled, TaskMessage, decode_task
@@ -48,11 +49,20 @@ from orchestrator.program import Program, parse_program, pool_of
 from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
 from orchestrator.shares import share_of, share_pool
-from orchestrator.store import TERMINAL, Completion, Ended, Store, Verdict
+from orchestrator.store import TERMINAL, Completion, Ended, Slot, Store, Verdict
 from orchestrator.transitions import Plans, Transitions
 from router.client import Router
 from router.redriving import RedriveError
-from tests.model import SIGNAL, Expected, expect, output_of, programs, signal_data
+from tests.model import (
+    SIGNAL,
+    Expected,
+    expect,
+    input_of,
+    output_of,
+    programs,
+    signal_data,
+    with_limits,
+)
 from worker.context import TaskContext
 from worker.pool import Worker
 from worker.registry import Registry
@@ -73,6 +83,7 @@ class Envelope:
     shard: int = -1  # the queue a shard message was published to
     wf: str = ""
     timed: bool = False  # a task message with a timeout: its handler may wait real time
+    pool: str = ""  # the pool (its share's queue) a task message was published to
 
 
 def _is_wake(envelope: Envelope) -> bool:
@@ -107,6 +118,7 @@ class Transport:
         self.redelivered = False  # the flag of the message being handled
         self.dead: list[str] = []
         self._on_task = on_task
+        self.names = Names("")  # the worker names the queue a waiting task goes back to
 
     def _count(self) -> None:
         if self.crash_after is not None:
@@ -118,7 +130,7 @@ class Transport:
         task = decode_task(body)
         self._on_task(task, retry=retry, pool=pool)
         timed = any(t.timeout_s is not None for t in task.split())
-        return Envelope("task", body, wf=task.wf, timed=timed)
+        return Envelope("task", body, wf=task.wf, timed=timed, pool=pool)
 
     def _keep(self, envelope: Envelope, *, delayed: bool = False) -> None:
         (self.later if delayed else self.in_flight).append(envelope)
@@ -157,6 +169,13 @@ class Transport:
         raise AssertionError(f"a handler failed on a good message: {headers}")
 
 
+@dataclass(frozen=True)
+class Lease:
+    key: str
+    expiry: int  # on RecordingStore.clock_ms
+    released: bool = False
+
+
 class RecordingStore:
     """A store (the real Lua in Redis, or its model), noting what each transition decided."""
 
@@ -169,6 +188,7 @@ class RecordingStore:
         self.final: dict[str, dict[str, str]] = {}  # each program's state as it ended
         self.cancelled: dict[str, tuple[str, str]] = {}  # ended by cancel: (status, reason)
         self.violations: list[str] = []
+        self._limits_init()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -176,6 +196,7 @@ class RecordingStore:
     async def record(
         self, wf: str, path: str, size: int, outputs: Mapping[int | None, str], epoch: int = 0
     ) -> Completion:
+        self._dies()  # a worker dying before it records (see die_holding_slot)
         before = await self.inner.state(wf)
         completion = await self.inner.record(wf, path, size, outputs, epoch)
         if completion.verdict in ("fire", "again", "wait") and (
@@ -196,6 +217,85 @@ class RecordingStore:
             if len(completion.outputs) != size or not all(completion.outputs):
                 self.violations.append(f"{wf} {path}: barrier fired before all {size} finished")
         return completion
+
+    # --- per-key limits: a clock the machine moves, and who holds which slot -------------
+
+    def _limits_init(self) -> None:
+        # The leases' clock (ms), passed to every acquire and renew: only the machine moves it
+        # (leases_run_out), so a replay sees the same leases run out.
+        self.clock_ms = 1_000_000_000
+        self.leases: dict[str, Lease] = {}  # holder -> its slot, until released
+        self.dead: set[str] = set()  # holders whose worker died holding the slot
+        self.dying = False  # while set, the worker dies at its next record or release
+        self.waiting = ""  # the task (`wf path member`) an acquire just found busy
+        self.busy = 0  # acquires that found every slot held
+
+    def _dies(self) -> None:
+        if self.dying:
+            raise Crash
+
+    def alive(self, key: str) -> list[str]:
+        """Holders of a slot of `key` now: not released, their lease not run out."""
+        return [
+            holder
+            for holder, lease in self.leases.items()
+            if lease.key == key and not lease.released and lease.expiry > self.clock_ms
+        ]
+
+    def dead_alive(self, key: str | None = None) -> list[str]:
+        """Slots held by dead workers whose leases have not run out yet."""
+        keys = {lease.key for lease in self.leases.values()} if key is None else {key}
+        return [holder for k in keys for holder in self.alive(k) if holder in self.dead]
+
+    async def acquire(
+        self, key: str, holder: str, most: int, lease_ms: int, now_ms: int | None = None
+    ) -> Slot:
+        slot = await self.inner.acquire(key, holder, most, lease_ms, self.clock_ms)
+        if slot.verdict in ("acquired", "held"):
+            self.leases[holder] = Lease(key, self.clock_ms + lease_ms)
+        else:
+            self.busy += 1
+            self.waiting = holder.rsplit(" ", 1)[0]
+        held = len(self.alive(key))
+        if held > most:
+            self.violations.append(f"{holder}: {held} hold a slot of {key!r} (max {most})")
+        if slot.held != held:
+            self.violations.append(
+                f"acquire({key!r}) by {holder}: {slot.verdict} with {slot.held} holding, "
+                f"but {held} hold a live lease"
+            )
+        if slot.verdict == "busy" and held < most:
+            self.violations.append(f"{holder}: busy while {held} of {most} hold {key!r}")
+        return slot
+
+    async def renew(self, key: str, holder: str, lease_ms: int, now_ms: int | None = None) -> Slot:
+        slot = await self.inner.renew(key, holder, lease_ms, self.clock_ms)
+        if slot.verdict == "renewed" and holder in self.leases:
+            self.leases[holder] = Lease(key, self.clock_ms + lease_ms)
+        return slot
+
+    async def release(self, key: str, holder: str) -> Slot:
+        self._dies()
+        slot = await self.inner.release(key, holder)
+        lease = self.leases.get(holder)
+        if lease is None or lease.released:
+            self.violations.append(f"{holder}: released {key!r} it never acquired (or twice)")
+        elif slot.verdict == "gone" and lease.expiry > self.clock_ms:
+            self.violations.append(f"{holder}: its slot of {key!r} gone before its lease ran out")
+        if lease is not None:
+            self.leases[holder] = replace(lease, released=True)
+        return slot
+
+    async def stored_leases(self, key: str) -> dict[str, int]:
+        """The holders the store keeps for `key` (run-out ones not dropped yet too)."""
+        name = self.keys.limit(key)
+        if isinstance(self.inner, MemoryStore):
+            found = self.inner.data.get(name) or {}
+            assert isinstance(found, dict)
+            return {holder: int(expiry) for holder, expiry in found.items()}
+        assert isinstance(self.inner, RedisStore)
+        pairs = await self.inner.client.zrange(name, 0, -1, withscores=True)
+        return {holder: int(expiry) for holder, expiry in pairs}
 
     async def signals_left(self, wf: str, name: str) -> int:
         """Signals of `name` kept and never taken (the model's list, or the Redis list)."""
@@ -267,7 +367,8 @@ class Cluster(RuleBasedStateMachine):
         self.transport = Transport(self._check_dispatch)
         self.transitions = Transitions(self.store, self.transport, Plans(self.store, 64))
         settings = Settings(prefix=keys.prefix)
-        registry = Registry({"work": self._work, "boom": self._boom, "flaky": self._flaky})
+        handlers = {"work": self._work, "boom": self._boom, "flaky": self._flaky}
+        registry = Registry({name: self._in_slot(run) for name, run in handlers.items()})
         self.worker = Worker(
             settings, registry, pool="parallel", store=self.store, bus=self.transport
         )
@@ -288,6 +389,7 @@ class Cluster(RuleBasedStateMachine):
         self.held = 0
         self.all_held = asyncio.Event()  # set when `expect_held` handlers wait at the gate
         self.expect_held = 0
+        self.running_keys: Counter[str] = Counter()  # handlers running per limit key
 
     # --- the tasks: `work` and `flaky` as tests/model.py describes them --------------------
 
@@ -298,6 +400,33 @@ class Cluster(RuleBasedStateMachine):
             if self.held == self.expect_held:
                 self.all_held.set()
             await gate.wait()
+
+    def _in_slot(self, handler: Any) -> Any:
+        """A handler that checks, as it starts, that a limited task holds a slot of its key
+        (the key the model computes), and that its key's running handlers and dead workers'
+        live slots are at most its max."""
+
+        async def run(ctx: TaskContext) -> Any:
+            found = self.expected[ctx.workflow_id].keys.get((ctx.step, ctx.index))
+            if found is None:
+                return await handler(ctx)
+            key, most = found
+            member = "-" if ctx.index is None else str(ctx.index)
+            mine = f"{ctx.workflow_id} {ctx.step} {member} "
+            if not any(h.startswith(mine) for h in self.store.alive(key)):
+                self.store.violations.append(f"{mine}ran without a slot of {key!r}")
+            self.running_keys[key] += 1
+            try:
+                running = self.running_keys[key] + len(self.store.dead_alive(key))
+                if running > most:
+                    self.store.violations.append(
+                        f"{mine}runs with {running} holding {key!r} (max {most})"
+                    )
+                return await handler(ctx)
+            finally:
+                self.running_keys[key] -= 1
+
+        return run
 
     async def _work(self, ctx: TaskContext) -> dict[str, Any]:
         await self._hold()
@@ -322,9 +451,13 @@ class Cluster(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         try:
+            # Every slot still held now is a dead worker's (no handler runs between rules):
+            # their leases run out, so the waiting tasks get slots.
+            self.store.clock_ms += self.worker.lease_ms + 1
             self._drain()
             for wf, expected in self.expected.items():
                 self._check_end(wf, expected)
+            self._no_slot_leaked()
             # A cancel after the end changes nothing (a redelivered cancel, a late user).
             for wf in self.expected:
                 self._cancel(wf, "too late")
@@ -360,6 +493,11 @@ class Cluster(RuleBasedStateMachine):
         pools = {share_pool(pool_of(step, one.index), share) for one in task.split()}
         if pools != {pool}:
             violations.append(f"{task.wf} {task.path}: tasks of pools {pools} sent to {pool}")
+        for one in task.split():  # a limited one carries the key (and max) the model says
+            want = expected.keys.get((task.path, one.index))
+            got = None if task.limit is None else (task.limit.key, task.limit.max)
+            if got != want:
+                violations.append(f"{task.wf} {task.path}/{one.index}: limit {got}, not {want}")
         for one in task.split():  # args_from read the outputs the model says (steps.<id>)
             args = expected.args.get((task.path, one.index))
             if args is not None and one.args != args:
@@ -376,6 +514,14 @@ class Cluster(RuleBasedStateMachine):
                 f"{task.wf}: {task.path} dispatched again after {paths[furthest]} was"
             )
         self.furthest[task.wf] = max(furthest, position)
+        if retry and task.limit is not None and task.limit.waits:
+            # Sent back by a worker that found every slot held: the same attempt, no retry.
+            member = "-" if task.index is None else str(task.index)
+            if self.store.waiting != f"{task.wf} {task.path} {member}":
+                violations.append(f"{task.wf} {task.path}/{task.index}: waits, never found busy")
+            self.store.waiting = ""
+            event("a task waited for a slot")
+            return
         if not retry:
             if task.attempt != 0:
                 violations.append(f"{task.wf} {task.path}: a first run as attempt {task.attempt}")
@@ -448,7 +594,7 @@ class Cluster(RuleBasedStateMachine):
 
     # --- the transport's moves ---------------------------------------------------------
 
-    grammar = programs(faults=True)  # what `submit` draws programs from
+    grammar = with_limits(programs(faults=True))  # what `submit` draws programs from
 
     @initialize(
         drawn=st.runner().flatmap(
@@ -477,7 +623,7 @@ class Cluster(RuleBasedStateMachine):
             self.expected[wf] = expect(program)
             self.signals[wf] = list(self.expected[wf].signals)
             self.programs[wf] = parse_program(program)
-            self.run(self.router.submit(program, None, wf))
+            self.run(self.router.submit(program, input_of(program), wf))
             while early and self.signals[wf]:  # every signal kept before any step waits
                 self._signal(wf, self.sent[wf], signal_data(self.signals[wf].pop(0)))
                 self.sent[wf] += 1
@@ -497,15 +643,17 @@ class Cluster(RuleBasedStateMachine):
         before = await self.store.state(envelope.wf) if deadline else {}
         self.transport.crash_after = crash_after
         self.transport.redelivered = envelope.redelivered
+        holding = set(self.store.leases)
         try:
             if envelope.kind == "shard":
                 await handle_shard_message(
                     delivery, self.transitions, self.transport, envelope.shard, "s"
                 )
             else:
-                await self.worker.handle(delivery, "tasks")
-        except Crash:
-            pass
+                await self.worker.handle(delivery, self.transport.names.task_queue(envelope.pool))
+        except Crash:  # a slot it took and never gave back is a dead worker's
+            taken = set(self.store.leases) - holding
+            self.store.dead.update(h for h in taken if not self.store.leases[h].released)
         finally:
             self.transport.crash_after = None
         assert not delivery.nacked, "a handler raised: see the log"
@@ -739,10 +887,13 @@ class Cluster(RuleBasedStateMachine):
         running = len(task.split())
         delivery = FakeDelivery(envelope)
         gate = asyncio.Event()
+        busy = self.store.busy
         self.gate, self.held, self.expect_held = gate, 0, running
         self.all_held.clear()
         try:
-            handling = asyncio.ensure_future(self.worker.handle(delivery, "tasks"))
+            handling = asyncio.ensure_future(
+                self.worker.handle(delivery, self.transport.names.task_queue(envelope.pool))
+            )
             held = asyncio.ensure_future(self.all_held.wait())
             await asyncio.wait({handling, held}, return_when=asyncio.FIRST_COMPLETED)
             held.cancel()
@@ -751,10 +902,10 @@ class Cluster(RuleBasedStateMachine):
         if handling.done():
             handling.result()  # raises what ended it early, if anything did
             # Not run at all: only a step its program has left (or its run: a redrive since)
-            # may be skipped.
+            # may be skipped, or a task that found every slot of its key held (it waits).
             state = await self.store.state(task.wf)
             now = (state["status"], state["cursor"], int(state.get("epoch") or 0))
-            assert now != ("running", task.path, task.epoch), state
+            assert now != ("running", task.path, task.epoch) or self.store.busy > busy, state
         else:
             assert self.held == running, f"{self.held} of {running} handlers started"
         await meanwhile()
@@ -785,6 +936,52 @@ class Cluster(RuleBasedStateMachine):
             self.run(self.router.signal(wf, SIGNAL, data, signal_id=f"{wf}:{n}"))
         except ValueError as exc:  # it ended (failed, cancelled) before needing it
             assert "has ended" in str(exc), exc
+
+    # --- per-key limits: workers that die holding a slot, leases that run out -------------
+
+    def _limited_tasks(self) -> list[int]:
+        in_flight = self.transport.in_flight
+        return [
+            i
+            for i, e in enumerate(in_flight)
+            if e.kind == "task" and decode_task(e.body).limit is not None
+        ]
+
+    @precondition(lambda self: self._limited_tasks())
+    @rule(data=st.data())
+    def die_holding_slot(self, data: st.DataObject) -> None:
+        """A worker takes a slot of a task's key and dies (kill -9) after its handler, before
+        it records or gives the slot back: the slot stays held until its lease runs out, and
+        the message comes back flagged."""
+        index = data.draw(st.sampled_from(self._limited_tasks()), label="task")
+        self.store.dying = True
+        try:
+            self._deliver(index)
+        finally:
+            self.store.dying = False
+        if self.store.dead_alive():
+            event("a worker died holding a slot")
+
+    @precondition(lambda self: self.store.dead_alive())
+    @rule(whole=st.booleans())
+    def leases_run_out(self, whole: bool) -> None:
+        """Time passes for the leases (no handler runs between rules, so only dead workers'
+        slots are held): a whole lease, and their slots are free; half of one, and not yet."""
+        lease = self.worker.lease_ms
+        self.store.clock_ms += lease + 1 if whole else lease // 2
+
+    def _no_slot_leaked(self) -> None:
+        """Once every program ended: every slot taken was given back, but dead workers',
+        whose leases have run out; and the store holds no live lease."""
+        store = self.store
+        for holder, lease in store.leases.items():
+            assert lease.released or holder in store.dead, f"{holder}: never gave back {lease}"
+            assert lease.released or lease.expiry <= store.clock_ms, f"{holder}: {lease} live"
+        for key in {lease.key for lease in store.leases.values()}:
+            kept = self.run(store.stored_leases(key))
+            live = {h: expiry for h, expiry in kept.items() if expiry > store.clock_ms}
+            assert not live, f"{key!r}: slots still held after every program ended: {live}"
+            assert set(kept) <= store.dead, f"{key!r}: kept holders that gave theirs back: {kept}"
 
     def _drain(self) -> None:
         for wf, left in self.signals.items():  # every signal the programs wait for
@@ -835,11 +1032,11 @@ def test_maps_sleeps_and_waits_keep_order_under_duplicates_reordering_and_crashe
     """The same machine over programs made mostly of the newer step kinds, on the real Lua."""
     Cluster.redis_url, Cluster.prefix = keyspace
     Cluster.store_kind = "redis"
-    Cluster.grammar = programs(faults=True, newer=True)
+    Cluster.grammar = with_limits(programs(faults=True, newer=True))
     try:
         run_state_machine_as_test(Cluster)
     finally:
-        Cluster.grammar = programs(faults=True)
+        Cluster.grammar = with_limits(programs(faults=True))
 
 
 @pytest.mark.parametrize("seed", [0])
