@@ -21,6 +21,7 @@ from aio_pika.abc import (
 )
 
 from orchestrator.keys import Names
+from orchestrator.lifecycle import within
 from orchestrator.program import MAX_PRIORITY, PARALLEL, SERIAL, is_lane
 from orchestrator.settings import Settings
 
@@ -454,7 +455,7 @@ class Bus:
         start the consumer again after a reconnect, holding messages nobody reads."""
         channel = self._consumer_channels.pop(iterator, None)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(iterator.close(), CLOSE_TIMEOUT_S)
+            await within(iterator.close(), CLOSE_TIMEOUT_S)
         if channel is not None:
             await _close_quietly(channel)
 
@@ -470,7 +471,7 @@ class Bus:
 async def _close_quietly(channel: AbstractChannel) -> None:
     """Close a channel we give up on, bounded: a closing connection may never answer."""
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(channel.close(), CLOSE_TIMEOUT_S)
+        await within(channel.close(), CLOSE_TIMEOUT_S)
 
 
 def _message(

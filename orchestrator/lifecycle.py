@@ -7,18 +7,21 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 from aio_pika.abc import AbstractIncomingMessage, AbstractQueueIterator
 from aiormq.exceptions import ChannelInvalidStateError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # The pause before a consumer that failed under a broker restart starts again.
 RECONSUME_S = 1.0
 # A consumer start or stop that takes longer is given up (and a start tried again): a broker
 # that never answers one RPC must not hold a part's loop, or its stop, forever.
 CONSUMER_RPC_TIMEOUT_S = 30.0
+# How long a stop waits for a cancelled loop or task to end before it leaves it behind.
+LOOP_END_S = 10.0
 # A lost connection (aiormq's errors are OSErrors), as a consumer sees it.
 _LOST = (OSError, ChannelInvalidStateError)
 
@@ -30,6 +33,36 @@ def raise_if_cancelled() -> None:
     this = asyncio.current_task()
     if this is not None and this.cancelling():
         raise asyncio.CancelledError
+
+
+async def within(awaitable: Awaitable[T], timeout_s: float) -> T:
+    """`awaitable`'s result, or TimeoutError after `timeout_s`, when it is cancelled and left
+    behind. Unlike asyncio.wait_for (3.11), never waits for a cancelled call to end: aio-pika
+    may hold one on an RPC the broker never answers, until its connection closes."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        raise TimeoutError(f"no answer in {timeout_s:g}s")
+    return task.result()
+
+
+async def _end(tasks: list[asyncio.Task[Any]], wait_s: float, what: str) -> None:
+    """Let tasks end within `wait_s`, then cancel them and wait LOOP_END_S; a task that
+    still runs (it refuses its cancel) is left behind, said in the log."""
+    if not tasks:
+        return
+    _, running = await asyncio.wait(tasks, timeout=wait_s) if wait_s else ((), set(tasks))
+    for task in running:
+        task.cancel()
+    if running:
+        _, stuck = await asyncio.wait(running, timeout=LOOP_END_S)
+        for task in stuck:
+            log.warning("%s did not end when cancelled; left behind: %r", what, task)
 
 
 def format_counts(counts: Counter[str]) -> str:
@@ -69,7 +102,7 @@ class Service:
         while True:
             try:
                 async with self._starting:
-                    iterator = await asyncio.wait_for(start(), CONSUMER_RPC_TIMEOUT_S)
+                    iterator = await within(start(), CONSUMER_RPC_TIMEOUT_S)
             except (TimeoutError, *_LOST) as exc:
                 raise_if_cancelled()
                 log.warning("%s: a consumer did not start (%r); trying again", self.name, exc)
@@ -87,7 +120,7 @@ class Service:
             finally:
                 self._iterators.discard(iterator)
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(stop(iterator), CONSUMER_RPC_TIMEOUT_S)
+                await within(stop(iterator), CONSUMER_RPC_TIMEOUT_S)
             raise_if_cancelled()
             await asyncio.sleep(RECONSUME_S)
 
@@ -123,15 +156,14 @@ class Service:
             await asyncio.wait([*loops, stop], return_when=asyncio.FIRST_COMPLETED)
         finally:
             log.info("%s: stopping: no new work", self.name)
-            # Stop the loops first: an iterator closed while a loop waits on it may consume
-            # again (aio-pika's robust iterator). Then cancel the consumers; messages they
-            # hold but never started go back to the queue.
-            for loop in loops:
-                loop.cancel()
-            await asyncio.gather(*loops, return_exceptions=True)
+            self._stop.set()  # a consumer that ends now is not started again
+            # Cancel the consumers first (messages they hold but never started go back to
+            # the queue), then the loops. Neither is waited for without bound: a cancelled
+            # aio-pika call may wait on an RPC the broker never answers.
             for iterator in list(self._iterators):
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(iterator.close(), CONSUMER_RPC_TIMEOUT_S)
+                    await within(iterator.close(), CONSUMER_RPC_TIMEOUT_S)
+            await _end(loops, 0, f"{self.name}: a consumer loop")
             pending = list(self._in_flight)
             if pending:
                 _, late = await asyncio.wait(pending, timeout=self.grace_s)
@@ -142,11 +174,9 @@ class Service:
                         len(late),
                         self.grace_s,
                     )
-                    for task in late:
-                        task.cancel()
-                    await asyncio.gather(*late, return_exceptions=True)
+                    await _end(list(late), 0, f"{self.name}: a task")
             stop.cancel()
             log.info("%s: stopped; %s", self.name, self.summary() or "nothing handled")
         for loop in loops:
-            if not loop.cancelled() and loop.exception() is not None:
+            if loop.done() and not loop.cancelled() and loop.exception() is not None:
                 raise loop.exception()  # type: ignore[misc]

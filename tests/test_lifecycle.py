@@ -2,6 +2,7 @@
 (orchestrator/lifecycle.py): pure, with stand-in iterators."""
 
 import asyncio
+import contextlib
 from collections.abc import Coroutine
 from typing import Any
 
@@ -130,3 +131,43 @@ async def test_consumers_start_one_at_a_time() -> None:
     many.shutdown()
     await asyncio.wait_for(serving, 5)
     assert running == 1
+
+
+async def test_a_loop_that_refuses_its_cancel_is_left_behind_not_waited_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(lifecycle, "LOOP_END_S", 0.05)
+    forever = asyncio.Event()
+
+    class _Stubborn(Service):
+        async def _start(self) -> list[Coroutine[Any, Any, None]]:
+            return [self._loop()]
+
+        async def _loop(self) -> None:
+            while not forever.is_set():  # as aio-pika's iterator: a cancel, then a close
+                with contextlib.suppress(asyncio.CancelledError):  # that never answers
+                    await forever.wait()
+
+    stubborn = _Stubborn(grace_s=0)
+    serving = asyncio.create_task(stubborn.run())
+    await asyncio.sleep(0.01)
+    stubborn.shutdown()
+    await asyncio.wait_for(serving, 5)
+    left = [t for t in asyncio.all_tasks() if t.get_coro().__qualname__.endswith("_loop")]
+    assert len(left) == 1 and not left[0].done()
+    forever.set()  # the test's loop must end before its event loop closes
+    await asyncio.wait_for(left[0], 5)
+
+
+async def test_within_gives_up_on_a_call_that_ignores_its_cancel() -> None:
+    release = asyncio.Event()
+
+    async def stubborn() -> str:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.Event().wait()
+        await release.wait()
+        return "late"
+
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(lifecycle.within(stubborn(), 0.05), 5)
+    release.set()
