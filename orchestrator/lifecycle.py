@@ -157,13 +157,14 @@ class Service:
         finally:
             log.info("%s: stopping: no new work", self.name)
             self._stop.set()  # a consumer that ends now is not started again
-            # Cancel the consumers first (messages they hold but never started go back to
-            # the queue), then the loops. Neither is waited for without bound: a cancelled
-            # aio-pika call may wait on an RPC the broker never answers.
+            # Stop the loops first: an iterator closed while a loop waits on it may consume
+            # again (aio-pika's robust iterator). Then cancel the consumers; messages they
+            # hold but never started go back to the queue. Neither is waited for without
+            # bound: a cancelled aio-pika call may wait on an RPC the broker never answers.
+            await _end(loops, 0, f"{self.name}: a consumer loop")
             for iterator in list(self._iterators):
                 with contextlib.suppress(Exception):
                     await within(iterator.close(), CONSUMER_RPC_TIMEOUT_S)
-            await _end(loops, 0, f"{self.name}: a consumer loop")
             pending = list(self._in_flight)
             if pending:
                 _, late = await asyncio.wait(pending, timeout=self.grace_s)

@@ -264,7 +264,7 @@ end""",
     "limit-runs-when-busy": (
         "worker/pool.py",
         """        if slot.verdict == "busy":
-            await self._wait_for_slot(task, pool, slot.held, slot.left_ms)
+            await self._wait_for_slot(task, pool, slot.held, slot.left_ms, priority)
             return []
 """,
         "",
@@ -288,8 +288,8 @@ end""",
     ),
     "limit-wait-leaves-its-share": (
         "worker/pool.py",
-        "reports = await self._limited(task, pool, redelivered=again)",
-        "reports = await self._limited(task, self.pool, redelivered=again)",
+        "task, pool, redelivered=again, priority=delivery.priority",
+        "task, self.pool, redelivered=again, priority=delivery.priority",
         (MACHINE,),
     ),
     "retry-forgets-args-from": (
