@@ -65,6 +65,44 @@ async def _end(tasks: list[asyncio.Task[Any]], wait_s: float, what: str) -> None
             log.warning("%s did not end when cancelled; left behind: %r", what, task)
 
 
+async def _started(
+    start: Callable[[], Awaitable[AbstractQueueIterator]],
+    stop: Callable[[AbstractQueueIterator], Awaitable[None]],
+) -> AbstractQueueIterator:
+    """A consumer `start` opened within CONSUMER_RPC_TIMEOUT_S, else TimeoutError. A start
+    given up (a timeout, a stop) is cancelled, and if it still opens its consumer (aio-pika
+    may finish an RPC it was cancelled in) that consumer is stopped: left open, it would hold
+    messages nobody reads."""
+    starting = asyncio.ensure_future(start())
+    try:
+        done, _ = await asyncio.wait({starting}, timeout=CONSUMER_RPC_TIMEOUT_S)
+    except asyncio.CancelledError:
+        await _abandon(starting, stop)
+        raise
+    if not done:
+        await _abandon(starting, stop)
+        raise TimeoutError(f"no consumer in {CONSUMER_RPC_TIMEOUT_S:g}s")
+    return starting.result()
+
+
+async def _abandon(
+    starting: asyncio.Future[AbstractQueueIterator],
+    stop: Callable[[AbstractQueueIterator], Awaitable[None]],
+) -> None:
+    def stop_late(done: asyncio.Future[AbstractQueueIterator]) -> None:
+        if not done.cancelled() and done.exception() is None:
+            task = asyncio.ensure_future(stop(done.result()))
+            _left.add(task)
+            task.add_done_callback(_left.discard)
+
+    starting.add_done_callback(stop_late)
+    starting.cancel()
+    await asyncio.wait({starting}, timeout=LOOP_END_S)
+
+
+_left: set[asyncio.Task[None]] = set()  # stops of abandoned consumers, held until done
+
+
 def format_counts(counts: Counter[str]) -> str:
     """`applied 5, stale 1`: what a part handled, for its stop log."""
     return ", ".join(f"{name} {counts[name]}" for name in sorted(counts))
@@ -102,7 +140,7 @@ class Service:
         while True:
             try:
                 async with self._starting:
-                    iterator = await within(start(), CONSUMER_RPC_TIMEOUT_S)
+                    iterator = await _started(start, stop)
             except (TimeoutError, *_LOST) as exc:
                 raise_if_cancelled()
                 log.warning("%s: a consumer did not start (%r); trying again", self.name, exc)

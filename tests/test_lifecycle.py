@@ -171,3 +171,31 @@ async def test_within_gives_up_on_a_call_that_ignores_its_cancel() -> None:
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(lifecycle.within(stubborn(), 0.05), 5)
     release.set()
+
+
+async def test_a_start_given_up_that_opens_its_consumer_late_is_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(lifecycle, "CONSUMER_RPC_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(lifecycle, "LOOP_END_S", 0.01)
+    late, opened = _Iterator([]), asyncio.Event()
+    stopped: list[Any] = []
+
+    async def start() -> Any:  # as an aio-pika RPC that finishes although cancelled
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(10)
+        await opened.wait()
+        return late
+
+    async def stop(iterator: Any) -> None:
+        stopped.append(iterator)
+
+    with pytest.raises(TimeoutError):
+        await lifecycle._started(start, stop)
+    assert stopped == []
+    opened.set()
+    for _ in range(100):
+        if stopped:
+            break
+        await asyncio.sleep(0.01)
+    assert stopped == [late]
