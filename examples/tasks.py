@@ -144,3 +144,51 @@ async def publish_report(ctx: TaskContext) -> dict:
         "loaded": ctx.prev["loaded"],
         "polls": ctx.args["polls"],
     }
+
+
+# --- examples/partitions.json: each partition fetched, transformed, validated in its branch --
+
+
+@task(name="part.plan")
+async def plan_load(ctx: TaskContext) -> dict:
+    return {"table": ctx.input["table"], "day": ctx.input["day"]}
+
+
+@task(name="part.fetch")
+async def fetch_partition(ctx: TaskContext) -> dict:
+    # prev: the bag's prev (part.plan's output), as every branch's first step gets it.
+    await asyncio.sleep(0.05)
+    rows = {"eu": 120, "us": 300, "apac": 80}[ctx.args["partition"]]
+    return {"partition": ctx.args["partition"], "day": ctx.prev["day"], "rows": rows}
+
+
+@task(name="part.transform")
+async def transform_partition(ctx: TaskContext) -> dict:
+    # prev: this branch's fetch; the branches run side by side.
+    await asyncio.sleep(0.05)
+    return {**ctx.prev, "rows": ctx.prev["rows"] - ctx.prev["rows"] // 10, "cleaned": True}
+
+
+@task(name="part.validate")
+def validate_partition(ctx: TaskContext) -> dict:
+    # Checks pass on the second look (the loop waits its interval between looks).
+    partition = ctx.prev if "partition" in ctx.prev else ctx.prev["of"]
+    return {"valid": ctx.iteration >= 1, "checks": ctx.iteration + 1, "of": partition}
+
+
+@task(name="part.snapshot")
+async def snapshot(ctx: TaskContext) -> dict:
+    # A single task beside the branches: the bag's prev, like a branch's first step.
+    return {"snapshot": f"{ctx.args['table']}@{ctx.prev['day']}"}
+
+
+@task(name="part.publish")
+async def publish_partitions(ctx: TaskContext) -> dict:
+    # prev: the bag's output, its members in order (each branch's last output, the snapshot).
+    *branches, snap = ctx.prev
+    return {
+        "table": ctx.args["table"],
+        "partitions": {b["of"]["partition"]: b["of"]["rows"] for b in branches},
+        "checks": sum(b["checks"] for b in branches),
+        "snapshot": snap["snapshot"],
+    }

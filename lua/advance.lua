@@ -14,15 +14,24 @@
 --          fields in <prefix>:{<wf>}:attempts)
 -- ARGV[9]  the run (epoch) the message belongs to, or "" (a start: any run): a message of
 --          another run (before a redrive, see redrive.lua) is stale
+-- ARGV[10] the scope whose cursor moves: "" for the program's own, or a parallel branch
+--          (`2/branch:1`: member 1 of the bag at step 2), whose cursor, from, leaf and
+--          updated_ms are the hash <prefix>:{<wf>}:cur:<scope>. In a branch, status running
+--          with the new cursor "" ends the branch: ARGV[5] is its output, recorded as its
+--          member's in the bag's barrier; failed ends the whole program (its cursor, the
+--          outermost bag, is kept as `from`, so a redrive runs that bag again)
+-- ARGV[11] JSON list of the branches the new leaf opens (a bag with branches), nested ones
+--          too: [[scope, its first leaf's path, that leaf's shape], ...]
 -- When the program ends, the cursor before the last one is kept as `prior` (redrive reruns
 -- from the last cursor, whose prev is the output of `prior`).
 -- KEYS[2..] the outputs of steps that other steps read, <prefix>:{<wf>}:ref:<id>, with their
---          JSON in ARGV[10..] (KEYS[n] <- ARGV[n + 8]): the steps the new cursor moved past
+--          JSON in ARGV[12..] (KEYS[n] <- ARGV[n + 10]): the steps the new cursor moved past
 --          that carry a referenced id; written (latest wins) and registered only when the
 --          advance applies
 -- The program's other keys are named in its registry <prefix>:{<wf>}:keys; all share the
 -- program's hash tag, so they live in KEYS[1]'s cluster slot.
--- returns  {verdict, status, cursor} where verdict is
+-- returns  {verdict, status, cursor, joined} where joined is "1" when a branch's end (now,
+--          or before: a replay) found every member of its bag finished, and verdict is
 --   applied  the transition happened now: publish what it produces
 --   replay   it already happened (cursor moved from ARGV[1]): a redelivery publishes again
 --   stale    the message is older than the program's state: ignore it
@@ -36,12 +45,53 @@ local epoch = ARGV[9] or ""
 if epoch ~= "" and epoch ~= (s[4] or "0") then
   return {"stale", status, cursor}
 end
+local base = string.sub(KEYS[1], 1, -6)  -- "<prefix>:{<wf>}:" without "state"
+local registry = base .. "keys"
+local scope = ARGV[10] or ""
+local here = KEYS[1]  -- the hash whose cursor moves
+local bag, member, barrier, size = "", "", "", 0
+if scope ~= "" then
+  here = base .. "cur:" .. scope
+  local b = redis.call("HMGET", here, "cursor", "from")
+  cursor, from = b[1], b[2]
+  if not cursor then
+    return {"stale", status, ""}  -- no such branch was opened
+  end
+  bag, member = string.match(scope, "^(.*)/branch:(%d+)$")
+  if not bag then
+    return {"stale", status, ""}
+  end
+  -- the bag's size, as the scope around it recorded its leaf (`bag:<size>`)
+  local outer = string.match(bag, "^(.*/branch:%d+)/")
+  local holder = outer and (base .. "cur:" .. outer) or KEYS[1]
+  size = tonumber(string.match(redis.call("HGET", holder, "leaf") or "", "^bag:(%d+)$") or "0")
+  barrier = base .. "bar:" .. bag
+end
+local function joined()
+  if scope ~= "" and ARGV[2] == "" and size > 0 and redis.call("SCARD", barrier) >= size then
+    return "1"
+  end
+  return "0"
+end
 local live = status == "pending" or status == "running"
 if live and cursor == ARGV[1] then
   local t = redis.call("TIME")
   local now = string.format("%d", t[1] * 1000 + math.floor(t[2] / 1000))
-  redis.call("HSET", KEYS[1], "status", ARGV[3], "cursor", ARGV[2], "from", ARGV[1],
-    "leaf", ARGV[6], "updated_ms", now)
+  redis.call("HSET", here, "cursor", ARGV[2], "from", ARGV[1], "leaf", ARGV[6],
+    "updated_ms", now)
+  if scope == "" then
+    redis.call("HSET", KEYS[1], "status", ARGV[3])
+  elseif ARGV[3] ~= "running" then  -- a branch ends the program: from its outermost bag
+    redis.call("HSET", KEYS[1], "status", ARGV[3], "cursor", "", "from", s[2], "leaf", "",
+      "updated_ms", now)
+    from = s[3]
+  elseif ARGV[2] == "" then  -- the branch is over: its output is its bag member's
+    if redis.call("SADD", barrier, member) == 1 then
+      local out = base .. "out:" .. bag .. "/bag:" .. member
+      redis.call("SET", out, ARGV[5])
+      redis.call("SADD", registry, barrier, out)
+    end
+  end
   if status == "pending" then
     redis.call("HSET", KEYS[1], "started_ms", now)
   end
@@ -51,10 +101,14 @@ if live and cursor == ARGV[1] then
   if ARGV[3] ~= "running" then
     redis.call("HSET", KEYS[1], "prior", from or "")
   end
-  local base = string.sub(KEYS[1], 1, -6)  -- "<prefix>:{<wf>}:" without "state"
-  local registry = base .. "keys"
+  for _, opened in ipairs(cjson.decode(ARGV[11] or "[]")) do
+    local key = base .. "cur:" .. opened[1]
+    redis.call("HSET", key, "cursor", opened[2], "from", "", "leaf", opened[3],
+      "updated_ms", now)
+    redis.call("SADD", registry, key)
+  end
   for i = 2, #KEYS do
-    redis.call("SET", KEYS[i], ARGV[i + 8])
+    redis.call("SET", KEYS[i], ARGV[i + 10])
     redis.call("SADD", registry, KEYS[i])
   end
   local drop = ARGV[8] or ""
@@ -84,9 +138,9 @@ if live and cursor == ARGV[1] then
     redis.call("PEXPIRE", base .. "plan", keep_ms)
     redis.call("PEXPIRE", KEYS[1], keep_ms)
   end
-  return {"applied", ARGV[3], ARGV[2]}
+  return {"applied", ARGV[3], ARGV[2], joined()}
 end
 if from == ARGV[1] then
-  return {"replay", status, cursor}
+  return {"replay", status, cursor, joined()}
 end
 return {"stale", status, cursor}

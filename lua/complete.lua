@@ -26,12 +26,20 @@
 -- "fire" and "again" carry no outputs when together they exceed INLINE bytes: the owner reads
 -- them from Redis then (orchestrator/messages.py INLINE_BYTES is the same number).
 -- Every key written is named in the program's registry (see advance.lua).
+-- A leaf in a parallel branch (a path with `/branch:K/`) is compared with its branch's
+-- cursor and leaf, in <prefix>:{<wf>}:cur:<scope> (see advance.lua); status and epoch are the
+-- program's.
 local INLINE = 65536
 local base = string.sub(KEYS[1], 1, -6)
 local registry = base .. "keys"
 local s = redis.call("HMGET", KEYS[1], "status", "cursor", "leaf", "epoch")
 if not s[1] then
   return {"missing"}
+end
+local scope = string.match(ARGV[1], "^(.*/branch:%d+)/")
+if scope then
+  local b = redis.call("HMGET", base .. "cur:" .. scope, "cursor", "leaf")
+  s[2], s[3] = b[1], b[2]
 end
 if s[1] ~= "running" or s[2] ~= ARGV[1] or ARGV[2] ~= (s[4] or "0") then
   return {"stale", s[1], s[2] or ""}

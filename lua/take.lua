@@ -10,12 +10,20 @@
 --          {"waiting"}  no signal of that name yet
 --          {"stale"}    the program is elsewhere or ended: nothing taken
 --          {"missing"}  no such program
+-- A leaf in a parallel branch (a path with `/branch:K/`) is compared with its branch's
+-- cursor and leaf, in <prefix>:{<wf>}:cur:<scope> (see advance.lua); status and epoch are the
+-- program's.
 local s = redis.call("HMGET", KEYS[1], "status", "cursor", "leaf")
 if not s[1] then
   return {"missing"}
 end
 if redis.call("EXISTS", KEYS[2]) == 1 then
   return {"taken"}
+end
+local scope = string.match(ARGV[1], "^(.*/branch:%d+)/")
+if scope then
+  local b = redis.call("HMGET", string.sub(KEYS[1], 1, -6) .. "cur:" .. scope, "cursor", "leaf")
+  s[2], s[3] = b[1], b[2]
 end
 if s[1] ~= "running" or s[2] ~= ARGV[1] or s[3] ~= "signal" then
   return {"stale"}

@@ -66,6 +66,12 @@ class Keys:
         (recorded by advance.lua as the program moves past it; in a loop, the latest)."""
         return f"{self.prefix}:{{{wf}}}:ref:{step_id}"
 
+    def branch(self, wf: str, scope: str) -> str:
+        """A parallel branch's own cursor (`scope`: `2/branch:1`, member 1 of the bag at
+        step 2): a hash of cursor, from, leaf and updated_ms, as the state holds the
+        program's (written by advance.lua)."""
+        return f"{self.prefix}:{{{wf}}}:cur:{scope}"
+
     def registry(self, wf: str) -> str:
         """The set of the program's keys beyond state and plan, written by the scripts that
         create them, so ending a program can expire them all and a loop can prune old

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from orchestrator.conditions import ConditionError, evaluate_key, quote
-from orchestrator.program import MAX_LIMIT_KEY_CHARS, Bag, Map, Member, Signal, Sleep, Task
+from orchestrator.program import MAX_LIMIT_KEY_CHARS, Bag, Branch, Map, Member, Signal, Sleep, Task
 
 # A task that finds no free slot waits in the delay ladder, not in a worker: it goes back to
 # its pool after LIMIT_BACKOFF_S, doubled on each wait, at most LIMIT_MAX_BACKOFF_S (and never
@@ -39,14 +39,15 @@ def keys_of(
     them."""
     if isinstance(step, Sleep | Signal):
         return ()
-    members: Sequence[Member] = step.bag if isinstance(step, Bag) else [step]
+    members: Sequence[Member | Branch] = step.bag if isinstance(step, Bag) else [step]
     size = len(members) if items is None else len(items)
-    if all(member.limit is None for member in members):
+    if all(not isinstance(member, Member) or member.limit is None for member in members):
         return ()
     found: list[str | None] = []
     for i in range(size):
         member = members[i] if isinstance(step, Bag) else step
-        limit = member.limit
+        # A branch holds no slot: its own steps' tasks do.
+        limit = member.limit if isinstance(member, Member) else None
         if limit is None or (only is not None and i != only):
             found.append(None)
             continue
@@ -55,7 +56,7 @@ def keys_of(
             key = evaluate_key(
                 limit.key,
                 input=input,
-                args={**member.args, **extra},
+                args={**member.args, **extra},  # type: ignore[union-attr]
                 item=items[i] if items is not None else None,
                 max_chars=MAX_LIMIT_KEY_CHARS,
             )

@@ -22,7 +22,18 @@ from orchestrator.conditions import (
     quote,
 )
 from orchestrator.limits import keys_of
-from orchestrator.program import Bag, Choice, Map, Program, Signal, Sleep, Task, Untiloop
+from orchestrator.program import (
+    Bag,
+    Branch,
+    Choice,
+    Map,
+    Member,
+    Program,
+    Signal,
+    Sleep,
+    Task,
+    Untiloop,
+)
 
 Step = Task | Bag | Map | Sleep | Signal | Untiloop | Choice
 LeafStep = Task | Bag | Map | Sleep | Signal
@@ -56,6 +67,25 @@ class Leaf:
     items: tuple[Any, ...] | None = None
     args: tuple[dict[str, Any], ...] = ()
     refs: tuple[tuple[str, str], ...] = ()
+    # A bag's branches: the first leaf of each, opened with the bag (by member index).
+    branches: tuple[tuple[int, Leaf], ...] = ()
+
+    def opened(self) -> list[tuple[str, str, str]]:
+        """Every branch cursor the advance to this leaf opens, nested ones too: (the
+        branch's scope `2/branch:1`, its first leaf's path, that leaf's shape)."""
+        found: list[tuple[str, str, str]] = []
+        for i, first in self.branches:
+            found.append((f"{self.path}/branch:{i}", first.path, first.shape))
+            found.extend(first.opened())
+        return found
+
+    @property
+    def shape(self) -> str:
+        """What advance.lua records as the leaf (complete and fail hold reports to it)."""
+        if isinstance(self.step, Sleep | Signal):
+            return type(self.step).__name__.lower()
+        return "task" if self.size is None else f"bag:{self.size}"
+
     # The key of each member's per-key limit (None: it has none; (): no member has one).
     limits: tuple[str | None, ...] = ()
 
@@ -81,7 +111,17 @@ class Failed:
     error: str
 
 
-Outcome = Leaf | Done | Failed
+@dataclass(frozen=True, slots=True)
+class Joined:
+    """A branch of a bag ran its last step: `output` is its member's output in the bag at
+    `scope`'s parent (`2/branch:1` is member 1 of the bag at step 2); `refs` as a Leaf's."""
+
+    scope: str
+    output: Any
+    refs: tuple[tuple[str, str], ...] = ()
+
+
+Outcome = Leaf | Done | Failed | Joined
 
 
 @dataclass(slots=True)
@@ -131,7 +171,7 @@ def after(
     outputs of the steps the program reads by id (`steps.<id>`)."""
     walk = _walk(program, input, steps)
     outcome = _after(program.steps, _split(path), output, walk, prefix="", iteration=0)
-    if isinstance(outcome, Leaf) and walk.finished:
+    if isinstance(outcome, Leaf | Joined) and walk.finished:
         return replace(outcome, refs=tuple(sorted(walk.finished.items())))
     return outcome
 
@@ -147,12 +187,15 @@ def arguments(
     """The arguments a leaf's `args_from` give (see `Leaf.args`), or why the step fails."""
     if isinstance(step, Sleep | Signal):
         return ()
-    members = step.bag if isinstance(step, Bag) else [step]
-    if not any(member.args_from for member in members):
+    members: list[Member | Branch] = list(step.bag) if isinstance(step, Bag) else [step]
+    if not any(isinstance(m, Member) and m.args_from for m in members):
         return ()
     found: list[dict[str, Any]] = []
     for i, member in enumerate(members):
         values: dict[str, Any] = {}
+        if isinstance(member, Branch):  # a branch computes its own steps' arguments
+            found.append(values)
+            continue
         for name, source in member.args_from.items():
             try:
                 values[name] = evaluate_value(
@@ -232,6 +275,9 @@ def leaf_at(program: Program, path: str) -> LeafStep:
         if isinstance(step, Choice):
             steps, parts = _case(step, parts, path), parts[1:]
             continue
+        if isinstance(step, Bag):
+            steps, parts = _branch(step, parts, path), parts[1:]
+            continue
         if not isinstance(step, Untiloop) or not parts[0].startswith("iter:"):
             raise PathError(f"{path}: no such step")
         if len(parts) == 1:  # `3/iter:4`: the wait before that iteration
@@ -250,8 +296,12 @@ def dropped(program: Program, finished: str, path: str) -> str:
     while len(parts) >= 2:
         index, parts = _index(parts, len(steps), path)
         step = steps[index]
-        if isinstance(step, Choice):  # a loop inside a case drops its iterations too
-            steps, prefix = _case(step, parts, path), f"{prefix}{index}/{parts[0]}/"
+        if isinstance(step, Choice | Bag):  # a loop in a case or a branch drops them too
+            if isinstance(step, Choice):
+                steps = _case(step, parts, path)
+            else:
+                steps = _branch(step, parts, path)
+            prefix = f"{prefix}{index}/{parts[0]}/"
             parts = parts[1:]
             continue
         if not isinstance(step, Untiloop) or not parts[0].startswith("iter:"):
@@ -339,6 +389,19 @@ def _after(
         if not isinstance(inner, Done):
             return inner
         output = inner.result  # the case's output is the choice's
+    elif isinstance(step, Bag) and rest:
+        inner = _after(
+            _branch(step, rest, here),
+            rest[1:],
+            output,
+            walk,
+            prefix=f"{here}/{rest[0]}/",
+            iteration=iteration,
+        )
+        if not isinstance(inner, Done):
+            return inner
+        # The branch is over: its output joins the bag's barrier; the bag goes on from there.
+        return Joined(f"{here}/{rest[0]}", inner.result)
     elif rest:
         raise PathError(f"{here}: a {type(step).__name__.lower()} has no inner steps")
     # The step at `here` is over (a leaf, a loop whose until held, a choice's case).
@@ -372,7 +435,25 @@ def _descend(
     limits = keys_of(step, path, walk.input, args, None)
     if isinstance(limits, str):
         return Failed(limits)
-    return Leaf(path=path, step=step, prev=prev, iteration=iteration, args=args, limits=limits)
+    opened: list[tuple[int, Leaf]] = []
+    if isinstance(step, Bag):
+        for i, branch in step.branches():  # each starts with the bag's prev
+            first = _descend(
+                branch.steps, 0, prefix=f"{path}/branch:{i}/", prev=prev, iteration=iteration,
+                walk=walk,
+            )  # fmt: skip
+            if not isinstance(first, Leaf):
+                return first
+            opened.append((i, first))
+    return Leaf(
+        path=path,
+        step=step,
+        prev=prev,
+        iteration=iteration,
+        args=args,
+        limits=limits,
+        branches=tuple(opened),
+    )
 
 
 def _chosen(step: Choice, path: str, prev: Any, iteration: int, walk: _Walk) -> Outcome:
@@ -405,6 +486,20 @@ def _case(step: Choice, parts: list[str], path: str) -> list[Step]:
     if branch is None or len(parts) < 2:
         raise PathError(f"{path!r}: no such step")
     return branch
+
+
+def _branch(step: Bag, parts: list[str], path: str) -> list[Step]:
+    """The steps of the branch a path names at `parts[0]` (`branch:K`); PathError if none."""
+    head = parts[0] if parts else ""
+    number = head.removeprefix("branch:")
+    member = (
+        step.bag[int(number)]
+        if head.startswith("branch:") and number.isdigit() and int(number) < len(step.bag)
+        else None
+    )
+    if not isinstance(member, Branch) or len(parts) < 2:
+        raise PathError(f"{path!r}: no such step")
+    return member.steps
 
 
 def _mapped(

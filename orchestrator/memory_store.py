@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from orchestrator.keys import Keys
+from orchestrator.paths import parent_of, scope_of
 from orchestrator.store import (
     MAX_ATTEMPTS,
     MAX_RUNS,
@@ -141,6 +142,8 @@ class MemoryStore:
         drop: str = "",
         refs: Sequence[tuple[str, str]] = (),
         epoch: int | None = None,
+        scope: str = "",
+        opened: Sequence[tuple[str, str, str]] = (),
     ) -> Verdict:
         """lua/advance.lua"""
         key = self.keys.state(wf)
@@ -151,12 +154,49 @@ class MemoryStore:
             return Verdict("missing", "", "")
         if epoch is not None and str(epoch) != (run or "0"):
             return Verdict("stale", now_status, now_cursor or "")
+        main_cursor, main_from = now_cursor, came_from
+        here = key  # the hash whose cursor moves
+        bag, member, size = "", 0, 0
+        if scope:
+            here = self.keys.branch(wf, scope)
+            now_cursor, came_from = self._hmget(here, "cursor", "from")
+            if now_cursor is None:
+                return Verdict("stale", now_status, "")  # no such branch was opened
+            parent = parent_of(scope)
+            if parent is None:
+                return Verdict("stale", now_status, "")
+            bag, member = parent
+            outer = scope_of(bag)
+            holder = self.keys.branch(wf, outer) if outer else key
+            (shape,) = self._hmget(holder, "leaf")
+            size = int(shape[4:]) if shape and shape.startswith("bag:") else 0
+
+        def joined() -> bool:
+            if not scope or cursor or not size:
+                return False
+            found = self.data.get(self.keys.barrier(wf, bag))
+            return isinstance(found, set) and len(found) >= size
+
         live = now_status in ("pending", "running")
         if live and now_cursor == expected:
             now = self._clock()
+            self._hash(here).update(cursor=cursor, leaf=leaf, updated_ms=now)
+            self._hash(here)["from"] = expected
             state = self._hash(key)
-            state.update(status=status, cursor=cursor, leaf=leaf, updated_ms=now)
-            state["from"] = expected
+            if not scope:
+                state["status"] = status
+            elif status != "running":  # a branch ends the program: from its outermost bag
+                state.update(status=status, cursor="", leaf="", updated_ms=now)
+                state["from"] = main_cursor or ""
+                came_from = main_from
+            elif not cursor:  # the branch is over: its output is its bag member's
+                barrier = self._set(self.keys.barrier(wf, bag))
+                if str(member) not in barrier:
+                    barrier.add(str(member))
+                    out = self.keys.output(wf, bag, member)
+                    self.data[out] = payload
+                    self._register(wf, self.keys.barrier(wf, bag), out)
+                self._drop_if_empty(self.keys.barrier(wf, bag))
             if now_status == "pending":
                 state["started_ms"] = now
             if field:
@@ -166,6 +206,12 @@ class MemoryStore:
                 state["prior"] = came_from or ""
             registry = self.keys.registry(wf)
             base = self.keys.state(wf).removesuffix("state")
+            for opened_scope, first, shape in opened:
+                branch = self.keys.branch(wf, opened_scope)
+                self.data[branch] = {
+                    "cursor": first, "from": "", "leaf": shape, "updated_ms": now
+                }  # fmt: skip
+                self._register(wf, branch)
             for name, text in refs:  # the outputs of the steps it moved past, latest wins
                 self.data[self.keys.ref(wf, name)] = text
                 self._register(wf, self.keys.ref(wf, name))
@@ -183,10 +229,31 @@ class MemoryStore:
                     self._drop_if_empty(base + "attempts")
             if status != "running":
                 self._expire_all(wf)
-            return Verdict("applied", status, cursor)
+            return Verdict("applied", status, cursor, joined())
         if came_from == expected:
-            return Verdict("replay", now_status, now_cursor or "")
+            return Verdict("replay", now_status, now_cursor or "", joined())
         return Verdict("stale", now_status, now_cursor or "")
+
+    def _scoped(self, wf: str, path: str, *fields: str) -> list[str | None]:
+        """The state's fields as a leaf at `path` sees them: a branch's cursor and leaf
+        are its own (complete.lua, fail.lua, take.lua)."""
+        found = self._hmget(self.keys.state(wf), *fields)
+        scope = scope_of(path)
+        if scope:
+            mine = self._hmget(self.keys.branch(wf, scope), "cursor", "leaf")
+            for name, value in zip(("cursor", "leaf"), mine, strict=True):
+                if name in fields:
+                    found[fields.index(name)] = value
+        return found
+
+    async def at(self, wf: str, path: str) -> dict[str, str]:
+        state = await self.state(wf)
+        scope = scope_of(path)
+        if scope and state:
+            fields = ("cursor", "from", "leaf", "updated_ms")
+            found = self._hmget(self.keys.branch(wf, scope), *fields)
+            state.update({k: v or "" for k, v in zip(fields, found, strict=True)})
+        return state
 
     async def complete(
         self, wf: str, path: str, index: int | None, size: int, output: str, epoch: int = 0
@@ -203,9 +270,7 @@ class MemoryStore:
         epoch: int = 0,
     ) -> Completion:
         """lua/complete.lua"""
-        status, cursor, leaf, run = self._hmget(
-            self.keys.state(wf), "status", "cursor", "leaf", "epoch"
-        )
+        status, cursor, leaf, run = self._scoped(wf, path, "status", "cursor", "leaf", "epoch")
         if status is None:
             return Completion("missing", [])
         if status != "running" or cursor != path or str(epoch) != (run or "0"):
@@ -253,9 +318,7 @@ class MemoryStore:
         epoch: int = 0,
     ) -> Completion:
         """lua/fail.lua"""
-        status, cursor, leaf, run = self._hmget(
-            self.keys.state(wf), "status", "cursor", "leaf", "epoch"
-        )
+        status, cursor, leaf, run = self._scoped(wf, path, "status", "cursor", "leaf", "epoch")
         if status is None:
             return Completion("missing", [])
         if status != "running" or cursor != path or str(epoch) != (run or "0"):
@@ -389,11 +452,12 @@ class MemoryStore:
 
     async def take(self, wf: str, path: str, name: str) -> str:
         """lua/take.lua"""
-        status, cursor, leaf = self._hmget(self.keys.state(wf), "status", "cursor", "leaf")
+        (status,) = self._hmget(self.keys.state(wf), "status")
         if status is None:
             return "missing"
         if self.keys.output(wf, path) in self.data:
             return "taken"
+        _, cursor, leaf = self._scoped(wf, path, "status", "cursor", "leaf")
         if status != "running" or cursor != path or leaf != "signal":
             return "stale"
         waiting = self._list(self.keys.signals(wf, name))

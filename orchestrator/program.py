@@ -36,6 +36,13 @@ from orchestrator.documents import (  # the documents' names stay importable fro
 
 TASK_NAME = r"^[A-Za-z_][A-Za-z0-9_.:-]{0,127}$"
 MAX_BAG = 1000
+# Parallel branches (a bag member that is a list of steps): bounds on their number in one
+# bag, on the steps of one branch's own list, on how deep branches nest in branches, and on
+# all of a program's branches (every branch of a bag holds a cursor of its own while it runs).
+MAX_BRANCHES = 20
+MAX_BRANCH_STEPS = 50
+MAX_BRANCH_DEPTH = 3
+MAX_PROGRAM_BRANCHES = 100
 # A program's priority, given at submit: 0 (the default) to MAX_PRIORITY, higher first.
 MAX_PRIORITY = 4
 MAX_SLEEP_S = 30 * 86400
@@ -203,17 +210,61 @@ class Task(Member):
     pool: PoolName = SERIAL
 
 
+class Branch(_Model):
+    """A bag member that is a sequence of steps (any kinds) run in order beside the bag's
+    other members; its output is its last step's output. Its first step's prev is the bag's."""
+
+    steps: list[Step] = Field(min_length=1, max_length=MAX_BRANCH_STEPS)
+
+
+def _member_kind(value: Any) -> str | None:
+    if isinstance(value, BaseModel):
+        return type(value).__name__
+    if not isinstance(value, dict):
+        return None
+    if "steps" in value:
+        return "Branch"
+    return "Member" if "task" in value else None
+
+
+BagMember = Annotated[
+    Annotated[Member, Tag("Member")] | Annotated[Branch, Tag("Branch")],
+    Discriminator(
+        _member_kind,
+        custom_error_type="member_kind",
+        custom_error_message="a bag member needs 'task' (a task) or 'steps' (a branch)",
+    ),
+]
+
+
 class Bag(_Model):
-    """Tasks run in parallel; a join barrier holds the program until all finished."""
+    """Tasks (and branches of steps) run in parallel; a join barrier holds the program until
+    all finished."""
 
     id: StepId | None = None
-    bag: list[Member] = Field(min_length=1, max_length=MAX_BAG)
+    bag: list[BagMember] = Field(min_length=1, max_length=MAX_BAG)
     # The pool of every member that does not name its own.
     pool: BagPool = PARALLEL
     # Members per task message. Above 1, one worker runs a chunk's members side by side:
     # fewer messages for bags of short tasks, less spreading for long ones. None: adaptive
     # (orchestrator/backlog.py), one per message unless the pool has a backlog.
     chunk: int | None = Field(default=None, ge=1, le=MAX_BAG, description=CHUNK)
+
+    @field_validator("bag")
+    @classmethod
+    def _few_branches(cls, value: list[Member | Branch]) -> list[Member | Branch]:
+        count = sum(isinstance(member, Branch) for member in value)
+        if count > MAX_BRANCHES:
+            raise ValueError(f"{count} branches: a bag holds at most {MAX_BRANCHES}")
+        return value
+
+    def tasks(self) -> list[tuple[int, Member]]:
+        """The members that are single tasks, with their indices."""
+        return [(i, m) for i, m in enumerate(self.bag) if isinstance(m, Member)]
+
+    def branches(self) -> list[tuple[int, Branch]]:
+        """The members that are branches, with their indices."""
+        return [(i, m) for i, m in enumerate(self.bag) if isinstance(m, Branch)]
 
 
 class Map(Member):
@@ -365,6 +416,8 @@ Step = Annotated[
     ),
 ]
 Untiloop.model_rebuild()
+Branch.model_rebuild()
+Bag.model_rebuild()
 Case.model_rebuild()
 Choice.model_rebuild()
 
@@ -405,8 +458,8 @@ def pool_of(step: Task | Bag | Map, index: int | None = None) -> str:
         return step.pool
     if isinstance(step, Map):
         return step.pool or PARALLEL
-    member = step.bag[index].pool if index is not None else None
-    return member or step.pool
+    member = step.bag[index] if index is not None else None
+    return (member.pool if isinstance(member, Member) else None) or step.pool
 
 
 def _pools(steps: list[Step]) -> set[str]:
@@ -415,13 +468,21 @@ def _pools(steps: list[Step]) -> set[str]:
         if isinstance(step, Task | Map):
             pools.add(pool_of(step))
         elif isinstance(step, Bag):
-            pools.update(pool_of(step, i) for i in range(len(step.bag)))
-        elif isinstance(step, Untiloop):
-            pools |= _pools(step.steps)
-        elif isinstance(step, Choice):
-            for branch in step.branches():
-                pools |= _pools(branch)
+            pools.update(pool_of(step, i) for i, _ in step.tasks())
+        for inner in _inner(step):
+            pools |= _pools(inner)
     return pools
+
+
+def _inner(step: Step) -> list[list[Step]]:
+    """The step lists inside a step: a loop's body, a choice's cases, a bag's branches."""
+    if isinstance(step, Untiloop):
+        return [step.steps]
+    if isinstance(step, Choice):
+        return step.branches()
+    if isinstance(step, Bag):
+        return [branch.steps for _, branch in step.branches()]
+    return []
 
 
 def _signals(steps: list[Step]) -> set[str]:
@@ -429,11 +490,8 @@ def _signals(steps: list[Step]) -> set[str]:
     for step in steps:
         if isinstance(step, Signal):
             names.add(step.signal)
-        elif isinstance(step, Untiloop):
-            names |= _signals(step.steps)
-        elif isinstance(step, Choice):
-            for branch in step.branches():
-                names |= _signals(branch)
+        for inner in _inner(step):
+            names |= _signals(inner)
     return names
 
 
@@ -443,12 +501,9 @@ def _names(steps: list[Step]) -> set[str]:
         if isinstance(step, Task | Map):
             names.add(step.task)
         elif isinstance(step, Bag):
-            names.update(member.task for member in step.bag)
-        elif isinstance(step, Untiloop):
-            names |= _names(step.steps)
-        elif isinstance(step, Choice):
-            for branch in step.branches():
-                names |= _names(branch)
+            names.update(member.task for _, member in step.tasks())
+        for inner in _inner(step):
+            names |= _names(inner)
     return names
 
 
@@ -470,7 +525,7 @@ def parse_program(
         program = _PROGRAM.validate_python(source)
     except ValidationError as exc:
         raise ProgramError([_fault(err) for err in exc.errors()]) from None
-    faults = check_references(program)
+    faults = check_branches(program) + check_references(program)
     if faults:
         raise ProgramError(faults)
     if known_tasks is not None:
@@ -490,7 +545,37 @@ def _branches(step: Step, path: str) -> list[tuple[list[Step], str]]:
     if isinstance(step, Choice):
         found = [(case.steps, f"{path}.choice[{k}].steps") for k, case in enumerate(step.choice)]
         return found + ([(step.otherwise, f"{path}.otherwise")] if step.otherwise else [])
+    if isinstance(step, Bag):
+        return [(branch.steps, f"{path}.bag[{i}].steps") for i, branch in step.branches()]
     return []
+
+
+def check_branches(program: Program) -> list[str]:
+    """The faults of a program's parallel branches, each naming its path: branches nested
+    deeper than MAX_BRANCH_DEPTH, or more than MAX_PROGRAM_BRANCHES in all."""
+    faults: list[str] = []
+    total = 0
+
+    def walk(steps: list[Step], prefix: str, depth: int) -> None:
+        nonlocal total
+        for n, step in enumerate(steps):
+            path = f"{prefix}[{n}]"
+            inside = depth
+            if isinstance(step, Bag) and step.branches():
+                inside = depth + 1
+                total += len(step.branches())
+                if inside > MAX_BRANCH_DEPTH:
+                    faults.append(
+                        f"{path}.bag: branches nested {inside} deep, at most {MAX_BRANCH_DEPTH}"
+                    )
+                    continue
+            for inner, inner_path in _branches(step, path):
+                walk(inner, inner_path, inside)
+
+    walk(program.steps, "steps", 0)
+    if total > MAX_PROGRAM_BRANCHES:
+        faults.append(f"steps: {total} branches in all, at most {MAX_PROGRAM_BRANCHES}")
+    return faults
 
 
 def _own_expressions(step: Step, path: str) -> Iterator[tuple[str, str]]:
@@ -501,7 +586,7 @@ def _own_expressions(step: Step, path: str) -> Iterator[tuple[str, str]]:
     if isinstance(step, Map):
         yield f"{path}.map", step.map
     if isinstance(step, Bag):
-        for i, member in enumerate(step.bag):
+        for i, member in step.tasks():
             for name, source in member.args_from.items():
                 yield f"{path}.bag[{i}].args_from.{name}", source
     if isinstance(step, Choice):
@@ -527,7 +612,9 @@ def check_references(program: Program) -> list[str]:
     step that cannot have finished before the expression runs. A step may read the steps
     before it in its own list and in the lists of the steps that enclose it; an `until`, and
     every step after a loop, also read the steps of its body's own list (the body ran at
-    least once; its last run's outputs count)."""
+    least once; its last run's outputs count); every step after a bag reads the steps of
+    each of its branches' own lists (the join waited for them). A branch never reads
+    another branch of its bag: they run side by side."""
     ids: dict[str, str] = {}  # id -> path of the step carrying it
     faults: list[str] = []
 
@@ -539,14 +626,14 @@ def check_references(program: Program) -> list[str]:
                     faults.append(f"{path}.id: id {step.id!r} is also the id of {ids[step.id]}")
                 else:
                     ids[step.id] = path
-            members = (
-                step.bag
+            members: list[tuple[int, Member]] = (
+                step.tasks()
                 if isinstance(step, Bag)
-                else [step]
+                else [(0, step)]
                 if isinstance(step, Task | Map)
                 else []
             )
-            for i, member in enumerate(members):
+            for i, member in members:
                 where = f"{path}.bag[{i}]" if isinstance(step, Bag) else path
                 for name in sorted(set(member.args) & set(member.args_from)):
                     faults.append(f"{where}.args_from.{name}: also in args; give it in one")
@@ -570,6 +657,9 @@ def check_references(program: Program) -> list[str]:
                 check(where, source, visible)
             for inner, inner_path in _branches(step, path):
                 walk(inner, inner_path, visible)
+            if isinstance(step, Bag):  # every branch ran to its end: its own list's steps
+                for _, branch in step.branches():
+                    visible = visible | {s.id for s in branch.steps if s.id is not None}
             if isinstance(step, Untiloop):  # after each run of the body
                 body = frozenset(s.id for s in step.steps if s.id is not None)
                 check(f"{path}.until", step.until, visible | body)
@@ -582,10 +672,13 @@ def check_references(program: Program) -> list[str]:
     return faults
 
 
+_TAGS = ("Task", "Bag", "Map", "Sleep", "Untiloop", "Choice", "Signal", "Member", "Branch")
+
+
 def _fault(error: Any) -> str:
     path = ""
     for part in error["loc"]:
-        if part in ("Task", "Bag", "Map", "Sleep", "Untiloop", "Choice", "Signal"):
+        if part in _TAGS:
             continue  # union tags, not part of the user's document
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     message = error["msg"].removeprefix("Value error, ")

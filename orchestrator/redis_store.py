@@ -12,6 +12,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
 
 from orchestrator.keys import Keys
+from orchestrator.paths import scope_of
 from orchestrator.settings import Settings
 from orchestrator.store import (
     MAX_RUNS,
@@ -104,14 +105,29 @@ class RedisStore:
         drop: str = "",
         refs: Sequence[tuple[str, str]] = (),
         epoch: int | None = None,
+        scope: str = "",
+        opened: Sequence[tuple[str, str, str]] = (),
     ) -> Verdict:
         """Compare-and-advance the cursor (see lua/advance.lua)."""
         args: list[str | int] = [expected, cursor, status, field, payload, leaf]
         args += [self.retention_ms, drop, "" if epoch is None else epoch]
+        args += [scope, json.dumps([list(branch) for branch in opened])]
         args += [text for _, text in refs]
         keys = [self.keys.state(wf), *(self.keys.ref(wf, name) for name, _ in refs)]
-        verdict, now_status, now_cursor = await self._advance(keys=keys, args=args)
-        return Verdict(verdict, now_status, now_cursor)
+        reply = await self._advance(keys=keys, args=args)
+        joined = len(reply) > 3 and reply[3] == "1"
+        return Verdict(reply[0], reply[1], reply[2], joined)
+
+    async def at(self, wf: str, path: str) -> dict[str, str]:
+        """The state as the leaf at `path` sees it (its branch's cursor, in a branch)."""
+        scope = scope_of(path)
+        state = await self.state(wf)
+        if scope and state:
+            fields = ["cursor", "from", "leaf", "updated_ms"]
+            key = self.keys.branch(wf, scope)
+            found: list[str | None] = await self.client.hmget(key, fields)  # type: ignore[misc,assignment]
+            state.update({k: v or "" for k, v in zip(fields, found, strict=True)})
+        return state
 
     async def complete(
         self, wf: str, path: str, index: int | None, size: int, output: str, epoch: int = 0

@@ -23,6 +23,8 @@ class Verdict:
     verdict: str
     status: str
     cursor: str
+    # A branch's end (now, or before: a replay) found every member of its bag finished.
+    joined: bool = False
 
 
 # A report may name at most this many attempts (lua/fail.lua has the same bound).
@@ -127,8 +129,14 @@ class Store(Protocol):
         drop: str = "",
         refs: Sequence[tuple[str, str]] = (),
         epoch: int | None = None,
+        scope: str = "",
+        opened: Sequence[tuple[str, str, str]] = (),
     ) -> Verdict:
         """Compare-and-advance the cursor: applied, replay, stale or missing (lua/advance.lua).
+        `scope`: the parallel branch whose cursor moves ("": the program's); in a branch,
+        running with the cursor "" ends it, `payload` its output in its bag's barrier
+        (`joined` when that filled the barrier). `opened`: the branch cursors the new leaf
+        opens (scope, first leaf, its shape).
         `epoch`: the run the message belongs to (None: a start, any run); another is stale.
         `leaf` is the new leaf's shape (`task`, `bag:<size>`, "" at the end); `drop` a loop
         iteration whose keys go (a path prefix such as `3/iter:4/`); `refs` the outputs (id,
@@ -176,6 +184,11 @@ class Store(Protocol):
         """Open a failed or cancelled program for a new run (lua/redrive.lua): the ended run's
         `record` kept, the keys of the steps at or under `roots` gone, every expiry removed;
         pending, so that its owner's start runs `rerun` with the output of `prior`."""
+        ...
+
+    async def at(self, wf: str, path: str) -> dict[str, str]:
+        """The program's state as a leaf at `path` sees it: in a parallel branch, with the
+        branch's cursor, from, leaf and updated_ms in place of the program's."""
         ...
 
     async def members(self, wf: str, path: str) -> int:

@@ -33,9 +33,12 @@ from orchestrator.messages import (
     Wake,
     encode,
 )
+from orchestrator.paths import parent_of, scope_of
 from orchestrator.program import (
     MAX_PRIORITY,
+    MAX_PROGRAM_BRANCHES,
     Bag,
+    Branch,
     Choice,
     Map,
     Member,
@@ -116,12 +119,20 @@ def _priority(value: Any) -> int:
 
 def _evaluates(steps: list[machine.Step]) -> bool:
     """Whether any step is an untiloop, a map or a choice (any deeper down is inside one up
-    here), or computes arguments (`args_from`): moving on may then evaluate CEL, and waits in
-    a thread."""
+    here), or computes arguments (`args_from`), here or in a bag's branch: moving on may then
+    evaluate CEL, and waits in a thread."""
     return any(
         isinstance(step, Map | Untiloop | Choice)
         or (isinstance(step, Task) and bool(step.args_from or step.limit))
-        or (isinstance(step, Bag) and any(m.args_from or m.limit for m in step.bag))
+        or (
+            isinstance(step, Bag)
+            and any(
+                _evaluates(member.steps)
+                if isinstance(member, Branch)
+                else member.args_from or member.limit
+                for member in step.bag
+            )
+        )
         for step in steps
     )
 
@@ -145,9 +156,13 @@ def task_messages(
     stashed first (`Transitions._stash`)."""
     step = leaf.step
     assert not isinstance(step, Sleep | Signal), "a sleep or a signal runs no task"
-    members: list[Member] = step.bag if isinstance(step, Bag) else [step] * (leaf.size or 1)
+    # A bag's branches run their own steps (opened with the bag): no task message here.
+    members: dict[int, Member] = (
+        dict(step.tasks()) if isinstance(step, Bag) else dict.fromkeys(range(leaf.size or 1), step)
+    )
+    size = len(step.bag) if isinstance(step, Bag) else len(members)
     items = leaf.items or ()
-    indices = list(range(len(members))) if only is None else [only]
+    indices = list(members) if only is None else [only]
     by_pool: dict[str, list[int]] = {}
     for i in indices:
         pool = share_pool(pool_of(step, i if isinstance(step, Bag) else None), plan.share)
@@ -179,7 +194,7 @@ def task_messages(
                 wf=wf,
                 path=leaf.path,
                 index=None if leaf.size is None else first,
-                size=len(members),
+                size=size,
                 task=members[first].task,
                 args=args(first),
                 item=items[first] if items else None,
@@ -330,7 +345,12 @@ class Transitions:
             if isinstance(message, Start) and plan.program.deadline_s is not None:
                 await self._publish_deadline(message.wf, plan, run, state)
             priority = NEW if expected == "" else GOING_ON
-            await self._publish(message.wf, plan, outcome, priority, run)
+            if isinstance(outcome, machine.Joined):
+                if verdict.joined:  # this branch was its bag's last member: the bag is done
+                    await self._joined(message.wf, plan, outcome, run)
+            else:
+                replay = verdict.verdict == "replay"
+                await self._publish(message.wf, plan, outcome, priority, run, replay=replay)
             if verdict.verdict == "replay":
                 self.counts["republished"] += 1
                 log.info("%s: %s redelivered after a crash: published again", message.wf, expected)
@@ -376,7 +396,7 @@ class Transitions:
                     f"of {limit} (SHARDFLOW_MAX_JOIN_BYTES)"
                 )
             if read.values is None:
-                state = await self.store.state(message.wf)
+                state = await self.store.at(message.wf, message.path)
                 if (
                     state.get("status") != "running"
                     or state.get("cursor") != message.path
@@ -404,7 +424,7 @@ class Transitions:
             return await self._timed_out(message, plan, step)
         if not isinstance(step, Sleep):
             raise Poison(f"{message.wf}: step {message.path} is not a sleep")
-        state = await self.store.state(message.wf)
+        state = await self.store.at(message.wf, message.path)
         if int(state.get("epoch") or 0) != message.epoch:
             return "stale"  # a wake of an earlier run (before a redrive)
         if state.get("status") == "running" and state.get("cursor") == message.path:
@@ -427,13 +447,26 @@ class Transitions:
         """A signal was kept for the program: the step at the cursor takes it if it waits for
         that name ("taken"); else it stays kept for the step that will ("kept")."""
         state = await self.store.state(message.wf)
-        cursor = state.get("cursor", "")
-        if state.get("status") != "running" or state.get("leaf") != "signal":
+        if state.get("status") != "running":
             return "kept"
-        step = machine.leaf_at(plan.program, cursor)
-        if not isinstance(step, Signal) or step.signal != message.name:
-            return "kept"
-        return await self._take(message.wf, plan, cursor, step, int(state.get("epoch") or 0))
+        epoch = int(state.get("epoch") or 0)
+        # The program's cursor, and those of the branches open under it (bounded by
+        # MAX_PROGRAM_BRANCHES): the first waiting for this name takes it.
+        cursors = [(state.get("cursor", ""), state.get("leaf", ""))]
+        for _ in range(MAX_PROGRAM_BRANCHES + 1):
+            if not cursors:
+                break
+            cursor, leaf = cursors.pop(0)
+            if not cursor:
+                continue
+            step = machine.leaf_at(plan.program, cursor)
+            if leaf == "signal" and isinstance(step, Signal) and step.signal == message.name:
+                return await self._take(message.wf, plan, cursor, step, epoch)
+            if isinstance(step, Bag) and leaf.startswith("bag:"):
+                for i, _ in step.branches():
+                    mine = await self.store.at(message.wf, f"{cursor}/branch:{i}/")
+                    cursors.append((mine.get("cursor", ""), mine.get("leaf", "")))
+        return "kept"
 
     async def _take(self, wf: str, plan: Plan, path: str, step: Signal, epoch: int) -> str:
         """The signal step at `path` takes its signal, if one is kept: its data is then the
@@ -448,7 +481,7 @@ class Transitions:
     async def _timed_out(self, message: Wake, plan: Plan, step: Signal) -> machine.Outcome | str:
         """A signal step's timer: early, it is sent on for what is left; due, the step takes a
         signal kept meanwhile, or fails the program."""
-        state = await self.store.state(message.wf)
+        state = await self.store.at(message.wf, message.path)
         if int(state.get("epoch") or 0) != message.epoch:
             return "stale"  # a timer of an earlier run (before a redrive)
         if state.get("status") != "running" or state.get("cursor") != message.path:
@@ -469,7 +502,7 @@ class Transitions:
     async def _map_size(self, wf: str, path: str) -> int:
         """A map's number of items, as advance.lua recorded its leaf (`bag:<size>`); 0 when
         the program is not at `path` any more."""
-        state = await self.store.state(wf)
+        state = await self.store.at(wf, path)
         leaf = state.get("leaf", "")
         if state.get("cursor") != path or not leaf.startswith("bag:"):
             return 0  # not the program's step any more: nothing will be read
@@ -513,7 +546,10 @@ class Transitions:
         if isinstance(step, Bag):
             if message.index is None or not 0 <= message.index < len(step.bag):
                 raise machine.PathError(f"{message.path}: no bag member {message.index}")
-            member: Member = step.bag[message.index]
+            found = step.bag[message.index]
+            if isinstance(found, Branch):  # a branch's tasks report at their own paths
+                raise machine.PathError(f"{message.path}: bag member {message.index} is a branch")
+            member: Member = found
         elif isinstance(step, Map):  # fail.lua checks the index against the map's size
             if message.index is None or not 0 <= message.index < step.max_items:
                 raise machine.PathError(f"{message.path}: no map member {message.index}")
@@ -590,7 +626,7 @@ class Transitions:
         step = leaf.step
         if isinstance(step, Sleep | Signal):
             return ()
-        members = step.bag if isinstance(step, Bag) else [step]
+        members = [m for _, m in step.tasks()] if isinstance(step, Bag) else [step]
         if not any(member.args_from for member in members):
             return ()
         prev = leaf.prev
@@ -606,28 +642,35 @@ class Transitions:
     async def _advance(
         self, wf: str, plan: Plan, expected: str, outcome: machine.Outcome, epoch: int | None
     ) -> Any:
+        # The cursor that moves: the program's, or that of the branch `expected` runs in.
+        scope = scope_of(expected)
         if isinstance(outcome, machine.Leaf):
-            leaf = "task" if outcome.size is None else f"bag:{outcome.size}"
-            if isinstance(outcome.step, Sleep | Signal):
-                leaf = type(outcome.step).__name__.lower()
             drop = machine.dropped(plan.program, expected, outcome.path)
             return await self.store.advance(
                 wf,
                 expected,
                 outcome.path,
                 "running",
-                leaf=leaf,
+                leaf=outcome.shape,
                 drop=drop,
                 refs=outcome.refs,
                 epoch=epoch,
+                scope=scope,
+                opened=outcome.opened(),
             )
+        if isinstance(outcome, machine.Joined):  # the branch is over: a member of its bag
+            output = json.dumps(outcome.output)
+            return await self.store.advance(
+                wf, expected, "", "running", "", output, refs=outcome.refs, epoch=epoch,
+                scope=scope,
+            )  # fmt: skip
         if isinstance(outcome, machine.Done):
             result = json.dumps(outcome.result)
             return await self.store.advance(
                 wf, expected, "", "completed", "result", result, epoch=epoch
             )
         return await self.store.advance(
-            wf, expected, "", "failed", "error", outcome.error, epoch=epoch
+            wf, expected, "", "failed", "error", outcome.error, epoch=epoch, scope=scope
         )
 
     async def _redriven(self, wf: str, plan: Plan, state: dict[str, str]) -> machine.Outcome | str:
@@ -666,9 +709,22 @@ class Transitions:
         return machine.resume(*args)
 
     async def _publish(
-        self, wf: str, plan: Plan, outcome: machine.Outcome, priority: int, epoch: int
+        self,
+        wf: str,
+        plan: Plan,
+        outcome: machine.Outcome,
+        priority: int,
+        epoch: int,
+        *,
+        replay: bool = False,
     ) -> None:
+        """Run a leaf: its tasks, its timer, and the first leaves of a bag's branches (on a
+        replay, only those of branches that are still at their first leaf: the others moved
+        on, and what they owe their own transitions republish)."""
         if isinstance(outcome, machine.Leaf):
+            moved = replay and scope_of(outcome.path)
+            if moved and (await self.store.at(wf, outcome.path)).get("cursor") != outcome.path:
+                return
             if isinstance(outcome.step, Sleep):
                 await self._sleep(wf, plan, outcome, epoch)
                 return
@@ -679,6 +735,10 @@ class Transitions:
                 body = encode(Next(wf=wf, path=outcome.path, output=[], epoch=epoch))
                 await self.bus.publish_to_shard(plan.owner, body, priority)
                 return
+            for _, first in outcome.branches:  # a bag's branches start beside its tasks
+                await self._publish(wf, plan, first, priority, epoch, replay=replay)
+            if isinstance(outcome.step, Bag) and not outcome.step.tasks():
+                return  # branches only
             prev_ref = await self._stash(wf, plan, outcome)
             if prev_ref is None:
                 return  # ended meanwhile (cancelled): nothing to run
@@ -689,6 +749,14 @@ class Transitions:
             level = task_priority(plan.priority, going_on=priority == GOING_ON)
             for pool, bodies in by_pool.items():
                 await self.bus.publish_all(pool, bodies, level)
+
+    async def _joined(self, wf: str, plan: Plan, outcome: machine.Joined, epoch: int) -> None:
+        """Every member of a branch's bag finished: the owner tells itself the bag is done, as
+        a worker does when its task fills the barrier (the outputs are read from Redis)."""
+        parent = parent_of(outcome.scope)
+        assert parent is not None, outcome.scope
+        body = encode(Next(wf=wf, path=parent[0], stored=True, epoch=epoch))
+        await self.bus.publish_to_shard(plan.owner, body, GOING_ON)
 
     async def _await_signal(
         self, wf: str, plan: Plan, leaf: machine.Leaf, step: Signal, epoch: int

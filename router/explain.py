@@ -21,6 +21,7 @@ from orchestrator.program import (
     Bag,
     Choice,
     Map,
+    Member,
     Program,
     ProgramError,
     Signal,
@@ -107,8 +108,8 @@ def locate(program: Program, path: str) -> Where | None:
 def _members(step: Leafy, leaf: str) -> list[tuple[int | None, Any]]:
     if isinstance(step, Sleep | Signal):
         return []
-    if isinstance(step, Bag):
-        return list(enumerate(step.bag))
+    if isinstance(step, Bag):  # its branches run steps of their own, at their own paths
+        return list(step.tasks())
     if isinstance(step, Map):  # its size was recorded when it started: `bag:<size>`
         size = as_int(leaf.removeprefix("bag:")) if leaf.startswith("bag:") else None
         return [(i, step) for i in range(min(size or 0, step.max_items))]
@@ -349,7 +350,8 @@ def _task_name(where: Where | None, index: int | None) -> str | None:
         return None
     if isinstance(where.step, Bag):
         inside = index is not None and 0 <= index < len(where.step.bag)
-        return where.step.bag[index].task if inside else None  # type: ignore[index]
+        member = where.step.bag[index] if inside else None  # type: ignore[index]
+        return member.task if isinstance(member, Member) else None
     return None if isinstance(where.step, Sleep | Signal) else where.step.task
 
 
@@ -444,7 +446,7 @@ async def explain(store: Store, bus: Bus | None, wf: str) -> dict[str, Any] | No
 def _retry_delay(where: Where, task: dict[str, Any]) -> float | None:
     index = task["index"]
     member = where.step.bag[index] if isinstance(where.step, Bag) else where.step
-    if isinstance(member, Sleep | Signal) or member.retry is None or not task["failed"]:
+    if not isinstance(member, Member) or member.retry is None or not task["failed"]:
         return None
     return member.retry.delay_s(task["failed"][-1]["attempt"])
 

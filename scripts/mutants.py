@@ -46,6 +46,10 @@ INTERVAL = (
     "tests/test_sleep_e2e.py::"
     "test_a_loop_waits_its_interval_between_iterations_and_keeps_no_old_waits"
 )
+# The same machine over programs made mostly of bags of parallel branches.
+BRANCHES = (
+    "tests/test_properties.py::test_branches_keep_order_under_duplicates_reordering_and_crashes"
+)
 
 MUTANTS = {
     "bare-counter-barrier": (
@@ -224,14 +228,14 @@ end""",
     "ref-recorded-before-the-cursor-check": (
         "lua/advance.lua",
         "if live and cursor == ARGV[1] then",
-        'for i = 2, #KEYS do\n  redis.call("SET", KEYS[i], ARGV[i + 8])\nend\n'
+        'for i = 2, #KEYS do\n  redis.call("SET", KEYS[i], ARGV[i + 10])\nend\n'
         "if live and cursor == ARGV[1] then",
         (REFS_STEPS, DIFFERENTIAL, MACHINE),
     ),
     "ref-keeps-the-first-iteration": (
         "lua/advance.lua",
-        'redis.call("SET", KEYS[i], ARGV[i + 8])',
-        'redis.call("SET", KEYS[i], ARGV[i + 8], "NX")',
+        'redis.call("SET", KEYS[i], ARGV[i + 10])',
+        'redis.call("SET", KEYS[i], ARGV[i + 10], "NX")',
         (REFS_STEPS, DIFFERENTIAL, MACHINE),
     ),
     # Per-key limits: a run-out lease still counted (a dead worker's slot never comes back), a
@@ -318,6 +322,53 @@ end""",
         "top = max(priority for _, priority in self._waiting.values())",
         "top = min(priority for _, priority in self._waiting.values())",
         ("tests/test_fair.py::test_a_freed_slot_goes_to_the_highest_priority_first",),
+    ),
+    # Parallel branches (one per new transition). A branch's move compares its own cursor
+    # but answers replay by the program's `from`: a redelivery after a crash in a branch is
+    # taken for stale, and what the crash cut short is never published.
+    "branch-replay-by-the-program-from": (
+        "lua/advance.lua",
+        "  cursor, from = b[1], b[2]",
+        "  cursor = b[1]",
+        (BRANCHES, DIFFERENTIAL),
+    ),
+    # A branch's end fills its bag's barrier one member early: the bag moves on before its
+    # last member finished.
+    "branch-end-joins-one-early": (
+        "lua/advance.lua",
+        'redis.call("SCARD", barrier) >= size then',
+        'redis.call("SCARD", barrier) >= size - 1 then',
+        (BRANCHES, DIFFERENTIAL),
+    ),
+    # Opening a bag's branches forgets the branches of a branch that starts with a bag.
+    "nested-branches-not-opened": (
+        "orchestrator/machine.py",
+        "            found.extend(first.opened())",
+        "            pass",
+        (BRANCHES,),
+    ),
+    # complete.lua takes a leaf's outermost branch for its scope, not its innermost.
+    "complete-takes-the-outermost-branch": (
+        "lua/complete.lua",
+        'local scope = string.match(ARGV[1], "^(.*/branch:%d+)/")',
+        'local scope = string.match(ARGV[1], "^(.-/branch:%d+)/")',
+        (BRANCHES, DIFFERENTIAL),
+    ),
+    # fail.lua compares a branch's task with the program's cursor: its failure is stale, no
+    # retry is sent and the program never ends.
+    "fail-ignores-the-branch-cursor": (
+        "lua/fail.lua",
+        '  s[2], s[3] = b[1], b[2]\nend\nif s[1] ~= "running" or s[2] ~= ARGV[1] or (ARGV[6]',
+        'end\nif s[1] ~= "running" or s[2] ~= ARGV[1] or (ARGV[6]',
+        (BRANCHES, DIFFERENTIAL),
+    ),
+    # A replay of the advance into a bag republishes every branch's first leaf, also of
+    # branches that moved on.
+    "replay-republishes-moved-branches": (
+        "orchestrator/transitions.py",
+        "            moved = replay and scope_of(outcome.path)",
+        "            moved = False",
+        (BRANCHES,),
     ),
 }
 

@@ -128,11 +128,17 @@ def steps(
     fail_rate: int = 25,
     faults: bool = False,
     newer: bool = False,
+    branches: bool = True,
+    signals: bool = True,
+    branchy: bool = False,
 ) -> st.SearchStrategy[list[Any]]:
-    """A list of 1-4 steps; untiloops nest up to two deep. Shrinks toward plain passing tasks.
+    """A list of 1-4 steps; untiloops, choices and bags with parallel branches nest up to two
+    deep. Shrinks toward plain passing tasks.
 
     Bags inside loops hold at most 5 members, so that a drawn program stays small to run.
-    With `faults`, tasks and members are also drawn flaky (see `_flakies`).
+    With `faults`, tasks and members are also drawn flaky (see `_flakies`). Branches hold no
+    signal step: two waiting side by side would take the signals sent in either order.
+    `branchy`: mostly bags of branches, nested too, for their bugs.
     """
     # 0 is where integers shrink to: make it mean "does not fail".
     fails = st.integers(0, fail_rate).map(lambda drawn: drawn == fail_rate)
@@ -154,10 +160,39 @@ def steps(
     signal = st.just({"signal": SIGNAL})
     # `newer`: mostly maps, sleeps and signals, in loops (with waits) more often, for their bugs.
     kinds = [mapped, mapped, sleep, signal, task] if newer else [task, bag, mapped, sleep, signal]
+    if not signals:
+        kinds.remove(signal)
     if depth < 2:
-        kinds.append(untiloops(depth + 1, max_bag, fail_rate, faults, newer))
-        kinds.append(choices(depth + 1, max_bag, fail_rate, faults, newer))
+        flags = (faults, newer, branches, signals)
+        kinds.append(untiloops(depth + 1, max_bag, fail_rate, *flags))
+        kinds.append(choices(depth + 1, max_bag, fail_rate, *flags))
+        if branches:
+            fork = branched(depth + 1, member, max_bag, fail_rate, faults, newer, branchy)
+            kinds += [fork] * (4 if branchy else 1)
     return st.lists(st.one_of(kinds), min_size=1, max_size=4 if depth == 0 else 2)
+
+
+@st.composite
+def branched(
+    draw: st.DrawFn,
+    depth: int,
+    member: st.SearchStrategy[dict[str, Any]],
+    max_bag: int,
+    fail_rate: int,
+    faults: bool,
+    newer: bool,
+    branchy: bool = False,
+) -> dict[str, Any]:
+    """A bag of 1-3 members, most of them parallel branches of steps (any kinds but signals,
+    loops and nested branches included), the others single tasks."""
+    members = []
+    for _ in range(draw(st.integers(1, 3))):
+        if draw(st.integers(0, 3)):
+            inner = steps(depth, max_bag, fail_rate, faults, newer, signals=False, branchy=branchy)
+            members.append({"steps": draw(inner)})
+        else:
+            members.append(draw(member))
+    return {"bag": members}
 
 
 @st.composite
@@ -168,8 +203,10 @@ def untiloops(
     fail_rate: int,
     faults: bool = False,
     newer: bool = False,
+    branches: bool = True,
+    signals: bool = True,
 ) -> dict[str, Any]:
-    body = draw(steps(depth, max_bag, fail_rate, faults, newer))
+    body = draw(steps(depth, max_bag, fail_rate, faults, newer, branches, signals))
     single = "task" in body[-1] and "map" not in body[-1]  # its prev is {"v": ...}
     templates = ["iteration >= {k}"] + (["prev.v % {m} == 0"] if single else [])
     until = draw(st.sampled_from(templates)).format(
@@ -183,18 +220,26 @@ def untiloops(
 
 @st.composite
 def choices(
-    draw: st.DrawFn, depth: int, max_bag: int, fail_rate: int, faults: bool, newer: bool
+    draw: st.DrawFn,
+    depth: int,
+    max_bag: int,
+    fail_rate: int,
+    faults: bool,
+    newer: bool,
+    branches: bool = True,
+    signals: bool = True,
 ) -> dict[str, Any]:
     """A choice of 1-3 cases over the loop iteration (some never or always hold), and now and
     then an otherwise; with neither holding, the program fails."""
+    inner = steps(depth, max_bag, fail_rate, faults, newer, branches, signals)
     cases = []
     for _ in range(draw(st.integers(1, 3))):
         when = draw(st.sampled_from(["iteration >= {k}", "false", "true"]))
-        body = draw(steps(depth, max_bag, fail_rate, faults, newer))
+        body = draw(inner)
         cases.append({"when": when.format(k=draw(st.integers(0, 2))), "steps": body})
     step: dict[str, Any] = {"choice": cases}
     if draw(st.booleans()):
-        step["otherwise"] = draw(steps(depth, max_bag, fail_rate, faults, newer))
+        step["otherwise"] = draw(inner)
     return step
 
 
@@ -221,7 +266,16 @@ def _with_refs(draw: st.DrawFn, drawn: list[Any]) -> list[Any]:
         for step in steps:
             step = dict(step)
             if "bag" in step:
-                step["bag"] = [reading(member, visible) for member in step["bag"]]
+                members, after = [], visible
+                for member in step["bag"]:
+                    if "steps" in member:  # a branch reads its own list and those around it
+                        inner, _ = walk(member["steps"], visible)
+                        members.append({"steps": inner})
+                        after = after + [s["id"] for s in inner if "id" in s]
+                    else:
+                        members.append(reading(member, visible))
+                step["bag"] = members
+                visible = after  # the join waited for every branch: their own lists' steps
             elif "task" in step:  # a task or a map
                 step = reading(step, visible)
             elif "until" in step:
@@ -244,15 +298,22 @@ def _with_refs(draw: st.DrawFn, drawn: list[Any]) -> list[Any]:
 
 
 def programs(
-    max_bag: int = 50, fail_rate: int = 25, faults: bool = False, newer: bool = False
+    max_bag: int = 50,
+    fail_rate: int = 25,
+    faults: bool = False,
+    newer: bool = False,
+    branches: bool = True,
+    branchy: bool = False,
 ) -> st.SearchStrategy[dict[str, Any]]:
     """Whole programs of the grammar: tasks, bags of 1..max_bag, maps, sleeps, nested
-    untiloops (some with waits between iterations), choices, serial, parallel and a named
-    pool (bags and members too), step ids and arguments read from earlier steps by id; with
-    `faults`, also flaky tasks with retry policies and timeouts, and deadlines. `newer` draws
-    mostly the newer kinds (maps, sleeps, waits)."""
+    untiloops (some with waits between iterations), choices, bags with parallel branches,
+    serial, parallel and a named pool (bags and members too), step ids and arguments read
+    from earlier steps by id; with `faults`, also flaky tasks with retry policies and
+    timeouts, and deadlines. `newer` draws mostly the newer kinds (maps, sleeps, waits);
+    `branches=False` none (for checks that need one total order of leaves), `branchy` mostly
+    bags of parallel branches."""
     drawn = (
-        steps(0, max_bag, fail_rate, faults, newer)
+        steps(0, max_bag, fail_rate, faults, newer, branches, branchy=branchy)
         .flatmap(_with_refs)
         .map(lambda s: {"name": "drawn", "steps": s})
     )
@@ -288,9 +349,21 @@ class Expected:
     input: Any = None
     # (path, bag index or None) -> (key, max) of a limited task's slot (see with_limits)
     keys: dict[tuple[str, int | None], tuple[str, int]] = field(default_factory=dict)
+    # leaf path -> the parallel branches it runs in, outermost first: (bag path, member)
+    within: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
 
     def position(self, path: str) -> int:
         return [leaf for leaf, _ in self.leaves].index(path)
+
+    def side_by_side(self, first: str, then: str) -> bool:
+        """Whether two leaves may run in either order (`first` listed before `then`): they
+        are in different branches of one bag, or `then` is in a branch of the bag `first`
+        (whose task members run beside its branches); else `first` ends before `then` starts."""
+        mine, theirs = self.within.get(first, ()), self.within.get(then, ())
+        if any(bag == first for bag, _ in theirs):
+            return True
+        member = dict(theirs)
+        return any(bag in member and member[bag] != i for bag, i in mine)
 
 
 class _Stop(Exception):
@@ -307,69 +380,118 @@ def expect(program: dict[str, Any]) -> Expected:
     return expected
 
 
-def _run(steps: list[Any], prev: Any, prefix: str, expected: Expected, iteration: int) -> Any:
+def _run(
+    steps: list[Any],
+    prev: Any,
+    prefix: str,
+    expected: Expected,
+    iteration: int,
+    within: tuple[tuple[str, int], ...] = (),
+) -> Any:
     for k, step in enumerate(steps):
         path = f"{prefix}{k}"
-        if "choice" in step:
-            held = [
-                k for k, case in enumerate(step["choice"]) if _holds(case["when"], prev, iteration)
-            ]
-            if held:
-                k, branch = held[0], step["choice"][held[0]]["steps"]
-            elif "otherwise" in step:
-                k, branch = len(step["choice"]), step["otherwise"]
+        before = len(expected.leaves)
+        try:
+            if "choice" in step:
+                held = [
+                    k
+                    for k, case in enumerate(step["choice"])
+                    if _holds(case["when"], prev, iteration)
+                ]
+                if held:
+                    k, branch = held[0], step["choice"][held[0]]["steps"]
+                elif "otherwise" in step:
+                    k, branch = len(step["choice"]), step["otherwise"]
+                else:
+                    error = f"step {path}: no case of the choice held, and it has no otherwise"
+                    _fail(expected, error, [error])
+                prev = _run(branch, prev, f"{path}/case:{k}/", expected, iteration, within)
+            elif "sleep_s" in step:
+                expected.leaves.append((path, 0))  # a leaf that runs no task; prev goes on
+            elif "signal" in step:
+                expected.leaves.append((path, 1))  # done when it took its signal
+                expected.signals.append(path)
+                prev = signal_data(path)
+            elif "map" in step:
+                size = _items(step["map"], iteration)
+                if size > step["max_items"]:
+                    error = (
+                        f"step {path}: map {step['map']!r}: gave {size} items, more than "
+                        f"max_items={step['max_items']}"
+                    )
+                    _fail(expected, error, [error])
+                expected.leaves.append((path, size))
+                errors = [_member(step, path, i, expected) for i in range(size)]
+                if any(errors):
+                    _fail(expected, f"step {path}/bag:", [e for e in errors if e is not None])
+                prev = [output_of(path, i) for i in range(size)]
+            elif "task" in step:
+                expected.leaves.append((path, 1))
+                error = _member(step, path, None, expected)
+                if error is not None:
+                    _fail(expected, error, [error])
+                prev = output_of(path, None)
+            elif "bag" in step and any("steps" in member for member in step["bag"]):
+                prev = _branches(step["bag"], prev, path, expected, iteration, within)
+            elif "bag" in step:
+                members = step["bag"]
+                expected.leaves.append((path, len(members)))
+                errors = [_member(member, path, i, expected) for i, member in enumerate(members)]
+                if any(errors):
+                    _fail(expected, f"step {path}/bag:", [e for e in errors if e is not None])
+                prev = [output_of(path, i) for i in range(len(members))]
             else:
-                error = f"step {path}: no case of the choice held, and it has no otherwise"
-                _fail(expected, error, [error])
-            prev = _run(branch, prev, f"{path}/case:{k}/", expected, iteration)
-        elif "sleep_s" in step:
-            expected.leaves.append((path, 0))  # a leaf that runs no task; prev goes on
-        elif "signal" in step:
-            expected.leaves.append((path, 1))  # done when it took its signal
-            expected.signals.append(path)
-            prev = signal_data(path)
-        elif "map" in step:
-            size = _items(step["map"], iteration)
-            if size > step["max_items"]:
-                error = (
-                    f"step {path}: map {step['map']!r}: gave {size} items, more than "
-                    f"max_items={step['max_items']}"
-                )
-                _fail(expected, error, [error])
-            expected.leaves.append((path, size))
-            errors = [_member(step, path, i, expected) for i in range(size)]
-            if any(errors):
-                _fail(expected, f"step {path}/bag:", [e for e in errors if e is not None])
-            prev = [output_of(path, i) for i in range(size)]
-        elif "task" in step:
-            expected.leaves.append((path, 1))
-            error = _member(step, path, None, expected)
-            if error is not None:
-                _fail(expected, error, [error])
-            prev = output_of(path, None)
-        elif "bag" in step:
-            members = step["bag"]
-            expected.leaves.append((path, len(members)))
-            errors = [_member(member, path, i, expected) for i, member in enumerate(members)]
-            if any(errors):
-                _fail(expected, f"step {path}/bag:", [e for e in errors if e is not None])
-            prev = [output_of(path, i) for i in range(len(members))]
-        else:
-            for n in range(step["max_iterations"]):
-                if n and "interval_s" in step:  # the wait before an iteration: a leaf
-                    expected.leaves.append((f"{path}/iter:{n}", 0))
-                prev = _run(step["steps"], prev, f"{path}/iter:{n}/", expected, n)
-                if _holds(step["until"], prev, n):
-                    break
-            else:
-                error = (
-                    f"step {path}: until {step['until']!r} not met after "
-                    f"max_iterations={step['max_iterations']}"
-                )
-                _fail(expected, error, [error])
+                for n in range(step["max_iterations"]):
+                    if n and "interval_s" in step:  # the wait before an iteration: a leaf
+                        expected.leaves.append((f"{path}/iter:{n}", 0))
+                    prev = _run(step["steps"], prev, f"{path}/iter:{n}/", expected, n, within)
+                    if _holds(step["until"], prev, n):
+                        break
+                else:
+                    error = (
+                        f"step {path}: until {step['until']!r} not met after "
+                        f"max_iterations={step['max_iterations']}"
+                    )
+                    _fail(expected, error, [error])
+        finally:  # a failing step's leaves too
+            for leaf, _ in expected.leaves[before:]:
+                expected.within.setdefault(leaf, within)
         if "id" in step:  # it finished: later steps read its output (the latest, in a loop)
             expected.refs[step["id"]] = prev
     return prev
+
+
+def _branches(
+    members: list[Any],
+    prev: Any,
+    path: str,
+    expected: Expected,
+    iteration: int,
+    within: tuple[tuple[str, int], ...],
+) -> list[Any]:
+    """A bag with parallel branches: every member runs (a failing one ends the program, but
+    the others run side by side meanwhile, so any of their errors may be the one it ends
+    with); the output lists the members' and branches' outputs in member order."""
+    expected.leaves.append((path, len(members)))
+    errors: list[str] = []
+    outputs = []
+    for i, member in enumerate(members):
+        if "steps" not in member:
+            error = _member(member, path, i, expected)
+            errors += [error] if error is not None else []
+            outputs.append(output_of(path, i))
+            continue
+        inner = (*within, (path, i))
+        try:
+            outputs.append(
+                _run(member["steps"], prev, f"{path}/branch:{i}/", expected, iteration, inner)
+            )
+        except _Stop:
+            errors += expected.errors
+            expected.status, expected.errors, expected.error_prefix = "completed", [], ""
+    if errors:
+        _fail(expected, f"step {path}/", errors)
+    return outputs
 
 
 def _member(step: dict[str, Any], path: str, index: int | None, expected: Expected) -> str | None:

@@ -24,7 +24,7 @@ def named_pools() -> list[str]:
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(program=programs(max_bag=10, fail_rate=15))
+@given(program=programs(max_bag=10, fail_rate=15, branches=False))  # one total order
 async def test_drawn_programs_run_in_program_order(
     cluster: Router, trace: Trace, program: dict
 ) -> None:

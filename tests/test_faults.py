@@ -2,7 +2,8 @@
 
 Private RabbitMQ and Redis (AOF, appendfsync always) on free loopback ports; two orchestrator
 processes per shard (one active, one standby), two workers per pool. While a few hundred
-programs run (task, bag, loop with waits, task, signal, sleep, map), random processes are killed
+programs run (task, bag, loop with waits, task, signal, sleep, map, a bag of parallel branches,
+task), random processes are killed
 with SIGKILL and started again, Redis is killed and restarted once, RabbitMQ is stopped and
 started once; half the programs get their signal before they wait for it, half during all that.
 `SHARDFLOW_FAULT_PROGRAMS` / `SHARDFLOW_FAULT_SECONDS` run it longer.
@@ -91,6 +92,27 @@ def program(k: int) -> dict:
                 "args": {"sleep_s": 0.03},
                 "chunk": 2,
             },
+            # A task beside two parallel branches (one sleeps between its tasks); the join
+            # lists them in member order, whatever order they finished in.
+            {
+                "bag": [
+                    {"task": "fault.step", "args": {"n": 7, "sleep_s": 0.02}},
+                    {
+                        "steps": [
+                            {"task": "fault.step", "pool": "parallel", "args": {"n": 70}},
+                            {"sleep_s": 0.02},
+                            {"task": "fault.step", "pool": "parallel", "args": {"n": 71}},
+                        ]
+                    },
+                    {
+                        "steps": [
+                            {"task": "fault.step", "pool": "parallel", "args": {"n": 72}},
+                            {"task": "fault.step", "pool": "parallel", "args": {"n": 73}},
+                        ]
+                    },
+                ]
+            },
+            {"task": "fault.step", "pool": "parallel", "args": {"n": 8}},
         ],
     }
 
@@ -103,6 +125,9 @@ class Leaf:
     path: str
     prev: Any
     outputs: dict[int | None, Any]
+    # The leaves that start only once this one is done (in parallel branches, more than one);
+    # empty: the next one in the plan.
+    then: tuple[str, ...] = ()
 
     @property
     def output(self) -> Any:
@@ -135,7 +160,45 @@ def plan(wf: str, k: int) -> list[Leaf]:
     add("3", 0, {None: 2 * k})
     prev = signal_data(k)  # steps 4 and 5, a signal and a sleep, run no handler
     add("6", 0, {i: 2 * k + i for i in range(MAP)})
+    # Step 7: member 0 a task, members 1 and 2 branches; each branch's first task gets the
+    # bag's prev, the next one its branch's (a sleep passes it on); step 8 gets the join.
+    mapped = leaves.pop()
+    leaves.append(Leaf(mapped.path, mapped.prev, mapped.outputs, BAG_STARTS))
+    bag_prev = prev
+    add("7", 0, {0: 7})
+    joined = [leaves[-1].outputs[0]]
+    leaves.append(_then(leaves.pop(), "8"))
+    for first, second, (n, m) in BRANCH_LEAVES:
+        prev = bag_prev
+        add(first, 0, {None: n})
+        leaves.append(_then(leaves.pop(), second))
+        add(second, 0, {None: m})
+        leaves.append(_then(leaves.pop(), "8"))
+        joined.append(leaves[-1].output)
+    prev = joined
+    add("8", 0, {None: 8})
     return leaves
+
+
+def _then(leaf: Leaf, *then: str) -> Leaf:
+    return Leaf(leaf.path, leaf.prev, leaf.outputs, then)
+
+
+# The branches of step 7: (first leaf, second leaf, their n); the leaves the map is followed by.
+BRANCH_LEAVES = [
+    ("7/branch:1/0", "7/branch:1/2", (70, 71)),
+    ("7/branch:2/0", "7/branch:2/1", (72, 73)),
+]
+BAG_STARTS = ("7", "7/branch:1/0", "7/branch:2/0")
+
+
+def lanes(paths: list[str]) -> list[list[str]]:
+    """The plan's leaves as chains that each run in one total order: the steps outside the
+    branched bag, with its task member or one of its branches in its place."""
+    outside = [p for p in paths if not p.startswith("7")]
+    at = outside.index("8")
+    chains = [["7"]] + [[first, second] for first, second, _ in BRANCH_LEAVES]
+    return [outside[:at] + chain + outside[at:] for chain in chains]
 
 
 # --- the checks: each answers a list of problems, empty when the log shows none ----------------
@@ -182,9 +245,11 @@ def late_runs(log: Log, plans: dict[str, list[Leaf]]) -> list[str]:
             problems.append(f"{wf}: step {path} ran (seq {seq}), not a step of any program run")
             continue
         at = paths.index(path)
-        moved = first.get((wf, paths[at + 1])) if at + 1 < len(paths) else settled
+        then = plans[wf][at].then or tuple(paths[at + 1 : at + 2])
+        begun = sorted((first[(wf, p)], p) for p in then if (wf, p) in first)
+        moved = begun[0][0] if begun else (None if then else settled)
         if moved is not None and seq > moved:
-            after = f"step {paths[at + 1]} started" if at + 1 < len(paths) else "it ended"
+            after = f"step {begun[0][1]} started" if then else "it ended"
             problems.append(
                 f"{wf}: step {path} member {e['index']} started again (seq {seq}, pid "
                 f"{e['pid']}, attempt {e['attempt']}) after {after} (seq {moved})"
@@ -535,7 +600,8 @@ async def test_every_program_ends_once_in_order_through_kills_and_restarts(
     for kind, found in problems.items():
         assert not found, f"{kind}: {len(found)}:\n" + "\n".join(found[:10])
     assert max(ended.values(), default=0) == 1, ended.most_common(3)
-    assert_leaves_in_order(_trace(events), [leaf.path for leaf in plans[ids[0]]])
+    for lane in lanes([leaf.path for leaf in plans[ids[0]]]):
+        assert_leaves_in_order([e for e in _trace(events) if e["path"] in lane], lane)
     # The kills must land on work in flight, or the test proves nothing about crashes.
     assert len(reach) == fleet.kills > 0
     assert len(mid) >= max(1, len(reach) // 2), reach
@@ -629,7 +695,8 @@ def test_a_clean_log_passes_with_the_reruns_at_least_once_allows(
     assert late_runs(log, plans) == []
     assert wrong_inputs(log, plans) == []
     assert unended(_completed(plans), plans) == []
-    assert_leaves_in_order(_trace(log), [leaf.path for leaf in plans["f0"]])
+    for lane in lanes([leaf.path for leaf in plans["f0"]]):
+        assert_leaves_in_order([e for e in _trace(log) if e["path"] in lane], lane)
 
 
 def test_a_bag_member_that_never_ran_is_found(plans: dict[str, list[Leaf]]) -> None:
@@ -660,9 +727,20 @@ def test_a_step_run_again_after_its_program_moved_on_is_found(
     ]
     # The last step after the program ended.
     log = _clean(plans)
-    log.append(_start("f2", plans["f2"][-1], 0))
+    log.append(_start("f2", plans["f2"][-1], None))
     [problem] = late_runs(log, plans)
-    assert problem.startswith("f2: step 6 member 0 started again") and "it ended" in problem
+    assert problem.startswith("f2: step 8 member None started again") and "it ended" in problem
+    # A branch's first task after its second began; the map after one of the branches began.
+    log = _clean(plans)
+    second = _where(log, "end", "f1", "7/branch:2/1")
+    log.insert(second, _start("f1", plans["f1"][-3], None, pid=200))
+    [problem] = late_runs(log, plans)
+    assert problem.startswith("f1: step 7/branch:2/0 member None started again"), problem
+    assert "after step 7/branch:2/1 started" in problem
+    log = _clean(plans)
+    log.append(_start("f0", plans["f0"][6], 1))
+    [problem] = late_runs(log, plans)
+    assert problem.startswith("f0: step 6 member 1 started again"), problem
 
 
 def test_a_bag_joined_with_wrong_outputs_is_found(plans: dict[str, list[Leaf]]) -> None:
@@ -682,13 +760,29 @@ def test_a_bag_joined_with_wrong_outputs_is_found(plans: dict[str, list[Leaf]]) 
     assert problem.startswith("f0: step 1 gave"), problem
 
 
+def test_branches_joined_in_the_wrong_order_are_found(plans: dict[str, list[Leaf]]) -> None:
+    join = plans["f1"][-1].prev
+    for wrong in ([join[0], join[2], join[1]], join[:2]):
+        log = _clean(plans)
+        at = _where(log, "start", "f1", "8")
+        log[at] = {**log[at], "prev": wrong}
+        [problem] = wrong_inputs(log, plans)
+        assert problem.startswith("f1: step 8 got"), problem
+    # A branch's second task given the bag's prev, not its branch's.
+    log = _clean(plans)
+    at = _where(log, "start", "f0", "7/branch:1/2")
+    log[at] = {**log[at], "prev": plans["f0"][-6].prev}
+    [problem] = wrong_inputs(log, plans)
+    assert problem.startswith("f0: step 7/branch:1/2 got"), problem
+
+
 def test_a_program_without_end_is_found(plans: dict[str, list[Leaf]]) -> None:
     statuses = _completed(plans)
     statuses["f0"] = {"status": "running", "cursor": "1"}
     statuses["f1"] = {**statuses["f1"], "result": json.dumps(plans["f2"][-1].output)}
     del statuses["f2"]
     found = unended(statuses, plans)
-    expected = ["f0: running at 1, not completed", "f1: completed with [", "f2: no state at ?"]
+    expected = ["f0: running at 1, not completed", "f1: completed with {", "f2: no state at ?"]
     assert len(found) == len(expected), found
     assert all(p.startswith(e) for p, e in zip(found, expected, strict=True)), found
 

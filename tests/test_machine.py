@@ -4,7 +4,17 @@ import re
 
 import pytest
 
-from orchestrator.machine import Done, Failed, Leaf, PathError, after, dropped, first, leaf_at
+from orchestrator.machine import (
+    Done,
+    Failed,
+    Joined,
+    Leaf,
+    PathError,
+    after,
+    dropped,
+    first,
+    leaf_at,
+)
 from orchestrator.program import Sleep, parse_program
 
 PROGRAM = parse_program(
@@ -265,3 +275,63 @@ def test_a_loop_inside_a_case_drops_its_old_iterations() -> None:
         }
     )
     assert dropped(program, "0/case:0/0/iter:3/0", "0/case:0/0/iter:4/0") == "0/case:0/0/iter:2/"
+
+
+def test_a_bag_opens_its_branches_and_a_branch_ends_by_joining_its_bag() -> None:
+    program = parse_program(
+        {
+            "steps": [
+                {"task": "a"},
+                {
+                    "bag": [
+                        {"task": "b"},
+                        {
+                            "steps": [
+                                {"task": "c"},
+                                {
+                                    "until": "iteration >= 2",
+                                    "max_iterations": 5,
+                                    "steps": [{"task": "d"}],
+                                },
+                            ]
+                        },
+                        {"steps": [{"bag": [{"steps": [{"sleep_s": 1}]}]}]},
+                    ]
+                },
+                {"task": "e"},
+            ]
+        }
+    )
+    bag = after(program, "0", "A", input=None)
+    assert isinstance(bag, Leaf) and (bag.path, bag.shape) == ("1", "bag:3")
+    # Every branch opens with the bag, nested ones too; each first leaf gets the bag's prev.
+    assert bag.opened() == [
+        ("1/branch:1", "1/branch:1/0", "task"),
+        ("1/branch:2", "1/branch:2/0", "bag:1"),
+        ("1/branch:2/0/branch:0", "1/branch:2/0/branch:0/0", "sleep"),
+    ]
+    assert [first.prev for _, first in bag.branches] == ["A", "A"]
+    inner = after(program, "1/branch:1/0", "C", input=None)
+    assert isinstance(inner, Leaf) and (inner.path, inner.prev) == ("1/branch:1/1/iter:0/0", "C")
+    assert (
+        dropped(program, "1/branch:1/1/iter:1/0", "1/branch:1/1/iter:2/0") == "1/branch:1/1/iter:0/"
+    )
+    assert after(program, "1/branch:1/1/iter:2/0", "D", input=None) == Joined("1/branch:1", "D")
+    assert after(program, "1/branch:2/0/branch:0/0", "S", input=None) == Joined(
+        "1/branch:2/0/branch:0", "S"
+    )
+    assert isinstance(leaf_at(program, "1/branch:2/0/branch:0/0"), Sleep)
+    with pytest.raises(PathError):
+        leaf_at(program, "1/branch:0/0")  # member 0 is a task, not a branch
+    end = after(program, "1", ["B", "D", ["S"]], input=None)
+    assert isinstance(end, Leaf) and end.path == "2" and end.prev == ["B", "D", ["S"]]
+
+
+def test_scope_of_a_path_is_its_innermost_branch() -> None:
+    from orchestrator.paths import parent_of, scope_of
+
+    assert scope_of("1") == "" and scope_of("2/iter:3/0") == ""
+    assert scope_of("1/branch:2/0") == "1/branch:2"
+    assert scope_of("1/branch:2/0/iter:1/3/branch:0/0") == "1/branch:2/0/iter:1/3/branch:0"
+    assert parent_of("1/branch:2/0/branch:11") == ("1/branch:2/0", 11)
+    assert parent_of("1/bag:2") is None

@@ -20,11 +20,22 @@ from redis.asyncio import Redis
 
 from orchestrator.keys import Keys
 from orchestrator.memory_store import MemoryStore
+from orchestrator.paths import scope_of
 from orchestrator.redis_store import RedisStore
 from orchestrator.store import Store
 
 WORKFLOWS = ["a", "b", "c"]  # a and b are submitted first; c only if drawn
-PATHS = ["0", "1", "2/iter:0/0", "2/iter:1/0"]
+PATHS = ["0", "1", "2/iter:0/0", "2/iter:1/0", "1/branch:1/0", "1/branch:1/1"]
+# Leaves in parallel branches of the bag at step 1 (member 1, and a branch nested in it).
+BRANCH_PATHS = ["1/branch:0/0", "1/branch:1/0/branch:0/0", "2/iter:0/0/branch:0/0"]
+# Branch cursors an advance opens with its new leaf (scope, first leaf, its shape).
+OPENED = [
+    (),
+    (("1/branch:1", "1/branch:1/0", "task"),),
+    (("1/branch:0", "1/branch:0/0", "sleep"), ("1/branch:1", "1/branch:1/0", "bag:1")),
+    (("1/branch:1/0/branch:0", "1/branch:1/0/branch:0/0", "task"),),
+    (("2/iter:0/0/branch:0", "2/iter:0/0/branch:0/0", "signal"),),
+]
 PLANS = [
     json.dumps({"program": {"steps": [{"task": "t"}]}, "input": n, "owner": 0}) for n in (1, 2)
 ]
@@ -53,12 +64,13 @@ def _outputs(size: int) -> st.SearchStrategy[dict[int | None, str]]:
 Call = tuple[str, tuple[Any, ...]]
 
 
-def calls(cursors: dict[str, str]) -> st.SearchStrategy[Call]:
-    """One call to a store. Paths are often the program's cursor as the model has it now, so
-    that drawn sequences reach deep states (a running leaf, a barrier, a last attempt)."""
+def calls(cursors: dict[str, list[str]]) -> st.SearchStrategy[Call]:
+    """One call to a store. Paths are often the program's cursor as the model has it now (or
+    an open branch's), so that drawn sequences reach deep states (a running leaf, a barrier, a
+    last attempt, a branch's end filling its bag)."""
 
     def at(wf: str, paths: list[str]) -> st.SearchStrategy[str]:
-        return st.sampled_from([cursors.get(wf, "")] * 3 + paths)
+        return st.sampled_from((cursors.get(wf) or [""]) * 3 + paths + BRANCH_PATHS)
 
     def record(wf: str) -> st.SearchStrategy[Call]:
         return st.tuples(at(wf, PATHS), st.integers(1, 3), EPOCHS).flatmap(
@@ -66,13 +78,32 @@ def calls(cursors: dict[str, str]) -> st.SearchStrategy[Call]:
         )
 
     def advance(wf: str) -> st.SearchStrategy[Call]:
+        # The scope is mostly the one the expected cursor runs in, as the owner passes it.
+        scoped = at(wf, ["", *PATHS]).flatmap(
+            lambda expected: st.tuples(
+                st.just(expected),
+                st.sampled_from([scope_of(expected)] * 4 + ["", "1/branch:1", "1/branch:0"]),
+            )
+        )
         return st.builds(
-            lambda expected, cursor, status, payload, leaf, drop, refs, epoch: (
+            lambda scoped, cursor, status, payload, leaf, drop, refs, epoch, opened: (
                 "advance",
-                (wf, expected, cursor, status, *payload, leaf, drop, refs, epoch),
+                (
+                    wf,
+                    scoped[0],
+                    cursor,
+                    status,
+                    *payload,
+                    leaf,
+                    drop,
+                    refs,
+                    epoch,
+                    *scoped[1:],
+                    opened,
+                ),
             ),
-            at(wf, ["", *PATHS]),
-            st.sampled_from(["", *PATHS]),
+            scoped,
+            st.sampled_from(["", *PATHS, *BRANCH_PATHS]),
             st.sampled_from(["running"] * 4 + ["completed", "failed"]),
             st.sampled_from([("", ""), ("result", "7"), ("error", "boom")]),
             st.sampled_from(["", "task", "bag:0", "bag:1", "bag:2", "bag:3", "sleep", "signal"]),
@@ -81,6 +112,7 @@ def calls(cursors: dict[str, str]) -> st.SearchStrategy[Call]:
             # outputs of steps read by id, recorded (latest wins) only when it applies
             st.sampled_from([(), (), (("a", '{"v": 1}'),), (("a", '"x"'), ("b2", "[1, 2]"))]),
             st.none() | EPOCHS,  # None: a start, whatever the run
+            st.sampled_from(OPENED),
         )
 
     def per_workflow(wf: str) -> st.SearchStrategy[Call]:
@@ -255,12 +287,18 @@ def test_the_model_and_the_lua_give_the_same_verdicts_and_state(
             ("submit", ("a", PLANS[0], 1, "x", "d1")),
             ("submit", ("b", PLANS[0], 1, "x", "d1")),
             ("advance", ("a", "", "0", "running", "", "", "task")),
-            ("advance", ("b", "", "1", "running", "", "", "bag:2")),
+            ("advance", ("b", "", "1", "running", "", "", "bag:2", "", (), None, "", OPENED[1])),
         ]
         made: list[Call] = []
         for n in range(len(prelude) + data.draw(st.integers(1, 30), label="calls")):
             cursors = {
-                wf: (model.data.get(keys.state(wf)) or {}).get("cursor", "") for wf in WORKFLOWS
+                wf: [
+                    found.get("cursor", "")
+                    for key, found in model.data.items()
+                    if isinstance(found, dict)
+                    and (key == keys.state(wf) or key.startswith(keys.branch(wf, "")))
+                ]
+                for wf in WORKFLOWS
             }
             if prelude:
                 name, args = prelude.pop(0)

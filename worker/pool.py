@@ -152,7 +152,8 @@ class Worker(Service):
         """Whether the program is still at the tasks' step, in their run. A step its program
         has left (a late copy from a replay, or a redelivery after a crash past the report)
         is not run again: nothing it could record would count."""
-        state = await self.store.state(tasks[0].wf)
+        # In a parallel branch, the branch's own cursor says where it is.
+        state = await self.store.at(tasks[0].wf, tasks[0].path)
         if not state:  # never run a handler for a program nobody submitted
             raise Poison(f"{tasks[0].wf}: no such program")
         if (

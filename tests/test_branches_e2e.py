@@ -1,0 +1,175 @@
+"""Parallel branches on a real cluster: a bag member that is a sequence of steps, with its own
+cursor; the join waits for every branch, the bag's output lists members and branches in order."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.program import ProgramError, parse_program
+from router.client import Router
+from tests.polling import until
+
+pytestmark = pytest.mark.e2e
+
+# Member 0 a task; member 1 a branch of a task, a sleep and a loop; member 2 a branch of a
+# choice and a map. Each branch's first step sees the bag's prev; the next its branch's prev.
+BRANCHES = {
+    "steps": [
+        {"task": "add", "args": {"n": 1}, "pool": "parallel"},
+        {
+            "bag": [
+                {"task": "echo", "args": {"m": 0}},
+                {
+                    "steps": [
+                        {"task": "add", "args": {"n": 10}, "pool": "parallel", "id": "ten"},
+                        {"sleep_s": 0.2},
+                        {
+                            "until": "iteration >= 2",
+                            "max_iterations": 5,
+                            "steps": [{"task": "counter", "pool": "parallel"}],
+                        },
+                    ]
+                },
+                {
+                    "steps": [
+                        {
+                            "choice": [
+                                {"when": "prev == 1", "steps": [{"task": "add", "args": {"n": 2}}]}
+                            ],
+                            "otherwise": [{"task": "boom"}],
+                        },
+                        {
+                            "task": "item",
+                            "map": "[prev, prev * 2]",
+                            "max_items": 5,
+                        },
+                    ]
+                },
+            ]
+        },
+        {"task": "echo", "args_from": {"ten": "steps.ten"}, "pool": "parallel"},
+    ]
+}
+
+
+async def test_each_branch_runs_its_steps_in_order_and_the_join_lists_them(
+    cluster: Router,
+) -> None:
+    wf = (await cluster.submit(BRANCHES)).workflow_id
+    status = await cluster.wait(wf, timeout_s=60)
+    assert status["status"] == "completed", status
+    joined = status["result"]["prev"]
+    assert joined[0] == {"args": {"m": 0}, "prev": 1}  # a task member sees the bag's prev
+    assert joined[1] == {"iteration": 2}  # the branch's last step: the loop's last iteration
+    assert [m["item"] for m in joined[2]] == [3, 6]  # the map over the choice's output (1 + 2)
+    # A step after the bag reads a step of a branch by id.
+    assert status["result"]["args"] == {"ten": 11}
+
+
+async def test_a_failing_branch_fails_the_program_and_a_redrive_runs_the_bag_again(
+    cluster: Router,
+) -> None:
+    program = {
+        "steps": [
+            {"task": "add", "args": {"n": 1}, "pool": "parallel"},
+            {
+                "bag": [
+                    {"task": "echo"},
+                    {"steps": [{"task": "add", "pool": "parallel"}, {"task": "boom"}]},
+                ]
+            },
+        ]
+    }
+    wf = (await cluster.submit(program)).workflow_id
+    status = await cluster.wait(wf, timeout_s=30)
+    assert (status["status"], status["error"]) == (
+        "failed",
+        "step 1/branch:1/1: task 'boom': RuntimeError: boom",
+    )
+    # The program's cursor stood at the bag: a redrive runs the bag (every branch) again.
+    await cluster.redrive(wf)
+    again = await cluster.wait(wf, timeout_s=30)
+    assert again["status"] == "failed" and again["error"] == status["error"], again
+
+
+async def test_a_retried_task_inside_a_branch_and_a_signal_wait_there(cluster: Router) -> None:
+    program = {
+        "steps": [
+            {
+                "bag": [
+                    {
+                        "steps": [
+                            {
+                                "task": "shaky",
+                                "pool": "parallel",
+                                "retry": {"max_attempts": 2, "backoff_s": 0},
+                            }
+                        ]
+                    },
+                    {"steps": [{"signal": "approve", "timeout_s": 60}, {"task": "echo"}]},
+                ]
+            }
+        ]
+    }
+    wf = (await cluster.submit(program)).workflow_id
+    await until(lambda: cluster.status(wf), lambda s: s is not None and s["status"] == "running")
+    await cluster.signal(wf, "approve", {"ok": True})
+    status = await cluster.wait(wf, timeout_s=30)
+    assert status["status"] == "completed", status
+    first, second = status["result"]
+    assert first["attempt"] == 1  # the retry ran at the branch's own path
+    assert second["prev"] == {"ok": True}  # the branch's step after the signal took its data
+
+
+async def test_cancel_ends_a_program_while_its_branches_sleep(cluster: Router) -> None:
+    program = {"steps": [{"bag": [{"steps": [{"sleep_s": 30}]}, {"steps": [{"sleep_s": 30}]}]}]}
+    wf = (await cluster.submit(program)).workflow_id
+    await until(lambda: cluster.status(wf), lambda s: s is not None and s["status"] == "running")
+    await cluster.cancel(wf, "enough")
+    status = await cluster.status(wf)
+    assert status is not None and (status["status"], status["error"]) == ("cancelled", "enough")
+
+
+def test_submit_refuses_what_a_branch_cannot_read_and_bounds_branches() -> None:
+    sibling = {
+        "steps": [
+            {
+                "bag": [
+                    {"steps": [{"task": "a", "id": "x"}]},
+                    {"steps": [{"task": "b", "args_from": {"v": "steps.x"}}]},
+                ]
+            }
+        ]
+    }
+    with pytest.raises(ProgramError) as caught:
+        parse_program(sibling)
+    assert "steps[0].bag[1].steps[0].args_from.v: step 'x'" in str(caught.value)
+    too_many = {"steps": [{"bag": [{"steps": [{"task": "a"}]}] * 21}]}
+    with pytest.raises(ProgramError, match=r"steps\[0\]\.bag: 21 branches: a bag holds at most"):
+        parse_program(too_many)
+    deep: dict = {"task": "a"}
+    for _ in range(4):
+        deep = {"bag": [{"steps": [deep]}]}
+    with pytest.raises(ProgramError, match=r"branches nested 4 deep, at most 3"):
+        parse_program({"steps": [deep]})
+    # A branch reads earlier steps of its own list and of the lists around it.
+    parse_program(
+        {
+            "steps": [
+                {"task": "a", "id": "before"},
+                {
+                    "bag": [
+                        {
+                            "steps": [
+                                {"task": "a", "id": "mine"},
+                                {
+                                    "task": "b",
+                                    "args_from": {"v": "steps.mine", "w": "steps.before"},
+                                },
+                            ]
+                        }
+                    ]
+                },
+            ]
+        }
+    )
