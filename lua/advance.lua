@@ -19,7 +19,10 @@
 --          updated_ms are the hash <prefix>:{<wf>}:cur:<scope>. In a branch, status running
 --          with the new cursor "" ends the branch: ARGV[5] is its output, recorded as its
 --          member's in the bag's barrier; failed ends the whole program (its cursor, the
---          outermost bag, is kept as `from`, so a redrive runs that bag again)
+--          outermost bag, is kept as `from`, so a redrive runs that bag again). A branch
+--          moves only while the scope around it (the program's cursor, or the enclosing
+--          branch's) stands at its bag: else the advance is stale (a replay still answers
+--          replay)
 -- ARGV[11] JSON list of the branches the new leaf opens (a bag with branches), nested ones
 --          too: [[scope, its first leaf's path, that leaf's shape], ...]
 -- When the program ends, the cursor before the last one is kept as `prior` (redrive reruns
@@ -49,7 +52,7 @@ local base = string.sub(KEYS[1], 1, -6)  -- "<prefix>:{<wf>}:" without "state"
 local registry = base .. "keys"
 local scope = ARGV[10] or ""
 local here = KEYS[1]  -- the hash whose cursor moves
-local bag, member, barrier, size = "", "", "", 0
+local bag, member, barrier, size, inside = "", "", "", 0, true
 if scope ~= "" then
   here = base .. "cur:" .. scope
   local b = redis.call("HMGET", here, "cursor", "from")
@@ -61,10 +64,13 @@ if scope ~= "" then
   if not bag then
     return {"stale", status, ""}
   end
-  -- the bag's size, as the scope around it recorded its leaf (`bag:<size>`)
+  -- the bag's size, as the scope around it recorded its leaf (`bag:<size>`), and whether
+  -- that scope still stands at the bag: a branch moves only while its bag is open
   local outer = string.match(bag, "^(.*/branch:%d+)/")
   local holder = outer and (base .. "cur:" .. outer) or KEYS[1]
-  size = tonumber(string.match(redis.call("HGET", holder, "leaf") or "", "^bag:(%d+)$") or "0")
+  local held = redis.call("HMGET", holder, "leaf", "cursor")
+  size = tonumber(string.match(held[1] or "", "^bag:(%d+)$") or "0")
+  inside = held[2] == bag
   barrier = base .. "bar:" .. bag
 end
 local function joined()
@@ -75,6 +81,9 @@ local function joined()
 end
 local live = status == "pending" or status == "running"
 if live and cursor == ARGV[1] then
+  if not inside then  -- the bag was left (a stray `next`): its branches move no more
+    return {"stale", status, cursor}
+  end
   local t = redis.call("TIME")
   local now = string.format("%d", t[1] * 1000 + math.floor(t[2] / 1000))
   redis.call("HSET", here, "cursor", ARGV[2], "from", ARGV[1], "leaf", ARGV[6],

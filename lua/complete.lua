@@ -22,7 +22,8 @@
 --          {"stale", status, cursor}  the program is elsewhere or ended: nothing recorded
 --          {"missing"}           no such program
 --          {"invalid", reason}   the report does not fit the leaf (its shape recorded by
---                                advance.lua, or an index out of range): nothing recorded
+--                                advance.lua, an index out of range, or a member that is a
+--                                parallel branch: its end is advance.lua's): nothing recorded
 -- "fire" and "again" carry no outputs when together they exceed INLINE bytes: the owner reads
 -- them from Redis then (orchestrator/messages.py INLINE_BYTES is the same number).
 -- Every key written is named in the program's registry (see advance.lua).
@@ -67,6 +68,10 @@ for k = 3, #ARGV, 2 do  -- every index checked before anything is written
   local i = tonumber(ARGV[k])
   if not i or i ~= math.floor(i) or i < 0 or i >= size or not ARGV[k + 1] then
     return {"invalid", "bag member " .. ARGV[k] .. ": a bag of " .. size .. " has 0.." .. (size - 1)}
+  end
+  -- a branch member (its cursor opened with the bag) ends by its own advance, never here
+  if redis.call("EXISTS", base .. "cur:" .. ARGV[1] .. "/branch:" .. ARGV[k]) == 1 then
+    return {"invalid", "bag member " .. ARGV[k] .. " of step " .. ARGV[1] .. " is a branch"}
   end
 end
 local verdict = "again"

@@ -156,7 +156,7 @@ class MemoryStore:
             return Verdict("stale", now_status, now_cursor or "")
         main_cursor, main_from = now_cursor, came_from
         here = key  # the hash whose cursor moves
-        bag, member, size = "", 0, 0
+        bag, member, size, inside = "", 0, 0, True
         if scope:
             here = self.keys.branch(wf, scope)
             now_cursor, came_from = self._hmget(here, "cursor", "from")
@@ -168,8 +168,10 @@ class MemoryStore:
             bag, member = parent
             outer = scope_of(bag)
             holder = self.keys.branch(wf, outer) if outer else key
-            (shape,) = self._hmget(holder, "leaf")
+            # the bag's size, and whether the scope around it still stands at the bag
+            shape, outer_cursor = self._hmget(holder, "leaf", "cursor")
             size = int(shape[4:]) if shape and shape.startswith("bag:") else 0
+            inside = outer_cursor == bag
 
         def joined() -> bool:
             if not scope or cursor or not size:
@@ -179,6 +181,8 @@ class MemoryStore:
 
         live = now_status in ("pending", "running")
         if live and now_cursor == expected:
+            if not inside:  # the bag was left (a stray `next`): its branches move no more
+                return Verdict("stale", now_status, now_cursor or "")
             now = self._clock()
             self._hash(here).update(cursor=cursor, leaf=leaf, updated_ms=now)
             self._hash(here)["from"] = expected
@@ -292,6 +296,9 @@ class MemoryStore:
             if not isinstance(index, int) or not 0 <= index < size:
                 reason = f"bag member {index}: a bag of {size} has 0..{size - 1}"
                 return Completion("invalid", [reason])
+            # a branch member (its cursor opened with the bag) ends by its own advance
+            if self.keys.branch(wf, f"{path}/branch:{index}") in self.data:
+                return Completion("invalid", [f"bag member {index} of step {path} is a branch"])
         barrier = self._set(self.keys.barrier(wf, path))
         fired = False
         for index, output in outputs.items():

@@ -356,3 +356,74 @@ def test_the_model_can_stand_in_for_redis_in_a_whole_run() -> None:
         assert (await store.state("f"))["run:0"] == "failed\t\t\t0\te"
 
     asyncio.run(run())
+
+
+async def test_a_branch_member_is_never_completed_and_a_branch_moves_only_inside_its_bag(
+    keyspace: tuple[str, str],
+) -> None:
+    """A completion for a bag member that is a branch is refused (the branch ends by its own
+    advance); a branch's advance applies only while its bag is its outer scope's cursor, and
+    its replays still answer replay. The model and the real Lua, call by call."""
+    redis_url, base = keyspace
+    client = Redis.from_url(redis_url, decode_responses=True)
+    keys = Keys(f"{base}-fence")
+    real: Store = RedisStore(client, keys, RETENTION_MS)
+    model = MemoryStore(keys, retention_ms=RETENTION_MS)
+    one = (("0/branch:1", "0/branch:1/0", "task"),)
+    two = (("0/branch:0", "0/branch:0/0", "task"), ("0/branch:1", "0/branch:1/0", "task"))
+    nested = (
+        ("0/branch:0", "0/branch:0/0", "bag:1"),
+        ("0/branch:0/0/branch:0", "0/branch:0/0/branch:0/0", "task"),
+    )
+
+    def opens(wf: str, shape: str, opened: tuple[tuple[str, str, str], ...]) -> Call:
+        return "advance", (wf, "", "0", "running", "", "", shape, "", (), None, "", opened)
+
+    def moves(wf: str, path: str, to: str, status: str = "running", *payload: str) -> Call:
+        """An advance in the scope `path` runs in: to `to` ("" ends the branch)."""
+        field, text = payload or ("", "")
+        leaf = "task" if to else ""
+        return "advance", (wf, path, to, status, field, text, leaf, "", (), 0, scope_of(path))
+
+    script: list[tuple[Call, str]] = [
+        (("submit", ("w", PLANS[0], 1, "x", "d1")), "created"),
+        (opens("w", "bag:3", one), "applied"),
+        # A forged completion of the branch member, alone or beside a real member: refused,
+        # nothing recorded (member 0 neither).
+        (("record", ("w", "0", 3, {1: '"forged"'})), "invalid"),
+        (("record", ("w", "0", 3, {0: '"a"', 1: '"forged"'})), "invalid"),
+        (("record", ("w", "0", 3, {0: '"a"'})), "wait"),
+        (("record", ("w", "0", 3, {2: '"c"'})), "wait"),
+        # The branch's own end fills the barrier; a late completion of it is still refused.
+        (moves("w", "0/branch:1/0", "", "running", "", '"b"'), "applied"),
+        (("record", ("w", "0", 3, {1: '"late"'})), "invalid"),
+        # A program moved past its bag (a stray `next`): its branches' advances are stale,
+        # an end and a failure alike; a replay of a branch that ended before stays a replay.
+        (("submit", ("f", PLANS[0], 1, "x", "d1")), "created"),
+        (opens("f", "bag:2", two), "applied"),
+        (moves("f", "0/branch:0/0", "", "running", "", '"x"'), "applied"),
+        (moves("f", "0", "1"), "applied"),
+        (moves("f", "0/branch:1/0", "", "running", "", '"y"'), "stale"),
+        (moves("f", "0/branch:1/0", "", "failed", "error", "boom"), "stale"),
+        (moves("f", "0/branch:0/0", "", "running", "", '"x"'), "replay"),
+        # Nested: the outer scope is a branch, which moved past the inner bag.
+        (("submit", ("n", PLANS[0], 1, "x", "d1")), "created"),
+        (opens("n", "bag:1", nested), "applied"),
+        (moves("n", "0/branch:0/0", "0/branch:0/1"), "applied"),
+        (moves("n", "0/branch:0/0/branch:0/0", "", "running", "", '"z"'), "stale"),
+    ]
+    try:
+        for n, ((name, args), verdict) in enumerate(script):
+            expected = await getattr(model, name)(*args)
+            got = await getattr(real, name)(*args)
+            assert got == expected, f"call {n} {name}{args}: lua {got} != model {expected}"
+            found = "created" if getattr(got, "created", False) else getattr(got, "verdict", "")
+            assert found == verdict, f"call {n} {name}{args}: {got}"
+            state, _ = await dump(client, keys.prefix)
+            assert state == _normal(model.data), f"after call {n} {name}{args}"
+        assert model.data[keys.barrier("w", "0")] == {"0", "1", "2"}
+        assert model.data[keys.output("w", "0", 1)] == '"b"'  # the branch's, not a forged one
+        assert (await real.state("f"))["status"] == "running"
+        assert await real.members("f", "0") == 1  # the stale end joined nothing
+    finally:
+        await client.aclose()
