@@ -17,8 +17,10 @@ from typing import Any
 from orchestrator.bus import Bus, ladder_ms
 from orchestrator.marks import attempt_field, redis_of
 from orchestrator.program import (
+    MAX_BRANCH_DEPTH,
     SERIAL,
     Bag,
+    Branch,
     Choice,
     Map,
     Member,
@@ -91,6 +93,14 @@ def locate(program: Program, path: str) -> Where | None:
                 return None
             walked.append(parts[0])
             steps, parts = branch, parts[1:]
+            continue
+        if isinstance(step, Bag):  # `2/branch:1/0`: step 0 of the branch that is member 1
+            member = re.fullmatch(r"branch:(\d{1,4})", parts[0])
+            found = step.bag[int(member[1])] if member and int(member[1]) < len(step.bag) else None
+            if not isinstance(found, Branch):
+                return None
+            walked.append(parts[0])
+            steps, parts = found.steps, parts[1:]
             continue
         if not isinstance(step, Untiloop) or not re.fullmatch(r"iter:\d{1,9}", parts[0]):
             return None
@@ -182,6 +192,13 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
     marks: dict[str, str] = answers[0] or {}
     slot_waits: dict[str, str] = answers[1] or {}
     answers = [answers[0], *answers[2:]]
+    # The open bag's branches, each at a cursor of its own (nested ones under theirs).
+    branches: list[dict[str, Any]] = []
+    if where is not None and isinstance(where.step, Bag) and reads.available:
+        finished = {as_int(i) for i in answers[2] or ()}
+        branches = await _branches(store, reads, wf, program, cursor, where.step, finished)
+    # The cursors a task may run at now: the program's, and its open branches'.
+    cursors = {cursor} | set(_cursors(branches))
     failed_paths = sorted({_split_field(name)[0] for name in marks})
     errors = (
         await reads.many([("hgetall", store.keys.failures(wf, path)) for path in failed_paths])
@@ -206,7 +223,7 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
                 "task": task,
                 "failed": failed,
                 "retry_due_ms": due,
-                "retry_pending": bool(due and due > now and path == cursor),
+                "retry_pending": bool(due and due > now and path in cursors),
             }
         )
     if where is not None:
@@ -216,8 +233,10 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
         if isinstance(where.step, Sleep | Signal):
             done = []
         elif not isinstance(where.step, Task):
+            # bag member indices (tasks and branches), or a map's items
+            size = len(where.step.bag) if isinstance(where.step, Bag) else len(listed)
             members = {as_int(i) for i in done_marker or ()}
-            done = sorted(i for i in members if i is not None and 0 <= i < len(listed))
+            done = sorted(i for i in members if i is not None and 0 <= i < size)
         else:
             done = [0] if done_marker else []
         tasks = []
@@ -251,8 +270,11 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
             "wakes_ms": _wakes_ms(where.step, updated),
             "signal": where.step.signal if isinstance(where.step, Signal) else None,
             "tasks": tasks,
-            "size": len(tasks),
+            # a bag's members count its branches; those run at cursors of their own
+            "size": len(where.step.bag) if isinstance(where.step, Bag) else len(tasks),
             "done": len(done),
+            "members_done": done,
+            "branches": branches,
             "loops": [
                 {"path": loop.path, "iteration": loop.iteration, "max": loop.max_iterations}
                 for loop in where.loops
@@ -260,6 +282,71 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
             "since_ms": updated,
             "running_s": None if updated is None else round(max(0.0, now - updated) / 1000, 3),
         }
+    return found
+
+
+async def _branches(
+    store: Store,
+    reads: _Reads,
+    wf: str,
+    program: Program,
+    path: str,
+    bag: Bag,
+    finished: set[int | None],
+    depth: int = 1,
+) -> list[dict[str, Any]]:
+    """Where each branch of the open bag at `path` stands, from its own cursor
+    (`cur:<path>/branch:<i>`): `running` at its cursor, `done` (its output is in the bag's
+    barrier), or `unopened` (no cursor: none was recorded for it). A running branch whose
+    leaf is itself a bag with branches lists those too (at most MAX_BRANCH_DEPTH deep)."""
+    members = bag.branches()
+    scopes = [f"{path}/branch:{i}" for i, _ in members]
+    found = await reads.many([("hgetall", store.keys.branch(wf, scope)) for scope in scopes])
+    report: list[dict[str, Any]] = []
+    for (i, _), scope, held in zip(members, scopes, found, strict=True):
+        held = held or {}
+        cursor: str = held.get("cursor") or ""
+        opened = "cursor" in held
+        done = i in finished or (opened and not cursor)
+        status = "done" if done else ("running" if opened else "unopened")
+        where = locate(program, cursor) if status == "running" else None
+        updated = as_int(held.get("updated_ms"))
+        entry: dict[str, Any] = {
+            "index": i,
+            "scope": scope,
+            "status": status,
+            "cursor": cursor,
+            "leaf": held.get("leaf", ""),
+            "kind": None if where is None else _kind(where.step),
+            "task": None,
+            "signal": None,
+            "since_ms": updated,
+            "wakes_ms": None if where is None else _wakes_ms(where.step, updated),
+            "branches": [],
+        }
+        if where is not None:
+            step = where.step
+            if isinstance(step, Task | Map):
+                entry["task"] = step.task
+            elif isinstance(step, Signal):
+                entry["signal"] = step.signal
+            elif isinstance(step, Bag) and step.branches() and depth < MAX_BRANCH_DEPTH:
+                (inner,) = await reads.many([("smembers", store.keys.barrier(wf, cursor))])
+                entry["branches"] = await _branches(
+                    store, reads, wf, program, cursor, step, {as_int(k) for k in inner or ()},
+                    depth + 1,
+                )  # fmt: skip
+        report.append(entry)
+    return report
+
+
+def _cursors(branches: list[dict[str, Any]]) -> list[str]:
+    """The cursors of the running branches, nested ones too."""
+    found: list[str] = []
+    for branch in branches:
+        if branch["status"] == "running":
+            found.append(branch["cursor"])
+            found.extend(_cursors(branch["branches"]))
     return found
 
 
@@ -492,7 +579,8 @@ async def _lane(store: Store, wf: str, pool: str = SERIAL) -> dict[str, Any] | N
     if len(parts) != 4 or as_int(parts[3]) is None:
         return {"held": False}
     holder, path, task, since = parts[0], parts[1], parts[2], as_int(parts[3])
-    state = await store.state(holder) if holder else {}
+    # the cursor the lane's task ran at: the program's, or its branch's (`2/branch:1/0`)
+    state = await store.at(holder, path) if holder else {}
     if state.get("status") != "running" or state.get("cursor") != path:
         return {"held": False}
     return {
@@ -530,8 +618,13 @@ def _waiting_for(report: dict[str, Any], *, cursor: str, now: float) -> str:
             f"`shardflow signal {report['workflow_id']} {name} --data JSON`{until}"
         )
     open_tasks = [t for t in step["tasks"] if not t["done"]]
-    if not open_tasks:
+    open_branches = [b for b in step.get("branches") or () if b["status"] != "done"]
+    if not open_tasks and not open_branches:
         return f"shard {report['owner']} to take in that step {step['path']} is done"
+    if not open_tasks:  # a bag whose open members are all branches
+        labels = "; ".join(_branch_label(b) for b in open_branches[:10])
+        more = f" and {len(open_branches) - 10} more" if len(open_branches) > 10 else ""
+        return f"its branches of step {step['path']}: {labels}{more}"
     retries = [t for t in open_tasks if t["retry_due_ms"] and t["retry_due_ms"] > now]
     if retries and len(retries) == len(open_tasks):
         t = min(retries, key=lambda t: t["retry_due_ms"])
@@ -564,7 +657,29 @@ def _waiting_for(report: dict[str, Any], *, cursor: str, now: float) -> str:
     names = ", ".join(_task_label(t, step["pool"]) for t in open_tasks[:10])
     more = f" and {len(open_tasks) - 10} more" if len(open_tasks) > 10 else ""
     pools = {t["pool"] for t in open_tasks}
-    return f"{names}{more}" + (f" on the {step['pool']} pool" if pools == {step["pool"]} else "")
+    tasks = f"{names}{more}" + (f" on the {step['pool']} pool" if pools == {step["pool"]} else "")
+    if open_branches:
+        labels = "; ".join(_branch_label(b) for b in open_branches[:10])
+        more = f" and {len(open_branches) - 10} more" if len(open_branches) > 10 else ""
+        return f"{tasks}; and its branches: {labels}{more}"
+    return tasks
+
+
+def _branch_label(branch: dict[str, Any]) -> str:
+    """`branch 1 at step 2/branch:1/0 (a wait for signal 'go')`."""
+    if branch["status"] != "running":
+        return f"branch {branch['index']} ({branch['status']})"
+    kind = branch["kind"]
+    if branch["task"] is not None:
+        what = f"{'a map of ' if kind == 'map' else ''}task {branch['task']!r}"
+    elif branch["signal"] is not None:
+        what = f"a wait for signal {branch['signal']!r}"
+    elif kind == "bag":
+        inner = [b for b in branch["branches"] if b["status"] != "done"]
+        what = "a bag" + (f" with {len(inner)} branch(es) open" if inner else "")
+    else:
+        what = "a sleep" if kind == "sleep" else "a step not in its plan"
+    return f"branch {branch['index']} at step {clean(branch['cursor'], 200)} ({what})"
 
 
 def _task_label(task: dict[str, Any], step_pool: str | None = None) -> str:
@@ -635,13 +750,21 @@ def explain_text(report: dict[str, Any], now_ms: float | None = None) -> str:
                 f"of at most {loop['max']}."
             )
         if step["kind"] in ("bag", "map"):
-            done = [t["index"] for t in step["tasks"] if t["done"]]
-            open_ = [t["index"] for t in step["tasks"] if not t["done"]]
+            done = list(step.get("members_done") or ())
+            open_ = [i for i in range(step["size"]) if i not in done]
             lines.append(
                 f"{step['kind'].capitalize()} members done: {step['done']} of {step['size']}"
                 + (f" ({_indices(done)})" if done else "")
                 + (f"; not done: {_indices(open_)}." if open_ else ".")
             )
+        for branch in step.get("branches") or ():
+            since = branch["since_ms"]
+            running = (
+                f", for {_span((now - since) / 1000)}"
+                if branch["status"] == "running" and since is not None
+                else ""
+            )
+            lines.append(f"  {_branch_label(branch).capitalize()}{running}.")
         for task in step["tasks"]:
             if task["done"]:
                 continue

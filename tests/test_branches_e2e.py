@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.program import ProgramError, parse_program
+from orchestrator.marks import redis_of
+from orchestrator.program import SERIAL, ProgramError, parse_program
 from router.client import Router
+from router.explain import explain_text
 from tests.polling import until
 
 pytestmark = pytest.mark.e2e
@@ -128,6 +130,83 @@ async def test_cancel_ends_a_program_while_its_branches_sleep(cluster: Router) -
     await cluster.cancel(wf, "enough")
     status = await cluster.status(wf)
     assert status is not None and (status["status"], status["error"]) == ("cancelled", "enough")
+
+
+async def test_explain_shows_where_each_branch_of_an_open_bag_stands(cluster: Router) -> None:
+    retry = {"max_attempts": 2, "backoff_s": 0}
+    branch = [
+        {"task": "flaky", "args": {"fail_until": 1}, "retry": retry, "pool": "parallel"},
+        {"signal": "go", "timeout_s": 60},
+    ]
+    bag = [
+        {"task": "echo", "args": {"m": 0}},
+        {"steps": branch},
+        {"task": "echo", "args": {"m": 2}},
+    ]
+    wf = (await cluster.submit({"steps": [{"bag": bag}]})).workflow_id
+
+    def waits(report: dict) -> bool:
+        step = report["step"] or {}
+        found = step.get("branches") or [{}]
+        return step.get("done") == 2 and found[0].get("cursor") == "0/branch:1/1"
+
+    report = await until(lambda: cluster.explain(wf), waits)
+    step = report["step"]
+    # Both task members are done (bag indices 0 and 2, not positions among the tasks).
+    assert [(t["index"], t["done"]) for t in step["tasks"]] == [(0, True), (2, True)]
+    assert (step["size"], step["done"], step["members_done"]) == (3, 2, [0, 2])
+    (entry,) = step["branches"]
+    assert {k: entry[k] for k in ("index", "scope", "status", "cursor", "leaf", "kind")} == {
+        "index": 1,
+        "scope": "0/branch:1",
+        "status": "running",
+        "cursor": "0/branch:1/1",
+        "leaf": "signal",
+        "kind": "signal",
+    }
+    assert entry["signal"] == "go" and entry["wakes_ms"] > entry["since_ms"] > 0
+    # Not "step 0 is done": its branch waits.
+    assert report["waiting_for"] == (
+        "its branches of step 0: branch 1 at step 0/branch:1/1 (a wait for signal 'go')"
+    )
+    # The failed attempt inside the branch names its task.
+    assert [(a["step"], a["task"], a["retry_pending"]) for a in report["attempts"]] == [
+        ("0/branch:1/0", "flaky", False)
+    ]
+    text = explain_text(report)
+    assert "Bag members done: 2 of 3 (0, 2); not done: 1." in text
+    assert "  Branch 1 at step 0/branch:1/1 (a wait for signal 'go'), for " in text
+    await cluster.signal(wf, "go", "ok")
+    status = await cluster.wait(wf, timeout_s=30)
+    assert status["status"] == "completed", status
+    assert [m["args"] if isinstance(m, dict) else m for m in status["result"]] == [
+        {"m": 0},
+        "ok",
+        {"m": 2},
+    ]
+
+
+async def test_a_serial_task_in_a_branch_holds_the_lane_as_explain_tells(cluster: Router) -> None:
+    slow = {"task": "echo", "args": {"sleep_s": 30}}
+    program = {"steps": [{"bag": [{"task": "add"}, {"steps": [slow]}]}]}
+    holder = (await cluster.submit(program)).workflow_id
+    client = redis_of(cluster.store)
+    assert client is not None
+    lane = cluster.store.keys.lane(SERIAL)  # written by the serial worker as the task starts
+
+    async def mark() -> dict[str, str]:
+        return {"mark": await client.get(lane) or ""}
+
+    await until(mark, lambda m: m["mark"].startswith(f"{holder} 0/branch:1/0 echo "))
+    queued = (await cluster.submit({"steps": [{"task": "add"}]})).workflow_id
+    # The lane's holder is believed while its branch's cursor (not the program's) is there.
+    behind = await until(lambda: cluster.explain(queued), lambda r: r["status"] == "running")
+    assert behind["lane"]["held"], behind
+    assert behind["waiting_for"] == (
+        f"the serial lane, held by program {holder} (step 0/branch:1/0, task 'echo')"
+    )
+    for wf in (holder, queued):
+        await cluster.cancel(wf)
 
 
 def test_submit_refuses_what_a_branch_cannot_read_and_bounds_branches() -> None:
