@@ -11,8 +11,10 @@
 --          {"stale"}    the program is elsewhere or ended: nothing taken
 --          {"missing"}  no such program
 -- A leaf in a parallel branch (a path with `/branch:K/`) is compared with its branch's
--- cursor and leaf, in <prefix>:{<wf>}:cur:<scope> (see advance.lua); status and epoch are the
--- program's.
+-- cursor and leaf, in <prefix>:{<wf>}:cur:<scope> (see advance.lua); the status checked is
+-- the program's. No epoch is checked (take.lua is given none, for a branch or not): the
+-- owner calls it at a cursor it just read, and the `next` it then sends carries the run,
+-- which advance.lua compares.
 local s = redis.call("HMGET", KEYS[1], "status", "cursor", "leaf")
 if not s[1] then
   return {"missing"}
