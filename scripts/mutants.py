@@ -50,6 +50,12 @@ INTERVAL = (
 BRANCHES = (
     "tests/test_properties.py::test_branches_keep_order_under_duplicates_reordering_and_crashes"
 )
+# The model beside the Lua, call by call, over forged completions of branch members and a
+# branch whose bag was left.
+FENCES = (
+    "tests/test_store_model.py::"
+    "test_a_branch_member_is_never_completed_and_a_branch_moves_only_inside_its_bag"
+)
 
 MUTANTS = {
     "bare-counter-barrier": (
@@ -361,6 +367,22 @@ end""",
         '  s[2], s[3] = b[1], b[2]\nend\nif s[1] ~= "running" or s[2] ~= ARGV[1] or (ARGV[6]',
         'end\nif s[1] ~= "running" or s[2] ~= ARGV[1] or (ARGV[6]',
         (BRANCHES, DIFFERENTIAL),
+    ),
+    # complete.lua takes a completion for a branch member: a forged one fires the barrier
+    # while the branch runs on.
+    "complete-accepts-a-branch-member": (
+        "lua/complete.lua",
+        'if redis.call("EXISTS", base .. "cur:" .. ARGV[1] .. "/branch:" .. ARGV[k]) == 1 then',
+        "if false then",
+        (FENCES,),
+    ),
+    # A branch moves on after its bag was left (a stray `next`): its end or failure lands in
+    # a step the program already passed.
+    "branch-moves-outside-its-bag": (
+        "lua/advance.lua",
+        "  if not inside then",
+        "  if false then",
+        (FENCES,),
     ),
     # A replay of the advance into a bag republishes every branch's first leaf, also of
     # branches that moved on.
