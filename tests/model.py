@@ -583,8 +583,13 @@ def _with_limits(draw: st.DrawFn, program: dict[str, Any]) -> dict[str, Any]:
         out = []
         for step in steps:
             step = dict(step)
-            if "bag" in step:
-                step["bag"] = [limited(member, False) for member in step["bag"]]
+            if "bag" in step:  # a branch member is no task: its own steps may be limited
+                step["bag"] = [
+                    {**member, "steps": walk(member["steps"])}
+                    if "steps" in member
+                    else limited(member, False)
+                    for member in step["bag"]
+                ]
             elif "task" in step:  # a task or a map
                 step = limited(step, "map" in step)
             elif "until" in step:
