@@ -3,6 +3,9 @@ cursor; the join waits for every branch, the bag's output lists members and bran
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from orchestrator.marks import redis_of
@@ -10,8 +13,17 @@ from orchestrator.program import SERIAL, ProgramError, parse_program
 from router.client import Router
 from router.explain import explain_text
 from tests.polling import until
+from worker.registry import Registry
 
 pytestmark = pytest.mark.e2e
+PARTITIONS = Path(__file__).parent.parent / "examples" / "partitions.json"
+
+
+@pytest.fixture
+def registry() -> Registry:
+    """The test tasks and the examples' (examples/partitions.json runs here as written)."""
+    return Registry.from_modules(["tests.app", "examples.tasks"])
+
 
 # Member 0 a task; member 1 a branch of a task, a sleep and a loop; member 2 a branch of a
 # choice and a map. Each branch's first step sees the bag's prev; the next its branch's prev.
@@ -252,3 +264,17 @@ def test_submit_refuses_what_a_branch_cannot_read_and_bounds_branches() -> None:
             ]
         }
     )
+
+
+async def test_the_partitions_example_runs_three_branches_beside_a_task(cluster: Router) -> None:
+    program = json.loads(PARTITIONS.read_text())
+    wf = (await cluster.submit(program, {"table": "orders", "day": "2026-12-01"})).workflow_id
+    status = await cluster.wait(wf, timeout_s=30)
+    assert status["status"] == "completed", status
+    # Each branch fetched, cut a tenth, validated twice (its loop); the snapshot beside them.
+    assert status["result"] == {
+        "table": "orders",
+        "partitions": {"eu": 108, "us": 270, "apac": 72},
+        "checks": 6,
+        "snapshot": "orders@2026-12-01",
+    }
