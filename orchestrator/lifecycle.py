@@ -51,16 +51,13 @@ async def within(awaitable: Awaitable[T], timeout_s: float) -> T:
     return task.result()
 
 
-async def _end(tasks: list[asyncio.Task[Any]], wait_s: float, what: str) -> None:
-    """Let tasks end within `wait_s`, then cancel them and wait LOOP_END_S; a task that
-    still runs (it refuses its cancel) is left behind, said in the log."""
-    if not tasks:
-        return
-    _, running = await asyncio.wait(tasks, timeout=wait_s) if wait_s else ((), set(tasks))
-    for task in running:
+async def _end(tasks: list[asyncio.Task[Any]], what: str) -> None:
+    """Cancel tasks and wait LOOP_END_S for them; a task that still runs (it refuses its
+    cancel) is left behind, said in the log."""
+    for task in tasks:
         task.cancel()
-    if running:
-        _, stuck = await asyncio.wait(running, timeout=LOOP_END_S)
+    if tasks:
+        _, stuck = await asyncio.wait(tasks, timeout=LOOP_END_S)
         for task in stuck:
             log.warning("%s did not end when cancelled; left behind: %r", what, task)
 
@@ -199,7 +196,7 @@ class Service:
             # again (aio-pika's robust iterator). Then cancel the consumers; messages they
             # hold but never started go back to the queue. Neither is waited for without
             # bound: a cancelled aio-pika call may wait on an RPC the broker never answers.
-            await _end(loops, 0, f"{self.name}: a consumer loop")
+            await _end(loops, f"{self.name}: a consumer loop")
             for iterator in list(self._iterators):
                 with contextlib.suppress(Exception):
                     await within(iterator.close(), CONSUMER_RPC_TIMEOUT_S)
@@ -213,7 +210,7 @@ class Service:
                         len(late),
                         self.grace_s,
                     )
-                    await _end(list(late), 0, f"{self.name}: a task")
+                    await _end(list(late), f"{self.name}: a task")
             stop.cancel()
             log.info("%s: stopped; %s", self.name, self.summary() or "nothing handled")
         for loop in loops:

@@ -121,13 +121,16 @@ class RedisStore:
     async def at(self, wf: str, path: str) -> dict[str, str]:
         """The state as the leaf at `path` sees it (its branch's cursor, in a branch)."""
         scope = scope_of(path)
-        state = await self.state(wf)
-        if scope and state:
-            fields = ["cursor", "from", "leaf", "updated_ms"]
-            key = self.keys.branch(wf, scope)
-            found: list[str | None] = await self.client.hmget(key, fields)  # type: ignore[misc,assignment]
+        if not scope:
+            return await self.state(wf)
+        fields = ["cursor", "from", "leaf", "updated_ms"]
+        async with self.client.pipeline(transaction=False) as pipe:  # one round trip
+            pipe.hgetall(self.keys.state(wf))
+            pipe.hmget(self.keys.branch(wf, scope), fields)
+            state, found = await pipe.execute()
+        if state:
             state.update({k: v or "" for k, v in zip(fields, found, strict=True)})
-        return state
+        return dict(state)
 
     async def complete(
         self, wf: str, path: str, index: int | None, size: int, output: str, epoch: int = 0
