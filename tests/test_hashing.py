@@ -1,5 +1,6 @@
 """The shard function: reproducible from any language, in range, and spreading ids evenly."""
 
+import random
 import uuid
 from collections import Counter
 
@@ -28,7 +29,10 @@ def test_shard_is_the_unsigned_murmur3_hash_modulo_n(
 
 def test_shards_stay_in_range_and_spread_evenly() -> None:
     shards = 8
-    ids = [uuid.uuid4().hex for _ in range(40_000)]
+    # Ids as uuid4 makes them, but from a fixed seed: a spread test on fresh random ids fails
+    # by chance once in a thousand runs (a CI run on 2026-12-01 did).
+    draw = random.Random(20261201)
+    ids = [uuid.UUID(int=draw.getrandbits(128), version=4).hex for _ in range(40_000)]
     counts = Counter(shard_for(wf, shards) for wf in ids)
     assert set(counts) == set(range(shards))
     expected = len(ids) / shards
