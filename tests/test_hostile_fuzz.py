@@ -678,7 +678,7 @@ BAD_PROGRAMS = [
     ({"steps": [{"task": "add", "args": {"x": "y" * 300_000}}]}, "more than the limit"),
     ({"steps": [{"task": "add", "args": _DEEP_ARGS}]}, "nested deeper than 64"),
     ({"steps": [{"task": "add", "pool": "GPU"}]}, "steps[0].pool: 'GPU' is not a pool name"),
-    ({"steps": [{"bag": [{"task": "add"}], "pool": "serial"}]}, "steps[0].pool: a bag runs"),
+    ({"steps": [{"bag": [{"task": "add"}], "pool": "serial"}]}, "steps[0].pool: a bag or map runs"),
     ({"steps": "add"}, "steps: Input should be a valid list"),
     ({}, "steps: Field required"),
 ]  # fmt: skip
