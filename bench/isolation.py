@@ -39,25 +39,35 @@ FAST = {"steps": [{"task": "add", "pool": "parallel", "args": {"n": 1}}] * 3}
 SLOW = {"steps": [{"task": "add", "pool": "parallel", "args": {"n": 1, "sleep_s": SLOW_S}}]}
 
 
-async def run(router: Router, fast: int, rate: float, slow: int) -> list[float]:
-    """Submit `slow` slow programs, then `fast` fast ones at `rate`/s; fast latencies in ms."""
+async def run(router: Router, fast: int, rate: float, slow: int) -> list[tuple[float, float]]:
+    """Submit `slow` slow programs, then `fast` fast ones at `rate`/s.
+
+    Returns each fast program's (submitted, latency) in ms, submitted counted from the
+    scenario's first submit (so the slowest can be set beside the burst's waves)."""
+    start_ms = time.time() * 1000  # Redis's clock stamps created_ms: the same host's here
     for _ in range(slow):
         await router.submit(SLOW)
     ids = []
     for _ in range(fast):
         ids.append((await router.submit(FAST)).workflow_id)
         await asyncio.sleep(1 / rate)
-    latencies = []
+    timings = []
     for wf in ids:
         status = await router.wait(wf, timeout_s=120)
         assert status["status"] == "completed", status
-        latencies.append(status["ended_ms"] - status["created_ms"])
-    return latencies
+        timings.append((status["created_ms"] - start_ms, status["ended_ms"] - status["created_ms"]))
+    return timings
 
 
-def summary(latencies: list[float]) -> dict[str, float]:
-    cuts = statistics.quantiles(latencies, n=100)
-    return {"p50_ms": round(cuts[49], 1), "p99_ms": round(cuts[98], 1)}
+def summary(timings: list[tuple[float, float]]) -> dict[str, Any]:
+    cuts = statistics.quantiles([latency for _, latency in timings], n=100)
+    slowest = sorted(timings, key=lambda t: -t[1])[:5]
+    return {
+        "p50_ms": round(cuts[49], 1),
+        "p99_ms": round(cuts[98], 1),
+        # (submitted ms after the scenario's first submit, latency ms) of the five slowest
+        "slowest": [[round(at), round(latency)] for at, latency in slowest],
+    }
 
 
 async def main() -> None:
@@ -129,6 +139,7 @@ async def main() -> None:
     print(f"{'scenario':32} {'slow':>5} {'p50 ms':>8} {'p99 ms':>8}")
     for name, r in results.items():
         print(f"{name:32} {r['slow_programs']:>5} {r['p50_ms']:>8} {r['p99_ms']:>8}")
+        print(f"{'':32} slowest (submitted at ms, latency ms): {r['slowest']}")
     for name, ratio in ratios.items():
         print(f"{name}: p50 x{ratio['p50']}, p99 x{ratio['p99']}")
     print(f"written to {out.relative_to(ROOT)}")
