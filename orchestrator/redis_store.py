@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from importlib import resources
 from typing import Any
 
@@ -13,6 +13,7 @@ from redis.commands.core import AsyncScript
 
 from orchestrator.keys import Keys
 from orchestrator.paths import scope_of
+from orchestrator.pipelining import Pipeliner
 from orchestrator.settings import Settings
 from orchestrator.store import (
     MAX_RUNS,
@@ -38,6 +39,9 @@ def _script(client: Redis | RedisCluster, name: str) -> AsyncScript:
     return client.register_script(source)  # type: ignore[return-value]
 
 
+Transition = Callable[..., Awaitable[Any]]
+
+
 class RedisStore:
     """Redis state of programs (a `Store`). The client is owned by the caller of `connect`."""
 
@@ -45,27 +49,49 @@ class RedisStore:
     signals_waiting = MAX_SIGNALS_WAITING
     signal_ids = MAX_SIGNAL_IDS
 
-    def __init__(self, client: Redis | RedisCluster, keys: Keys, retention_ms: int = 0) -> None:
+    def __init__(
+        self,
+        client: Redis | RedisCluster,
+        keys: Keys,
+        retention_ms: int = 0,
+        pipelined: bool = True,
+    ) -> None:
+        """`pipelined`: send the commands of one loop turn together (orchestrator/pipelining.py;
+        a cluster client sends each on its own)."""
         self.client = client
         self.keys = keys
         # How long an ended program's keys stay (0: forever); set by the scripts that end it.
         self.retention_ms = retention_ms
-        self._submit = _script(client, "submit")
-        self._advance = _script(client, "advance")
-        self._complete = _script(client, "complete")
-        self._fail = _script(client, "fail")
-        self._cancel = _script(client, "cancel")
-        self._stash = _script(client, "stash")
-        self._purge = _script(client, "purge")
-        self._signal = _script(client, "signal")
-        self._take = _script(client, "take")
-        self._redrive = _script(client, "redrive")
-        self._acquire = _script(client, "acquire")
-        self._renew = _script(client, "renew")
-        self._release = _script(client, "release")
-        self._scripts: tuple[AsyncScript, ...] = (self._submit, self._advance, self._complete)
-        self._scripts += (self._fail, self._cancel, self._stash, self._purge, self._redrive)
-        self._scripts += (self._signal, self._take, self._acquire, self._renew, self._release)
+        self.pipeliner = (
+            Pipeliner(client) if pipelined and not isinstance(client, RedisCluster) else None
+        )
+        self._scripts: list[AsyncScript] = []
+        self._submit = self._transition("submit")
+        self._advance = self._transition("advance")
+        self._complete = self._transition("complete")
+        self._fail = self._transition("fail")
+        self._cancel = self._transition("cancel")
+        self._stash = self._transition("stash")
+        self._purge = self._transition("purge")
+        self._signal = self._transition("signal")
+        self._take = self._transition("take")
+        self._redrive = self._transition("redrive")
+        self._acquire = self._transition("acquire")
+        self._renew = self._transition("renew")
+        self._release = self._transition("release")
+
+    def _transition(self, name: str) -> Transition:
+        """The Lua script `lua/<name>.lua`, called as `(keys=..., args=...)`."""
+        script = _script(self.client, name)
+        self._scripts.append(script)
+        pipeliner = self.pipeliner
+        if pipeliner is None:
+            return script
+
+        async def run(keys: Sequence[Any], args: Sequence[Any]) -> Any:
+            return await pipeliner.script(script, keys, args)
+
+        return run
 
     @classmethod
     def connect(cls, settings: Settings) -> RedisStore:
@@ -75,7 +101,8 @@ class RedisStore:
             client = RedisCluster.from_url(settings.redis_url, decode_responses=True)
         else:
             client = Redis.from_url(settings.redis_url, decode_responses=True)
-        return cls(client, Keys(settings.prefix), int(settings.retention_s * 1000))
+        retention_ms = int(settings.retention_s * 1000)
+        return cls(client, Keys(settings.prefix), retention_ms, settings.redis_pipelining)
 
     async def load_scripts(self) -> None:
         """SCRIPT LOAD every transition up front; calls still reload on NOSCRIPT."""
@@ -317,5 +344,8 @@ class RedisStore:
 
     async def state(self, wf: str) -> dict[str, str]:
         """The program's state hash (empty when there is no such program)."""
+        if self.pipeliner is not None:  # the worker's check before every task
+            found: dict[str, str] = await self.pipeliner.execute("HGETALL", self.keys.state(wf))
+            return found
         state: dict[str, str] = await self.client.hgetall(self.keys.state(wf))  # type: ignore[assignment]
         return state

@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     # queue has a backlog (orchestrator/backlog.py); 1: always one member per message.
     auto_chunk: int = Field(default=10, ge=1, le=100)
     plan_cache_size: int = Field(default=1024, ge=1)
+    # Send the Redis commands of one event-loop turn as one pipeline (orchestrator/
+    # pipelining.py); false: one round trip each. Not used with a Redis Cluster.
+    redis_pipelining: bool = True
     # A per-key limit's slot is a lease this long, renewed every third of it while its task
     # runs: a worker that dies holding one frees it at most this long after (lua/acquire.lua).
     key_lease_s: float = Field(default=30.0, ge=0.3, le=3600)
