@@ -12,6 +12,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from orchestrator.pipelining import Pipeliner
+from orchestrator.redis_store import RedisStore
+from orchestrator.settings import Settings
 
 
 @pytest.fixture
@@ -109,3 +111,18 @@ async def test_a_stopped_pipeline_fails_its_callers_instead_of_leaving_them_wait
         flush.cancel()
     outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 10)
     assert all(isinstance(outcome, RedisConnectionError) for outcome in outcomes), outcomes
+
+
+async def test_the_store_pipelines_unless_told_not_to(settings: Settings) -> None:
+    on = RedisStore.connect(settings)
+    off = RedisStore.connect(settings.model_copy(update={"redis_pipelining": False}))
+    try:
+        assert on.pipeliner is not None and off.pipeliner is None
+        for store in (on, off):  # the same transition either way
+            found = await store.submit("wf-1", '{"program": {}}', 1, "demo", "d")
+            assert found.created is (store is on) and found.status == "pending"
+            assert (await store.state("wf-1"))["status"] == "pending"
+        assert on.pipeliner.commands >= 2
+    finally:
+        await on.close()
+        await off.close()
