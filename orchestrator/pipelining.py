@@ -1,6 +1,10 @@
 """Automatic pipelining: the Redis commands that callers issue in one event-loop turn go out
 together, as one pipeline (one write, one read) instead of one round trip each.
 
+A command issued while none is on its way goes out at once, on its own, as without
+pipelining: a lone command (a chain's step, a quiet worker) waits for nothing. Under load,
+when others are on their way, it waits for the end of the turn and goes with the turn's rest.
+
 On loopback most of a command's cost is the send system call and the wake-up it causes, so a
 worker running many tasks at once, or an owner working on several shards, sends a fraction of
 them. Each command is still its own: no MULTI, so one's error is only its caller's, and Redis
@@ -11,19 +15,18 @@ NOSCRIPT (a pipeline holding scripts would otherwise ask SCRIPT EXISTS every tim
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisError
 
 # Commands in one pipeline at most: a bound on one write's size and on one reply's wait.
 MAX_BATCH = 256
 
-Command = Callable[[Pipeline], Any]
+Command = tuple[Any, ...]  # a command's name and arguments, as `execute_command` takes them
 
 
 class Pipeliner:
@@ -34,28 +37,36 @@ class Pipeliner:
         self.max_batch = max_batch
         self._pending: list[tuple[Command, asyncio.Future[Any]]] = []
         self._flushes: set[asyncio.Task[None]] = set()
-        self.batches = 0  # pipelines sent, and commands in them: for the benchmarks
+        self._on_the_way = 0  # sends not answered yet
+        self.sent = 0  # round trips (pipelines and lone commands), and commands: for the tests
         self.commands = 0
 
-    async def call(self, command: Command) -> Any:
-        """Queue one command (`command` adds it to a pipeline) and wait for its reply."""
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    async def execute(self, *command: Any) -> Any:
+        """Send one command (its name and arguments, as `client.execute_command` takes them)
+        and return its reply: at once when no other is on its way, else with the turn's rest."""
+        if not self._on_the_way and not self._pending:
+            self.sent += 1
+            self.commands += 1
+            self._on_the_way += 1
+            try:
+                return await self.client.execute_command(*command)
+            finally:
+                self._on_the_way -= 1
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
         if not self._pending:
-            asyncio.get_running_loop().call_soon(self._flush_soon)
+            loop.call_soon(self._flush_soon)
         self._pending.append((command, future))
         return await future
 
-    async def execute(self, *args: Any) -> Any:
-        """One command by name and arguments, as `client.execute_command` takes them."""
-        return await self.call(lambda pipe: pipe.execute_command(*args))
-
     async def script(self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         """Run a registered Lua script by its SHA; loaded and tried again once on NOSCRIPT."""
+        command = ("EVALSHA", script.sha, len(keys), *keys, *args)
         try:
-            return await self.call(lambda pipe: pipe.evalsha(script.sha, len(keys), *keys, *args))
+            return await self.execute(*command)
         except NoScriptError:
             await self.client.script_load(script.script)
-            return await self.call(lambda pipe: pipe.evalsha(script.sha, len(keys), *keys, *args))
+            return await self.execute(*command)
 
     def _flush_soon(self) -> None:
         batch, self._pending = self._pending, []
@@ -73,17 +84,27 @@ class Pipeliner:
 
     async def _flush(self, batch: list[tuple[Command, asyncio.Future[Any]]]) -> None:
         # Over the bound, in pipelines one after another: still in the order issued.
-        for start in range(0, len(batch), self.max_batch):
-            await self._send(batch[start : start + self.max_batch])
+        self._on_the_way += 1
+        try:
+            for start in range(0, len(batch), self.max_batch):
+                await self._send(batch[start : start + self.max_batch])
+        finally:
+            self._on_the_way -= 1
 
     async def _send(self, batch: list[tuple[Command, asyncio.Future[Any]]]) -> None:
-        self.batches += 1
+        self.sent += 1
         self.commands += len(batch)
         try:
-            async with self.client.pipeline(transaction=False) as pipe:
-                for command, _ in batch:
-                    command(pipe)
-                replies = await pipe.execute(raise_on_error=False)
+            if len(batch) == 1:  # a pipeline of one costs more than the command alone
+                try:
+                    replies = [await self.client.execute_command(*batch[0][0])]
+                except (RedisError, ValueError) as exc:  # its own error, as a pipeline's
+                    replies = [exc]
+            else:
+                async with self.client.pipeline(transaction=False) as pipe:
+                    for command, _ in batch:
+                        pipe.execute_command(*command)
+                    replies = await pipe.execute(raise_on_error=False)
         except Exception as exc:  # the connection failed: each command of the batch fails
             for _, future in batch:
                 if not future.done():
