@@ -293,7 +293,7 @@ async def test_a_deadline_leaves_compensations_running() -> None:
                     "max_iterations": 2,
                     "steps": [{"task": "a", "compensate": {"task": "u"}}],
                 }
-            ],  # noqa: E501
+            ],
             "steps[0].steps[0].compensate: only a top-level task",
         ),
         (
