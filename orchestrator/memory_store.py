@@ -581,7 +581,7 @@ class MemoryStore:
         barrier = self.data.get(self.keys.barrier(wf, path))
         return len(barrier) if isinstance(barrier, set) else 0
 
-    async def recorded(self, wf: str, leaves: list[tuple[str, int | None]]) -> list[str | None]:
+    async def leaf_outputs(self, wf: str, leaves: list[tuple[str, int | None]]) -> list[str | None]:
         return [self._get(self.keys.output(wf, path, index)) for path, index in leaves]
 
     async def blobs(self, wf: str, names: list[str]) -> list[str | None]:

@@ -274,7 +274,7 @@ class RedisStore:
         verdict, held = await self._release(keys=[self.keys.limit(key)], args=[holder])
         return Slot(verdict, int(held))
 
-    async def recorded(self, wf: str, leaves: list[tuple[str, int | None]]) -> list[str | None]:
+    async def leaf_outputs(self, wf: str, leaves: list[tuple[str, int | None]]) -> list[str | None]:
         if not leaves:
             return []
         found = await self.client.mget([self.keys.output(wf, p, i) for p, i in leaves])

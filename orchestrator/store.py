@@ -200,7 +200,7 @@ class Store(Protocol):
         branch's cursor, from, leaf and updated_ms in place of the program's."""
         ...
 
-    async def recorded(self, wf: str, leaves: list[tuple[str, int | None]]) -> list[str | None]:
+    async def leaf_outputs(self, wf: str, leaves: list[tuple[str, int | None]]) -> list[str | None]:
         """The recorded outputs (JSON) of these leaves or bag members, None where there is
         none (one read)."""
         ...

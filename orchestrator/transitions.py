@@ -715,7 +715,7 @@ class Transitions:
     async def _groups(self, wf: str, plan: Plan) -> list[saga.Group]:
         """The program's compensations to run (orchestrator/saga.py): one read of the outputs
         its compensated steps recorded, which no longer change once it left running."""
-        found = await self.store.recorded(wf, saga.leaves(plan.program))
+        found = await self.store.leaf_outputs(wf, saga.leaves(plan.program))
         return saga.plan(plan.program, found)
 
     async def _compensate(

@@ -64,7 +64,7 @@ async def compensations(
     status = state.get("status", "")
     if program is None or not program.compensations or status not in SAGA_STATUSES:
         return None
-    groups = saga.plan(program, await store.recorded(wf, saga.leaves(program)))
+    groups = saga.plan(program, await store.leaf_outputs(wf, saga.leaves(program)))
     cursor = await store.at(wf, f"{SAGA}:0")  # the saga's own cursor
     at = cursor.get("cursor") or cursor.get("from") or ""
     return {

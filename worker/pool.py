@@ -99,15 +99,21 @@ class Worker(Service):
             except ValidationError:
                 log.warning("%s: ignored a control message: %r", self.name, message.body[:200])
                 continue
-            # Anyone on the vhost can publish here: only a program that really ended stops.
-            # One that now runs its compensations stops every task but those.
-            status = (await self.store.state(wf)).get("status") if wf in self._running else None
-            if status in TERMINAL:
-                self.cancel_program(wf)
-            elif status == "compensating":
-                self.cancel_program(wf, keep=self._compensations)
-            elif wf in self._running:
-                log.warning("%s: ignored a cancel of %s, which has not ended", self.name, wf)
+            await self.stop_ended(wf)
+
+    async def stop_ended(self, wf: str) -> int:
+        """A program was cancelled (or ran out of time): stop this worker's running tasks of
+        it; how many. Anyone on the vhost can publish that notice: only a program that really
+        ended stops, and one that now runs its compensations stops every task but those."""
+        if wf not in self._running:
+            return 0
+        status = (await self.store.state(wf)).get("status")
+        if status in TERMINAL:
+            return self.cancel_program(wf)
+        if status == "compensating":
+            return self.cancel_program(wf, keep=self._compensations)
+        log.warning("%s: ignored a cancel of %s, which has not ended", self.name, wf)
+        return 0
 
     def cancel_program(self, wf: str, keep: set[asyncio.Task[Any]] | None = None) -> int:
         """Cancel this worker's running handlers of a program (but those in `keep`); how many
