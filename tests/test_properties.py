@@ -666,6 +666,9 @@ class Cluster(RuleBasedStateMachine):
             f"{wf} never ended: lost a message ({status})"
         )
         assert self.store.ended[wf] == 1
+        if compensations(self.drawn[wf]) and status["status"] != "completed":
+            # Whatever ends a program that names compensations goes through compensating.
+            assert wf in self.store.compensating, f"{wf} ended {status} without compensating"
         if wf in self.store.compensating:
             self._check_saga_end(wf, expected, status)
             return
