@@ -10,7 +10,7 @@ import logging
 from orchestrator import metrics
 from orchestrator.bus import NEW, Publisher
 from orchestrator.messages import Cancelled, Start, encode
-from orchestrator.store import Store
+from orchestrator.store import TERMINAL, Store
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,11 @@ async def end_program(
         await bus.publish_to_shard(ended.owner, encode(Start(wf=wf)), NEW)
     else:
         await store.untrack(wf, ended.owner)
-    if ended.now:
-        log.info("%s: ended %s: %s", wf, status, reason)
-        metrics.program_ended(wf, status)
+    if ended.now and ended.status in TERMINAL:
+        log.info("%s: ended %s: %s", wf, ended.status, reason)
+        metrics.program_ended(wf, ended.status)
+    elif ended.now:
+        log.info("%s: %s, compensating: %s", wf, status, reason)
     # Told again on a redelivery too: a crash may have cut the first notice short.
     if ended.now or ended.status in (status, "compensating"):
         await bus.publish_control(encode(Cancelled(wf=wf)))

@@ -19,7 +19,7 @@ from orchestrator.messages import (
     decode_shard_message,
     decode_task,
 )
-from orchestrator.program import ProgramError, parse_program
+from orchestrator.program import ProgramError, parse_program, program_schema
 from orchestrator.settings import Settings
 from orchestrator.transitions import Plans, Transitions
 from router.client import Router
@@ -332,3 +332,11 @@ def test_compensating_tasks_count_as_the_programs_tasks_and_pools() -> None:
     with pytest.raises(ProgramError, match="unknown task 'uncar'"):
         parse_program(BOOKING, known_tasks={"flight", "hotel", "car", "note", "charge"} | {
             "unflight", "unhotel"})  # fmt: skip
+
+
+def test_the_schema_names_compensate_where_a_task_may_carry_one() -> None:
+    defs = program_schema()["$defs"]
+    assert defs["Compensate"]["required"] == ["task"]
+    assert defs["Compensate"]["additionalProperties"] is False
+    for kind in ("Task", "Member"):
+        assert "compensate" in defs[kind]["properties"], kind
