@@ -624,10 +624,12 @@ def key_of(step: dict[str, Any], input: Any, args: dict[str, Any], item: Any) ->
 
 
 @st.composite
-def _with_compensations(draw: st.DrawFn, program: dict[str, Any]) -> dict[str, Any]:
+def _with_compensations(
+    draw: st.DrawFn, program: dict[str, Any], often: bool = False
+) -> dict[str, Any]:
     """The same program with a compensation on some top-level tasks and bag task members (one
-    in three; shrinks to none)."""
-    sometimes = st.integers(0, 2).map(lambda n: n == 2)
+    in three, or with `often` three in four; shrinks to none)."""
+    sometimes = st.integers(0, 3 if often else 2).map(lambda n: n >= (1 if often else 2))
     undo = st.sampled_from(
         [
             {"task": "work"},
@@ -656,10 +658,11 @@ def _with_compensations(draw: st.DrawFn, program: dict[str, Any]) -> dict[str, A
 
 
 def with_compensations(
-    drawn: st.SearchStrategy[dict[str, Any]],
+    drawn: st.SearchStrategy[dict[str, Any]], often: bool = False
 ) -> st.SearchStrategy[dict[str, Any]]:
-    """Drawn programs, some of whose top-level tasks and bag members name a compensation."""
-    return drawn.flatmap(_with_compensations)
+    """Drawn programs, some of whose top-level tasks and bag members name a compensation
+    (`often`: most of them)."""
+    return drawn.flatmap(lambda program: _with_compensations(program, often))
 
 
 def compensations(program: dict[str, Any]) -> list[tuple[int, list[tuple[int | None, str]]]]:

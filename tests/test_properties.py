@@ -1207,6 +1207,21 @@ def test_branches_keep_order_under_duplicates_reordering_and_crashes(
         Cluster.grammar = with_compensations(with_limits(programs(faults=True)))
 
 
+def test_sagas_keep_order_under_duplicates_reordering_and_crashes(
+    keyspace: tuple[str, str],
+) -> None:
+    """The same machine over programs that fail more often and name compensations on most of
+    their top-level tasks and bag members (so sagas of several groups are common), on the
+    real Lua."""
+    Cluster.redis_url, Cluster.prefix = keyspace
+    Cluster.store_kind = "redis"
+    Cluster.grammar = with_compensations(programs(faults=True, fail_rate=6), often=True)
+    try:
+        run_state_machine_as_test(Cluster)
+    finally:
+        Cluster.grammar = with_compensations(with_limits(programs(faults=True)))
+
+
 def test_the_model_runs_branches_side_by_side() -> None:
     program = {
         "steps": [
