@@ -57,6 +57,8 @@ FENCES = (
     "test_a_branch_member_is_never_completed_and_a_branch_moves_only_inside_its_bag"
 )
 
+# The model beside the Lua, call by call, through a saga's moves, a cancel's and their fences.
+SAGA_STORE = "tests/test_store_model.py::test_a_saga_moves_only_while_compensating_in_its_own_scope"
 # The same machine over programs that fail often and name compensations on most tasks.
 SAGAS = "tests/test_properties.py::test_sagas_keep_order_under_duplicates_reordering_and_crashes"
 
@@ -423,7 +425,7 @@ end""",
         "lua/advance.lua",
         '  live = status == "compensating"',
         "  live = true",
-        (SAGAS, DIFFERENTIAL),
+        (SAGA_STORE, DIFFERENTIAL, SAGAS),
     ),
     # A compensation out of tries counts as done: the saga goes on and ends compensated.
     "compensation-failure-ignored": (

@@ -86,6 +86,8 @@ def calls(cursors: dict[str, list[str]]) -> st.SearchStrategy[Call]:
                     [scope_of(expected)] * 4 + ["", "1/branch:1", "1/branch:0", "saga"]
                 ),
             )
+        ) | st.tuples(  # the saga's own moves: its start ("") and its groups, whatever the status
+            st.sampled_from(["", "", "saga:0", "saga:1"]), st.just("saga")
         )
         return st.builds(
             lambda scoped, cursor, status, payload, leaf, drop, refs, epoch, opened: (
