@@ -192,3 +192,46 @@ async def publish_partitions(ctx: TaskContext) -> dict:
         "checks": sum(b["checks"] for b in branches),
         "snapshot": snap["snapshot"],
     }
+
+
+# --- examples/booking.json: a saga; a declined card undoes the reservations ---------------------
+# Each reservation names the task that undoes it (`compensate`). When the charge fails for good,
+# the program runs those of the steps that completed, last first (the hotel and the car side by
+# side), then ends `compensated`. A compensation gets the output of what it undoes as ctx.item.
+
+
+@task(name="booking.reserve_flight")
+async def reserve_flight(ctx: TaskContext) -> dict:
+    return {"flight": f"FL-{ctx.input['trip']}", "seat": "12A"}
+
+
+@task(name="booking.reserve_hotel")
+async def reserve_hotel(ctx: TaskContext) -> dict:
+    return {"hotel": f"HT-{ctx.input['trip']}", "nights": ctx.input.get("nights", 2)}
+
+
+@task(name="booking.reserve_car")
+async def reserve_car(ctx: TaskContext) -> dict:
+    return {"car": f"CR-{ctx.input['trip']}"}
+
+
+@task(name="booking.charge_card")
+async def charge_card(ctx: TaskContext) -> dict:
+    if ctx.input["card"].endswith("0000"):
+        raise RuntimeError(f"card {ctx.input['card']} declined")
+    return {"charged": ctx.input["amount"], "card": ctx.input["card"]}
+
+
+@task(name="booking.release_flight")
+async def release_flight(ctx: TaskContext) -> dict:
+    return {"released": ctx.item["flight"]}
+
+
+@task(name="booking.release_hotel")
+async def release_hotel(ctx: TaskContext) -> dict:
+    return {"released": ctx.item["hotel"]}
+
+
+@task(name="booking.release_car")
+async def release_car(ctx: TaskContext) -> dict:
+    return {"released": ctx.item["car"]}

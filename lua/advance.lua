@@ -2,7 +2,8 @@
 -- KEYS[1]  state hash   <prefix>:{<wf>}:state
 -- ARGV[1]  expected cursor: the leaf that just finished ("" for start)
 -- ARGV[2]  new cursor: the next leaf ("" when the program ends)
--- ARGV[3]  new status: running | completed | failed
+-- ARGV[3]  new status: running | completed | failed | compensating (a failure of a program that
+--          names compensations: it stays live, `cause` failed, until they ran)
 -- ARGV[4]  field for the payload: "result", "error" or "" for none
 -- ARGV[5]  payload JSON
 -- ARGV[6]  the new leaf's shape: "task", "bag:<size>", or "" when the program ends; complete
@@ -23,6 +24,11 @@
 --          moves only while the scope around it (the program's cursor, or the enclosing
 --          branch's) stands at its bag: else the advance is stale (a replay still answers
 --          replay)
+--          The scope `saga` is the compensations' cursor, <prefix>:{<wf>}:cur:saga (absent:
+--          cursor "", not started): it moves only while the status is compensating, from
+--          "" to the first group's leaf (`saga:<step>`), group to group, and to "" with the
+--          end status (compensated, compensation_failed, or the cause when nothing was to
+--          undo); the state's cursor, from and prior stay where the failure left them
 -- ARGV[11] JSON list of the branches the new leaf opens (a bag with branches), nested ones
 --          too: [[scope, its first leaf's path, that leaf's shape], ...]
 -- When the program ends, the cursor before the last one is kept as `prior` (redrive reruns
@@ -53,7 +59,12 @@ local registry = base .. "keys"
 local scope = ARGV[10] or ""
 local here = KEYS[1]  -- the hash whose cursor moves
 local bag, member, barrier, size, inside = "", "", "", 0, true
-if scope ~= "" then
+local saga = scope == "saga"
+if saga then
+  here = base .. "cur:saga"
+  local b = redis.call("HMGET", here, "cursor", "from")
+  cursor, from = b[1] or "", b[2]
+elseif scope ~= "" then
   here = base .. "cur:" .. scope
   local b = redis.call("HMGET", here, "cursor", "from")
   cursor, from = b[1], b[2]
@@ -80,6 +91,11 @@ local function joined()
   return "0"
 end
 local live = status == "pending" or status == "running"
+if saga then
+  live = status == "compensating"
+end
+-- ends the program: its keys expire (compensating does not: the compensations run first)
+local ending = ARGV[3] ~= "running" and ARGV[3] ~= "compensating"
 if live and cursor == ARGV[1] then
   if not inside then  -- the bag was left (a stray `next`): its branches move no more
     return {"stale", status, cursor}
@@ -88,7 +104,12 @@ if live and cursor == ARGV[1] then
   local now = string.format("%d", t[1] * 1000 + math.floor(t[2] / 1000))
   redis.call("HSET", here, "cursor", ARGV[2], "from", ARGV[1], "leaf", ARGV[6],
     "updated_ms", now)
-  if scope == "" then
+  if saga then
+    redis.call("SADD", registry, here)
+    if ending then
+      redis.call("HSET", KEYS[1], "status", ARGV[3], "updated_ms", now)
+    end
+  elseif scope == "" then
     redis.call("HSET", KEYS[1], "status", ARGV[3])
   elseif ARGV[3] ~= "running" then  -- a branch ends the program: from its outermost bag
     redis.call("HSET", KEYS[1], "status", ARGV[3], "cursor", "", "from", s[2], "leaf", "",
@@ -105,10 +126,16 @@ if live and cursor == ARGV[1] then
     redis.call("HSET", KEYS[1], "started_ms", now)
   end
   if ARGV[4] ~= "" then
-    redis.call("HSET", KEYS[1], ARGV[4], ARGV[5], "ended_ms", now)
+    redis.call("HSET", KEYS[1], ARGV[4], ARGV[5])
   end
-  if ARGV[3] ~= "running" then
+  if ending then
+    redis.call("HSET", KEYS[1], "ended_ms", now)
+  end
+  if ARGV[3] ~= "running" and not saga then
     redis.call("HSET", KEYS[1], "prior", from or "")
+  end
+  if ARGV[3] == "compensating" and not saga then
+    redis.call("HSET", KEYS[1], "cause", "failed")
   end
   for _, opened in ipairs(cjson.decode(ARGV[11] or "[]")) do
     local key = base .. "cur:" .. opened[1]
@@ -139,7 +166,7 @@ if live and cursor == ARGV[1] then
     end
   end
   local keep_ms = tonumber(ARGV[7] or "0") or 0
-  if ARGV[3] ~= "running" and keep_ms > 0 then
+  if ending and keep_ms > 0 then
     for _, key in ipairs(redis.call("SMEMBERS", registry)) do
       redis.call("PEXPIRE", key, keep_ms)
     end

@@ -29,7 +29,8 @@
 -- Every key written is named in the program's registry (see advance.lua).
 -- A leaf in a parallel branch (a path with `/branch:K/`) is compared with its branch's
 -- cursor and leaf, in <prefix>:{<wf>}:cur:<scope> (see advance.lua); status and epoch are the
--- program's.
+-- program's. A compensation's leaf (`saga:<step>`) is compared with the saga's cursor,
+-- <prefix>:{<wf>}:cur:saga, and only while the program is compensating.
 local INLINE = 65536
 local base = string.sub(KEYS[1], 1, -6)
 local registry = base .. "keys"
@@ -38,11 +39,15 @@ if not s[1] then
   return {"missing"}
 end
 local scope = string.match(ARGV[1], "^(.*/branch:%d+)/")
+local live = "running"
+if string.match(ARGV[1], "^saga:%d+$") then  -- a compensation: the saga's cursor, while compensating
+  scope, live = "saga", "compensating"
+end
 if scope then
   local b = redis.call("HMGET", base .. "cur:" .. scope, "cursor", "leaf")
   s[2], s[3] = b[1], b[2]
 end
-if s[1] ~= "running" or s[2] ~= ARGV[1] or ARGV[2] ~= (s[4] or "0") then
+if s[1] ~= live or s[2] ~= ARGV[1] or ARGV[2] ~= (s[4] or "0") then
   return {"stale", s[1], s[2] or ""}
 end
 local leaf = s[3] or ""  -- "" for a program started before leaves were recorded

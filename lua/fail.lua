@@ -15,18 +15,23 @@
 --          {"invalid", reason}       index or attempt out of range: nothing recorded
 -- A leaf in a parallel branch (a path with `/branch:K/`) is compared with its branch's
 -- cursor and leaf, in <prefix>:{<wf>}:cur:<scope> (see advance.lua); status and epoch are the
--- program's.
+-- program's. A compensation's leaf (`saga:<step>`) is compared with the saga's cursor,
+-- <prefix>:{<wf>}:cur:saga, and only while the program is compensating.
 local MAX_ATTEMPTS = 100  -- bounds the loop below, whatever a caller sends
 local s = redis.call("HMGET", KEYS[1], "status", "cursor", "leaf", "epoch")
 if not s[1] then
   return {"missing"}
 end
 local scope = string.match(ARGV[1], "^(.*/branch:%d+)/")
+local live = "running"
+if string.match(ARGV[1], "^saga:%d+$") then  -- a compensation: the saga's cursor, while compensating
+  scope, live = "saga", "compensating"
+end
 if scope then
   local b = redis.call("HMGET", string.sub(KEYS[1], 1, -6) .. "cur:" .. scope, "cursor", "leaf")
   s[2], s[3] = b[1], b[2]
 end
-if s[1] ~= "running" or s[2] ~= ARGV[1] or (ARGV[6] or "0") ~= (s[4] or "0") then
+if s[1] ~= live or s[2] ~= ARGV[1] or (ARGV[6] or "0") ~= (s[4] or "0") then
   return {"stale", s[1], s[2] or ""}
 end
 local index, attempt, most = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[5])

@@ -8,7 +8,7 @@ local status, ended = s[1], tonumber(s[2] or "")
 if not status then
   return "missing"
 end
-if status == "pending" or status == "running" then
+if status == "pending" or status == "running" or status == "compensating" then
   return "live"
 end
 if not string.find("," .. ARGV[1] .. ",", "," .. status .. ",", 1, true) then

@@ -6,7 +6,7 @@
 -- returns  "ok"     stored (or already there), and named in the program's registry
 --          "ended"  the program has ended or does not exist: nothing stored, nothing to run
 local status = redis.call("HGET", KEYS[1], "status")
-if status ~= "pending" and status ~= "running" then
+if status ~= "pending" and status ~= "running" and status ~= "compensating" then
   return "ended"
 end
 local registry = string.sub(KEYS[1], 1, -6) .. "keys"

@@ -23,7 +23,7 @@ from redis.exceptions import RedisError
 from orchestrator.bus import ladder_ms
 from orchestrator.messages import Failed, KeyLimit
 from orchestrator.redis_store import RedisStore
-from orchestrator.store import Store
+from orchestrator.store import LIVE, Store
 
 # A process refreshes the record of a shard it owns at most this often, while messages arrive.
 OWNER_REFRESH_S = 5.0
@@ -100,7 +100,7 @@ class Marks:
         # Registered first, so a program that ends after this read expires the mark with its
         # other keys; one that ended before it (a cancel just now) gets it expired here.
         status = await self._client.hget(self.keys.state(wf), "status")  # type: ignore[misc]
-        if status not in ("pending", "running") and self._retention_ms > 0:
+        if status not in LIVE and self._retention_ms > 0:
             await self._client.pexpire(key, self._retention_ms)
 
     async def slot_wait(
@@ -117,7 +117,7 @@ class Marks:
                 pipe.sadd(self.keys.registry(wf), key)
                 await pipe.execute()
             status = await self._client.hget(self.keys.state(wf), "status")  # type: ignore[misc]
-            if status not in ("pending", "running") and self._retention_ms > 0:
+            if status not in LIVE and self._retention_ms > 0:
                 await self._client.pexpire(key, self._retention_ms)  # ended just now
 
     async def slot_taken(self, wf: str, path: str, index: int | None) -> None:

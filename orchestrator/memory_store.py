@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from orchestrator.keys import Keys
-from orchestrator.paths import parent_of, scope_of
+from orchestrator.paths import SAGA, live_status, parent_of, scope_of
 from orchestrator.store import (
     MAX_ATTEMPTS,
     MAX_RUNS,
@@ -157,7 +157,12 @@ class MemoryStore:
         main_cursor, main_from = now_cursor, came_from
         here = key  # the hash whose cursor moves
         bag, member, size, inside = "", 0, 0, True
-        if scope:
+        saga = scope == SAGA
+        if saga:  # the compensations' cursor: "" until they start
+            here = self.keys.branch(wf, scope)
+            found_cursor, came_from = self._hmget(here, "cursor", "from")
+            now_cursor = found_cursor or ""
+        elif scope:
             here = self.keys.branch(wf, scope)
             now_cursor, came_from = self._hmget(here, "cursor", "from")
             if now_cursor is None:
@@ -180,6 +185,10 @@ class MemoryStore:
             return isinstance(found, set) and len(found) >= size
 
         live = now_status in ("pending", "running")
+        if saga:
+            live = now_status == "compensating"
+        # ends the program: its keys expire (compensating does not: the compensations run)
+        ending = status not in ("running", "compensating")
         if live and now_cursor == expected:
             if not inside:  # the bag was left (a stray `next`): its branches move no more
                 return Verdict("stale", now_status, now_cursor or "")
@@ -187,7 +196,11 @@ class MemoryStore:
             self._hash(here).update(cursor=cursor, leaf=leaf, updated_ms=now)
             self._hash(here)["from"] = expected
             state = self._hash(key)
-            if not scope:
+            if saga:
+                self._register(wf, here)
+                if ending:
+                    state.update(status=status, updated_ms=now)
+            elif not scope:
                 state["status"] = status
             elif status != "running":  # a branch ends the program: from its outermost bag
                 state.update(status=status, cursor="", leaf="", updated_ms=now)
@@ -205,9 +218,12 @@ class MemoryStore:
                 state["started_ms"] = now
             if field:
                 state[field] = payload
+            if ending:
                 state["ended_ms"] = now
-            if status != "running":
+            if status != "running" and not saga:
                 state["prior"] = came_from or ""
+            if status == "compensating" and not saga:
+                state["cause"] = "failed"
             registry = self.keys.registry(wf)
             base = self.keys.state(wf).removesuffix("state")
             for opened_scope, first, shape in opened:
@@ -231,7 +247,7 @@ class MemoryStore:
                     for name in [name for name in marks if name.startswith(drop)]:
                         del marks[name]
                     self._drop_if_empty(base + "attempts")
-            if status != "running":
+            if ending:
                 self._expire_all(wf)
             return Verdict("applied", status, cursor, joined())
         if came_from == expected:
@@ -277,7 +293,7 @@ class MemoryStore:
         status, cursor, leaf, run = self._scoped(wf, path, "status", "cursor", "leaf", "epoch")
         if status is None:
             return Completion("missing", [])
-        if status != "running" or cursor != path or str(epoch) != (run or "0"):
+        if status != live_status(path) or cursor != path or str(epoch) != (run or "0"):
             return Completion("stale", [])
         leaf = leaf or ""  # "" for a program started before leaves were recorded
         if None in outputs:
@@ -328,7 +344,7 @@ class MemoryStore:
         status, cursor, leaf, run = self._scoped(wf, path, "status", "cursor", "leaf", "epoch")
         if status is None:
             return Completion("missing", [])
-        if status != "running" or cursor != path or str(epoch) != (run or "0"):
+        if status != live_status(path) or cursor != path or str(epoch) != (run or "0"):
             return Completion("stale", [])
         if not 1 <= max_attempts <= MAX_ATTEMPTS:
             reason = f"max attempts {max_attempts}: from 1 to {MAX_ATTEMPTS}"
@@ -356,7 +372,12 @@ class MemoryStore:
         return Completion("exhausted" if first else "again", errors)
 
     async def cancel(
-        self, wf: str, status: str, reason: str, epoch: int | None = None
+        self,
+        wf: str,
+        status: str,
+        reason: str,
+        epoch: int | None = None,
+        compensates: bool = False,
     ) -> Ended | None:
         """lua/cancel.lua"""
         key = self.keys.state(wf)
@@ -365,12 +386,26 @@ class MemoryStore:
         )
         if now_status is None:
             return None
+        if now_status == "compensating" and status == "cancelled":  # stops the compensations
+            now = self._clock()
+            self._hash(key).update(
+                status="compensation_failed",
+                saga_error=f"cancelled during compensation: {reason}",
+                updated_ms=now,
+                ended_ms=now,
+            )
+            self._expire_all(wf)
+            return Ended(True, "compensation_failed", int(owner or 0))
         if now_status not in ("pending", "running"):
             return Ended(False, now_status, int(owner or 0))
         if epoch is not None and str(epoch) != (run or "0"):
             return Ended(False, now_status, int(owner or 0), stale=True)
         now = self._clock()
         state = self._hash(key)
+        if compensates:  # its compensations run first: live, no expiry yet
+            state.update(status="compensating", cause=status, error=reason, cursor="")
+            state.update({"from": cursor or "", "updated_ms": now, "prior": came_from or ""})
+            return Ended(True, "compensating", int(owner or 0))
         state.update(status=status, error=reason, cursor="", updated_ms=now, ended_ms=now)
         state["from"] = cursor or ""
         state["prior"] = came_from or ""
@@ -423,7 +458,7 @@ class MemoryStore:
     async def stash(self, wf: str, blobs: Mapping[str, str]) -> bool:
         """lua/stash.lua"""
         (status,) = self._hmget(self.keys.state(wf), "status")
-        if status not in ("pending", "running"):
+        if status not in ("pending", "running", "compensating"):
             return False
         for name, value in blobs.items():
             self.data.setdefault(self.keys.blob(wf, name), value)
@@ -531,7 +566,7 @@ class MemoryStore:
         status, ended = self._hmget(self.keys.state(wf), "status", "ended_ms")
         if status is None:
             return "missing"
-        if status in ("pending", "running"):
+        if status in ("pending", "running", "compensating"):
             return "live"
         if status not in statuses.split(",") or not ended or int(ended) > ended_before_ms:
             return "kept"
@@ -545,6 +580,9 @@ class MemoryStore:
     async def members(self, wf: str, path: str) -> int:
         barrier = self.data.get(self.keys.barrier(wf, path))
         return len(barrier) if isinstance(barrier, set) else 0
+
+    async def leaf_outputs(self, wf: str, leaves: list[tuple[str, int | None]]) -> list[str | None]:
+        return [self._get(self.keys.output(wf, path, index)) for path, index in leaves]
 
     async def blobs(self, wf: str, names: list[str]) -> list[str | None]:
         return [self._get(self.keys.blob(wf, name)) for name in names]

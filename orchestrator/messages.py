@@ -18,9 +18,13 @@ TaskName = Annotated[str, Field(pattern=TASK_NAME)]
 MAX_ERROR = 16 * 1024
 # A leaf's path: `2`, `3/iter:4/1` in a loop, `3/case:1/0` in a choice's case,
 # `3/branch:1/0` in a bag's parallel branch (member 1), or `3/iter:4`
-# for the wait before a loop's iteration.
+# for the wait before a loop's iteration; `saga:2`: the compensations undoing step 2.
 Path = Annotated[
-    str, Field(pattern=r"^\d+(/((iter|case|branch):\d+/)?\d+)*(/iter:\d+)?$", max_length=1000)
+    str,
+    Field(
+        pattern=r"^(\d+(/((iter|case|branch):\d+/)?\d+)*(/iter:\d+)?|saga:\d+)$",
+        max_length=1000,
+    ),
 ]
 # An input, prev or step output over this many bytes of JSON travels by reference: it is kept
 # in Redis under the program (lua/stash.lua, or where complete.lua recorded it) and read there.

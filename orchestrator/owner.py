@@ -19,6 +19,7 @@ from orchestrator.lifecycle import Service, format_counts, raise_if_cancelled
 from orchestrator.machine import PathError
 from orchestrator.marks import Marks
 from orchestrator.messages import Start, decode_shard_message, encode
+from orchestrator.paths import SAGA
 from orchestrator.program import ProgramError
 from orchestrator.settings import Settings
 from orchestrator.store import TERMINAL, Store
@@ -161,13 +162,23 @@ class Orchestrator(Service):
                     await self.store.untrack(wf, shard)
                 elif waiting:
                     continue
-                elif state["status"] == "pending" and int(state.get("created_ms") or 0) < old_ms:
+                elif (
+                    state["status"] == "pending" and int(state.get("created_ms") or 0) < old_ms
+                ) or (
+                    state["status"] == "compensating" and await self._unstarted(wf, state, old_ms)
+                ):
                     await self.bus.publish_to_shard(shard, encode(Start(wf=wf)), NEW)
                     started += 1
         self._unrecorded = unrecorded
         await self.marks.index(indexed)
         await self.marks.prune_index()
         return started
+
+    async def _unstarted(self, wf: str, state: dict[str, str], old_ms: float) -> bool:
+        """Whether a compensating program's compensations never started (a crash between its
+        failure or cancel and the `start` that runs them), for longer than a sweep."""
+        at = await self.store.at(wf, f"{SAGA}:0")  # the saga's cursor: "" before its start
+        return not at.get("cursor") and int(state.get("updated_ms") or 0) < old_ms
 
     async def _consume(self, shard: int) -> None:
         queue = self.bus.names.shard_queue(shard)

@@ -14,9 +14,22 @@ _SCOPE = re.compile(r"^(.*/branch:[0-9]+)/", re.DOTALL)
 _PARENT = re.compile(r"^(.*)/branch:([0-9]+)$", re.DOTALL)
 
 
+# A compensation's leaf (`saga:2` undoes top-level step 2) runs in the scope `saga`, whose
+# cursor is `<prefix>:{wf}:cur:saga` (lua/*.lua match the same pattern).
+SAGA = "saga"
+_SAGA_LEAF = re.compile(r"^saga:[0-9]+$")
+
+
+def is_saga(path: str) -> bool:
+    """Whether a leaf path is a compensation's (`saga:<step>`)."""
+    return _SAGA_LEAF.match(path) is not None
+
+
 def scope_of(path: str) -> str:
-    """The branch a leaf path runs in (its innermost `.../branch:K`), "" for the program's
-    own cursor."""
+    """The branch a leaf path runs in (its innermost `.../branch:K`), `saga` for a
+    compensation, "" for the program's own cursor."""
+    if is_saga(path):
+        return SAGA
     found = _SCOPE.match(path)
     return found[1] if found else ""
 
@@ -26,3 +39,9 @@ def parent_of(scope: str) -> tuple[str, int] | None:
     when it names none."""
     found = _PARENT.match(scope)
     return (found[1], int(found[2])) if found else None
+
+
+def live_status(path: str) -> str:
+    """The status in which a report for the leaf at `path` counts: a compensation's while
+    the program is compensating, any other while it runs."""
+    return "compensating" if is_saga(path) else "running"

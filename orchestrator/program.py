@@ -185,6 +185,18 @@ Cel = Annotated[
 ]
 
 
+class Compensate(_Model):
+    """The task that undoes a task that completed (saga compensation): run when the program
+    fails or is cancelled, with the output of the task it undoes as `ctx.item`."""
+
+    task: str = Field(pattern=TASK_NAME)
+    args: dict[str, Any] = Field(default_factory=dict)
+    retry: Retry | None = None
+    timeout_s: float | None = Field(default=None, gt=0, le=86400)
+    # A bag's compensations run side by side: like a bag member's, never on a serial lane.
+    pool: BagPool | None = None
+
+
 class Member(_Model):
     """One task of a bag; it runs on the bag's pool unless it names its own (never serial)."""
 
@@ -201,6 +213,11 @@ class Member(_Model):
     timeout_s: float | None = Field(default=None, gt=0, le=86400)
     pool: BagPool | None = None
     limit: Limit | None = None
+    compensate: Compensate | None = Field(
+        default=None,
+        description="a task that undoes this one once it completed, run when the program fails "
+        "or is cancelled (only on a top-level task or a top-level bag's task member)",
+    )
 
 
 class Task(Member):
@@ -443,12 +460,37 @@ class Program(_Model):
         return _signals(self.steps)
 
     @cached_property
+    def compensations(self) -> tuple[tuple[int, tuple[tuple[int | None, Compensate], ...]], ...]:
+        """The top-level steps that name compensations, in step order: (step index, its
+        compensations by member index, None for a task step)."""
+        found: list[tuple[int, tuple[tuple[int | None, Compensate], ...]]] = []
+        for n, step in enumerate(self.steps):
+            if isinstance(step, Task) and step.compensate is not None:
+                found.append((n, ((None, step.compensate),)))
+            elif isinstance(step, Bag):
+                members = tuple((i, m.compensate) for i, m in step.tasks() if m.compensate)
+                if members:
+                    found.append((n, members))
+        return tuple(found)
+
+    @cached_property
     def referenced(self) -> frozenset[str]:
         """The ids of steps whose output some expression reads (`steps.<id>`): only these
         are recorded when their step finishes."""
         return frozenset(
             name for _, _, names in _expressions(self.steps, "steps") for name in names
         )
+
+
+def _compensations(steps: list[Step]) -> Iterator[Compensate]:
+    """Every compensation a step list names (deep, for the task names and pools it adds)."""
+    for step in steps:
+        members = step.tasks() if isinstance(step, Bag) else [(0, step)]
+        for _, member in members:
+            if isinstance(member, Member) and member.compensate is not None:
+                yield member.compensate
+        for inner in _inner(step):
+            yield from _compensations(inner)
 
 
 def pool_of(step: Task | Bag | Map, index: int | None = None) -> str:
@@ -471,7 +513,7 @@ def _pools(steps: list[Step]) -> set[str]:
             pools.update(pool_of(step, i) for i, _ in step.tasks())
         for inner in _inner(step):
             pools |= _pools(inner)
-    return pools
+    return pools | {c.pool or PARALLEL for c in _compensations(steps)}
 
 
 def _inner(step: Step) -> list[list[Step]]:
@@ -504,7 +546,7 @@ def _names(steps: list[Step]) -> set[str]:
             names.update(member.task for _, member in step.tasks())
         for inner in _inner(step):
             names |= _names(inner)
-    return names
+    return names | {c.task for c in _compensations(steps)}
 
 
 _PROGRAM = TypeAdapter(Program)
@@ -525,7 +567,7 @@ def parse_program(
         program = _PROGRAM.validate_python(source)
     except ValidationError as exc:
         raise ProgramError([_fault(err) for err in exc.errors()]) from None
-    faults = check_branches(program) + check_references(program)
+    faults = check_branches(program) + check_references(program) + check_compensations(program)
     if faults:
         raise ProgramError(faults)
     if known_tasks is not None:
@@ -533,6 +575,36 @@ def parse_program(
         if unknown:
             raise ProgramError([f"steps: unknown task {', '.join(map(repr, unknown))}"])
     return program
+
+
+# --- saga compensation ---------------------------------------------------------------------
+
+
+def check_compensations(program: Program) -> list[str]:
+    """The faults of compensations named where none can run, each naming its path: only a
+    top-level task, or a task member of a top-level bag, may name one (its output is kept
+    where the compensation reads it; a loop, a choice or a branch keeps no such place)."""
+    faults: list[str] = []
+
+    def walk(steps: list[Step], prefix: str, top: bool) -> None:
+        for n, step in enumerate(steps):
+            path = f"{prefix}[{n}]"
+            if isinstance(step, Map) and step.compensate is not None:
+                faults.append(f"{path}.compensate: a map's members cannot be compensated")
+            elif isinstance(step, Task) and step.compensate is not None and not top:
+                faults.append(f"{path}.compensate: {_WHERE}")
+            elif isinstance(step, Bag) and not top:
+                for i, member in step.tasks():
+                    if member.compensate is not None:
+                        faults.append(f"{path}.bag[{i}].compensate: {_WHERE}")
+            for inner, inner_path in _branches(step, path):
+                walk(inner, inner_path, False)
+
+    walk(program.steps, "steps", True)
+    return faults
+
+
+_WHERE = "only a top-level task or a top-level bag's task member may name a compensation"
 
 
 # --- step references ---------------------------------------------------------------------

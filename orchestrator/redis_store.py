@@ -206,13 +206,17 @@ class RedisStore:
         return Completion(reply[0], _carried(reply, ("exhausted", "again", "invalid")))
 
     async def cancel(
-        self, wf: str, status: str, reason: str, epoch: int | None = None
+        self,
+        wf: str,
+        status: str,
+        reason: str,
+        epoch: int | None = None,
+        compensates: bool = False,
     ) -> Ended | None:
         """End a live program now (see lua/cancel.lua); None when there is no such program."""
         run: str | int = "" if epoch is None else epoch
-        verdict, now_status, owner = await self._cancel(
-            keys=[self.keys.state(wf)], args=[status, reason, self.retention_ms, run]
-        )
+        args: list[str | int] = [status, reason, self.retention_ms, run, str(int(compensates))]
+        verdict, now_status, owner = await self._cancel(keys=[self.keys.state(wf)], args=args)
         if verdict == "missing":
             return None
         return Ended(verdict == "applied", now_status, int(owner), verdict == "stale")
@@ -269,6 +273,12 @@ class RedisStore:
         """Give a holder's slot back (see lua/release.lua)."""
         verdict, held = await self._release(keys=[self.keys.limit(key)], args=[holder])
         return Slot(verdict, int(held))
+
+    async def leaf_outputs(self, wf: str, leaves: list[tuple[str, int | None]]) -> list[str | None]:
+        if not leaves:
+            return []
+        found = await self.client.mget([self.keys.output(wf, p, i) for p, i in leaves])
+        return [None if value is None else str(value) for value in found]
 
     async def blobs(self, wf: str, names: list[str]) -> list[str | None]:
         if not names:

@@ -13,7 +13,9 @@ from typing import Any, Literal, Protocol
 
 from orchestrator.keys import Keys
 
-TERMINAL = frozenset({"completed", "failed", "cancelled"})
+TERMINAL = frozenset({"completed", "failed", "cancelled", "compensated", "compensation_failed"})
+# Live statuses: a program in them may still move (compensating: its compensations run).
+LIVE = frozenset({"pending", "running", "compensating"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,10 +174,17 @@ class Store(Protocol):
         ...
 
     async def cancel(
-        self, wf: str, status: str, reason: str, epoch: int | None = None
+        self,
+        wf: str,
+        status: str,
+        reason: str,
+        epoch: int | None = None,
+        compensates: bool = False,
     ) -> Ended | None:
         """End a live program now; None when there is no such program (lua/cancel.lua).
-        With `epoch` (a deadline's run), a program in another run is left as it is."""
+        With `epoch` (a deadline's run), a program in another run is left as it is. With
+        `compensates` (the program names compensations) it becomes compensating instead; a
+        cancel of a compensating program stops its compensations (compensation_failed)."""
         ...
 
     async def redrive(
@@ -189,6 +198,11 @@ class Store(Protocol):
     async def at(self, wf: str, path: str) -> dict[str, str]:
         """The program's state as a leaf at `path` sees it: in a parallel branch, with the
         branch's cursor, from, leaf and updated_ms in place of the program's."""
+        ...
+
+    async def leaf_outputs(self, wf: str, leaves: list[tuple[str, int | None]]) -> list[str | None]:
+        """The recorded outputs (JSON) of these leaves or bag members, None where there is
+        none (one read)."""
         ...
 
     async def members(self, wf: str, path: str) -> int:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from orchestrator import limits, machine, metrics
+from orchestrator import limits, machine, metrics, saga
 from orchestrator.backlog import Backlog
 from orchestrator.bus import GOING_ON, NEW, Publisher, ladder_floor_ms, task_priority
 from orchestrator.delivery import Poison
@@ -33,13 +33,14 @@ from orchestrator.messages import (
     Wake,
     encode,
 )
-from orchestrator.paths import parent_of, scope_of
+from orchestrator.paths import SAGA, is_saga, parent_of, scope_of
 from orchestrator.program import (
     MAX_PRIORITY,
     MAX_PROGRAM_BRANCHES,
     Bag,
     Branch,
     Choice,
+    Compensate,
     Map,
     Member,
     Program,
@@ -233,6 +234,24 @@ def _dispatched(outcome: machine.Outcome) -> tuple[str, str, str] | None:
     return outcome.path, pool_of(outcome.step), kind
 
 
+def _group_leaf(group: saga.Group) -> machine.Leaf:
+    """A group of compensations as the leaf that runs it: a bag of their tasks (on their
+    pools, else parallel), each member's item the output (JSON) of what it undoes."""
+    members: list[Member | Branch] = [_member(undo.compensate) for undo in group.undo]
+    items = tuple(json.loads(undo.output) for undo in group.undo)
+    return machine.Leaf(group.path, Bag(bag=members), None, 0, items=items)
+
+
+def _member(compensate: Compensate) -> Member:
+    return Member(
+        task=compensate.task,
+        args=compensate.args,
+        retry=compensate.retry,
+        timeout_s=compensate.timeout_s,
+        pool=compensate.pool,
+    )
+
+
 def _failure(message: Failed, errors: list[str]) -> machine.Failed:
     where = message.path if message.index is None else f"{message.path}/bag:{message.index}"
     if len(errors) == 1:
@@ -281,7 +300,13 @@ class Transitions:
         if isinstance(message, Deadline):
             reason = f"deadline of {message.deadline_s}s exceeded"
             return await end_program(
-                self.store, self.bus, message.wf, "failed", reason, epoch=message.epoch
+                self.store,
+                self.bus,
+                message.wf,
+                "failed",
+                reason,
+                epoch=message.epoch,
+                compensates=bool(plan.program.compensations),
             )
         if isinstance(message, Signalled):
             verdict = await self._signalled(message, plan)
@@ -289,10 +314,20 @@ class Transitions:
             return verdict
         epoch: int | None = None  # a start belongs to whatever run the program is in
         state: dict[str, str] = {}  # read by a start only (its run, and when it was created)
+        if isinstance(message, Next | Failed) and is_saga(message.path):
+            verdict = await self._compensation(message, plan, redelivered=redelivered)
+            self.counts[verdict] += 1
+            return verdict
         if isinstance(message, Start):
             expected = ""
             state = await self.store.state(message.wf)
             run = int(state.get("epoch") or 0)
+            if state.get("status") == "compensating":  # the compensations start
+                verdict = await self._compensate(
+                    message.wf, plan, "", None, run, state, redelivered=redelivered
+                )
+                self.counts[verdict] += 1
+                return verdict
             if run:  # redriven (lua/redrive.lua): run again from where it stopped
                 started = await self._redriven(message.wf, plan, state)
                 if isinstance(started, str):
@@ -345,7 +380,9 @@ class Transitions:
             if isinstance(message, Start) and plan.program.deadline_s is not None:
                 await self._publish_deadline(message.wf, plan, run, state)
             priority = NEW if expected == "" else GOING_ON
-            if isinstance(outcome, machine.Joined):
+            if verdict.status == "compensating":  # failed: its owner runs the compensations
+                await self.bus.publish_to_shard(plan.owner, encode(Start(wf=message.wf)), NEW)
+            elif isinstance(outcome, machine.Joined):
                 if verdict.joined:  # this branch was its bag's last member: the bag is done
                     await self._joined(message.wf, plan, outcome, run)
             else:
@@ -669,9 +706,137 @@ class Transitions:
             return await self.store.advance(
                 wf, expected, "", "completed", "result", result, epoch=epoch
             )
+        # A program that names compensations runs them first (see _compensate).
+        status = "compensating" if plan.program.compensations else "failed"
         return await self.store.advance(
-            wf, expected, "", "failed", "error", outcome.error, epoch=epoch, scope=scope
+            wf, expected, "", status, "error", outcome.error, epoch=epoch, scope=scope
         )
+
+    async def _groups(self, wf: str, plan: Plan) -> list[saga.Group]:
+        """The program's compensations to run (orchestrator/saga.py): one read of the outputs
+        its compensated steps recorded, which no longer change once it left running."""
+        found = await self.store.leaf_outputs(wf, saga.leaves(plan.program))
+        return saga.plan(plan.program, found)
+
+    async def _compensate(
+        self,
+        wf: str,
+        plan: Plan,
+        expected: str,
+        epoch: int | None,
+        run: int,
+        state: dict[str, str] | None = None,
+        *,
+        redelivered: bool,
+        failure: str | None = None,
+    ) -> str:
+        """Move the saga's cursor on from `expected` ("": the start, sent when the program
+        became compensating; else the group that just finished) with compare-and-advance in
+        the scope `saga`: to the next group, whose tasks go out, or to the end: compensated,
+        compensation_failed (`failure`: a compensation ran out of tries), or, with nothing to
+        undo, the status that caused it (failed or cancelled), so that it can be redriven."""
+        groups = await self._groups(wf, plan)
+        following = None if failure is not None else saga.following(groups, expected)
+        status, field, payload = saga.COMPENSATION_FAILED, "saga_error", failure or ""
+        if following is not None:
+            status, field = "compensating", ""
+            large = [u for u in following.undo if len(u.output) > machine.MAX_ITEM_BYTES]
+            if large:  # a compensation receives what it undoes in its task message
+                member = "" if large[0].index is None else f"/bag:{large[0].index}"
+                payload = (
+                    f"compensation {following.path}: the output of step {following.step}"
+                    f"{member} is {len(large[0].output)} bytes, over the "
+                    f"{machine.MAX_ITEM_BYTES} a compensation receives"
+                )
+                status, field, following = saga.COMPENSATION_FAILED, "saga_error", None
+        elif failure is None and expected:
+            status, field = saga.COMPENSATED, ""
+        elif failure is None:  # nothing completed that names a compensation
+            if state is None:
+                state = await self.store.state(wf)
+            status, field = state.get("cause") or "failed", ""
+        cursor = following.path if following is not None else ""
+        shape = f"bag:{len(following.undo)}" if following is not None else ""
+        verdict = await self.store.advance(
+            wf, expected, cursor, status, field, payload, leaf=shape, epoch=epoch, scope=SAGA
+        )
+        if verdict.verdict == "missing":
+            raise Poison(f"{wf}: no such program")
+        ended = verdict.status in TERMINAL
+        owed = verdict.verdict == "applied" or (verdict.verdict == "replay" and redelivered)
+        if owed and following is not None and not ended:
+            # A replay publishes again only while the saga still stands at that group: a
+            # group that finished since must not undo twice.
+            at = await self.store.at(wf, following.path)
+            if verdict.verdict == "applied" or at.get("cursor") == following.path:
+                await self._publish_group(wf, plan, following, run)
+        if verdict.verdict == "applied":
+            log.info("%s: compensation %r -> %r (%s)", wf, expected, cursor, verdict.status)
+        if ended:
+            if verdict.verdict == "applied":
+                metrics.program_ended(wf, verdict.status)
+            self.plans.forget(wf)
+            await self.store.untrack(wf, plan.owner)
+        return verdict.verdict
+
+    async def _publish_group(
+        self, wf: str, plan: Plan, group: saga.Group, epoch: int, only: int | None = None
+    ) -> None:
+        """Send a group's compensations (or only member `only`, a retry's, delayed by the
+        caller), each with the output it undoes as its item."""
+        leaf = _group_leaf(group)
+        if plan.big_input and not await self.store.stash(wf, {"input": plan.big_input}):
+            return  # ended meanwhile
+        by_pool = task_messages(wf, plan, leaf, only=only, chunk_for=self.chunk_for, epoch=epoch)
+        level = task_priority(plan.priority, going_on=True)
+        for pool, bodies in by_pool.items():
+            await self.bus.publish_all(pool, bodies, level)
+
+    async def _compensation(self, message: Next | Failed, plan: Plan, *, redelivered: bool) -> str:
+        """A report of a compensation's leaf (`saga:<step>`): its group finished (next), or
+        one of its tasks failed: tried again by its own retry policy, or, out of tries, the
+        program ends compensation_failed."""
+        if isinstance(message, Next):
+            return await self._compensate(
+                message.wf, plan, message.path, message.epoch, message.epoch,
+                redelivered=redelivered,
+            )  # fmt: skip
+        groups = await self._groups(message.wf, plan)
+        group = saga.group_at(groups, message.path)
+        if group is None or message.index is None or not 0 <= message.index < len(group.undo):
+            raise Poison(f"{message.wf}: no compensation {message.path} member {message.index}")
+        policy = group.undo[message.index].compensate.retry
+        attempts = policy.max_attempts if policy else 1
+        if message.attempt >= attempts:
+            raise Poison(f"{message.wf}: attempt {message.attempt} of a task tried {attempts}x")
+        reply = await self.store.fail(
+            message.wf, message.path, message.index, message.attempt, message.error, attempts,
+            message.epoch,
+        )  # fmt: skip
+        if reply.verdict in ("missing", "invalid"):
+            raise Poison(f"{message.wf}: {', '.join(reply.outputs) or 'no such program'}")
+        if reply.verdict == "stale":
+            return "stale"
+        if policy is None or message.attempt + 1 >= attempts:
+            await self.marks.failed(message, None)
+            failure = _failure(message, reply.outputs or [message.error]).error
+            return await self._compensate(
+                message.wf, plan, message.path, message.epoch, message.epoch,
+                redelivered=redelivered, failure=f"compensation {failure}",
+            )  # fmt: skip
+        if reply.verdict != "retry" and not redelivered:
+            return "stale"
+        leaf = _group_leaf(group)
+        by_pool = task_messages(
+            message.wf, plan, leaf, attempt=message.attempt + 1, only=message.index,
+            epoch=message.epoch,
+        )  # fmt: skip
+        delay_s = policy.delay_s(message.attempt)
+        await self.marks.failed(message, delay_s)
+        level = task_priority(plan.priority, going_on=True)
+        for pool, bodies in by_pool.items():  # one member: one pool, one message
+            await self.bus.publish_later(pool, bodies[0], delay_s, level)
+        return "retried"
 
     async def _redriven(self, wf: str, plan: Plan, state: dict[str, str]) -> machine.Outcome | str:
         """Where a redriven program starts again (`rerun`, recorded by lua/redrive.lua), with

@@ -184,7 +184,12 @@ class Router:
         """Cancel a program: no further step is dispatched, running tasks are told to stop."""
         if self.bus is None:
             raise RuntimeError("Router needs a bus to cancel")
-        verdict = await end_program(self.store, self.bus, workflow_id, "cancelled", reason)
+        raw = await self._plan(workflow_id)
+        program = None if raw is None else parse_program(raw["program"], max_bytes=1 << 30)
+        compensates = program is not None and bool(program.compensations)
+        verdict = await end_program(
+            self.store, self.bus, workflow_id, "cancelled", reason, compensates=compensates
+        )
         if verdict == "missing":
             raise LookupError(f"no program {workflow_id!r}")
         status = await self.status(workflow_id)
@@ -250,6 +255,9 @@ class Router:
         )
         if "epoch" in state:  # redriven: which run this is, and how the earlier ones ended
             status.update(run=int(state["epoch"]), runs=redriving.runs(state))
+        found_saga = await explaining.compensations(self.store, workflow_id, state, found.program)
+        if found_saga is not None:  # a saga: why, and its compensations
+            status["compensations"] = found_saga
         return status
 
     async def _plan(self, workflow_id: str) -> Any:
@@ -320,7 +328,12 @@ class Router:
 
 def _refuse(workflow_id: str, status: str) -> None:
     """A live or completed program is not redriven: say so, naming its status."""
-    if status in ("pending", "running"):
+    if status in ("compensated", "compensation_failed"):
+        raise redriving.RedriveError(
+            f"program {workflow_id!r} ended {status}: a program whose compensations ran is "
+            "not redriven (its completed steps were undone; submit it again under a new id)"
+        )
+    if status in ("pending", "running", "compensating"):
         raise redriving.RedriveError(
             f"program {workflow_id!r} is {status}: only a failed or cancelled program can be "
             "redriven (cancel it first to run it again)"

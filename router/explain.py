@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from orchestrator import saga
 from orchestrator.bus import Bus, ladder_ms
 from orchestrator.marks import attempt_field, redis_of
+from orchestrator.paths import SAGA
 from orchestrator.program import (
     MAX_BRANCH_DEPTH,
     SERIAL,
@@ -48,6 +50,28 @@ def _plan_program(raw: Any) -> Program | None:
         return parse_program(raw.get("program"), max_bytes=1 << 30)  # type: ignore[arg-type]
     except (ProgramError, TypeError, ValueError):
         return None
+
+
+SAGA_STATUSES = ("compensating", saga.COMPENSATED, saga.COMPENSATION_FAILED)
+
+
+async def compensations(
+    store: Store, wf: str, state: dict[str, str], program: Program | None
+) -> dict[str, Any] | None:
+    """The saga of a program that compensates (None for any other): why (`cause`: failed or
+    cancelled), a compensation's failure, and per group of compensations (last step first)
+    the step it undoes, its tasks and whether it ran, runs, failed, waits or was skipped."""
+    status = state.get("status", "")
+    if program is None or not program.compensations or status not in SAGA_STATUSES:
+        return None
+    groups = saga.plan(program, await store.leaf_outputs(wf, saga.leaves(program)))
+    cursor = await store.at(wf, f"{SAGA}:0")  # the saga's own cursor
+    at = cursor.get("cursor") or cursor.get("from") or ""
+    return {
+        "cause": state.get("cause"),
+        "error": state.get("saga_error"),
+        "groups": saga.describe(groups, status, at),
+    }
 
 
 # What a cursor may point at.
@@ -497,6 +521,7 @@ async def explain(store: Store, bus: Bus | None, wf: str) -> dict[str, Any] | No
     if "epoch" in state:  # redriven: this run, and how the earlier ones ended
         report.update(run=as_int(state["epoch"]), runs=redriving.runs(state))
     program = found.program
+    report["compensations"] = await compensations(store, wf, state, program)
     created = report["created_ms"]
     if program is not None and program.deadline_s is not None and created is not None:
         left = program.deadline_s - (now - created) / 1000
@@ -599,6 +624,16 @@ def _waiting_for(report: dict[str, Any], *, cursor: str, now: float) -> str:
     shard = report["shard"] or {}
     if status in TERMINAL:
         return f"nothing: it ended {status}"
+    if status == "compensating":
+        groups = (report.get("compensations") or {}).get("groups") or []
+        now_running = [g for g in groups if g["state"] == "running"]
+        if not now_running:
+            return f"its compensations to start, on shard {report['owner']}"
+        group = now_running[0]
+        return (
+            f"its compensations of step {group['undoes']}: {', '.join(group['tasks'])} "
+            f"(at {group['path']})"
+        )
     if status == "pending":
         if shard.get("exists") and not shard.get("consumers"):
             return f"an orchestrator: shard {report['owner']} has no consumer"
@@ -714,8 +749,22 @@ def explain_text(report: dict[str, Any], now_ms: float | None = None) -> str:
             f"Submitted {_clock(report['created_ms'])}, {_span(report['elapsed_s'] or 0)} "
             + ("before it ended." if report["status"] in TERMINAL else "ago.")
         )
-    if report["status"] in TERMINAL and report["error"]:
+    if (report["status"] in TERMINAL or report["status"] in SAGA_STATUSES) and report["error"]:
         lines.append(f"Error: {clean(report['error'], 2000)}")
+    saga_report = report.get("compensations")
+    if saga_report:
+        lines.append(
+            f"Compensations (the program {saga_report['cause'] or 'failed'}), last step first:"
+        )
+        for group in saga_report["groups"]:
+            lines.append(
+                f"  {group['path']} undoes step {group['undoes']}: "
+                f"{', '.join(group['tasks'])}: {group['state']}"
+            )
+        if not saga_report["groups"]:
+            lines.append("  none: no step that names one had completed")
+        if saga_report["error"]:
+            lines.append(f"Compensation error: {clean(saga_report['error'], 2000)}")
     if report.get("priority"):
         lines.append(f"Priority {report['priority']}: its tasks go before lower ones' in a pool.")
     if report.get("runs"):

@@ -20,8 +20,17 @@ from orchestrator.marks import INDEX_GRACE_MS, Marks, redis_of
 from orchestrator.settings import Settings
 from orchestrator.store import Store
 
-STATUSES = ("pending", "running", "completed", "failed", "cancelled")
-LIVE = frozenset({"pending", "running"})
+STATUSES = (
+    "pending",
+    "running",
+    "compensating",
+    "completed",
+    "failed",
+    "cancelled",
+    "compensated",
+    "compensation_failed",
+)
+LIVE = frozenset({"pending", "running", "compensating"})
 DEFAULT_LIMIT = 50
 # Index entries (or live ids) one listing reads at most, whatever its filters: a listing never
 # walks millions. It says where to go on (`Page.more`) when it stopped early.

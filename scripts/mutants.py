@@ -57,6 +57,11 @@ FENCES = (
     "test_a_branch_member_is_never_completed_and_a_branch_moves_only_inside_its_bag"
 )
 
+# The model beside the Lua, call by call, through a saga's moves, a cancel's and their fences.
+SAGA_STORE = "tests/test_store_model.py::test_a_saga_moves_only_while_compensating_in_its_own_scope"
+# The same machine over programs that fail often and name compensations on most tasks.
+SAGAS = "tests/test_properties.py::test_sagas_keep_order_under_duplicates_reordering_and_crashes"
+
 MUTANTS = {
     "bare-counter-barrier": (
         "lua/complete.lua",
@@ -116,8 +121,8 @@ end""",
     ),
     "complete-ignores-the-cursor": (
         "lua/complete.lua",
-        'if s[1] ~= "running" or s[2] ~= ARGV[1] or ARGV[2] ~= (s[4] or "0") then',
-        'if s[1] ~= "running" or ARGV[2] ~= (s[4] or "0") then',
+        'if s[1] ~= live or s[2] ~= ARGV[1] or ARGV[2] ~= (s[4] or "0") then',
+        'if s[1] ~= live or ARGV[2] ~= (s[4] or "0") then',
         (MACHINE, DIFFERENTIAL),
     ),
     # Redrive: a task of the earlier run recorded in the new one (the step is the cursor
@@ -125,8 +130,8 @@ end""",
     # one on; the step that runs again keeping its first run's outputs.
     "complete-ignores-the-epoch": (
         "lua/complete.lua",
-        'if s[1] ~= "running" or s[2] ~= ARGV[1] or ARGV[2] ~= (s[4] or "0") then',
-        'if s[1] ~= "running" or s[2] ~= ARGV[1] then',
+        'if s[1] ~= live or s[2] ~= ARGV[1] or ARGV[2] ~= (s[4] or "0") then',
+        "if s[1] ~= live or s[2] ~= ARGV[1] then",
         (MACHINE, DIFFERENTIAL),
     ),
     "advance-ignores-the-epoch": (
@@ -364,8 +369,8 @@ end""",
     # retry is sent and the program never ends.
     "fail-ignores-the-branch-cursor": (
         "lua/fail.lua",
-        '  s[2], s[3] = b[1], b[2]\nend\nif s[1] ~= "running" or s[2] ~= ARGV[1] or (ARGV[6]',
-        'end\nif s[1] ~= "running" or s[2] ~= ARGV[1] or (ARGV[6]',
+        "  s[2], s[3] = b[1], b[2]\nend\nif s[1] ~= live or s[2] ~= ARGV[1] or (ARGV[6]",
+        "end\nif s[1] ~= live or s[2] ~= ARGV[1] or (ARGV[6]",
         (BRANCHES, DIFFERENTIAL),
     ),
     # complete.lua takes a completion for a branch member: a forged one fires the barrier
@@ -391,6 +396,50 @@ end""",
         "            moved = replay and scope_of(outcome.path)",
         "            moved = False",
         (BRANCHES,),
+    ),
+    # --- saga compensation (#14 item 7) ---
+    # A failure of a program that names compensations ends it failed: nothing is undone.
+    "failure-skips-compensation": (
+        "orchestrator/transitions.py",
+        '        status = "compensating" if plan.program.compensations else "failed"',
+        '        status = "failed"',
+        (MACHINE,),
+    ),
+    # A cancel of such a program ends it cancelled (cancel.lua ignores ARGV[5]).
+    "cancel-skips-compensation": (
+        "lua/cancel.lua",
+        'if ARGV[5] == "1" then',
+        "if false then",
+        (MACHINE,),
+    ),
+    # The plan undoes the first step first (and so, moving to lower steps, ends after it).
+    "compensations-first-step-first": (
+        "orchestrator/saga.py",
+        "    for n, members in reversed(program.compensations):",
+        "    for n, members in program.compensations:",
+        (SAGAS,),
+    ),
+    # The saga's cursor moves whatever the status: a late start after the end runs the
+    # compensations again.
+    "saga-moves-after-its-end": (
+        "lua/advance.lua",
+        '  live = status == "compensating"',
+        "  live = true",
+        (SAGA_STORE, DIFFERENTIAL, SAGAS),
+    ),
+    # A compensation out of tries counts as done: the saga goes on and ends compensated.
+    "compensation-failure-ignored": (
+        "orchestrator/transitions.py",
+        '                redelivered=redelivered, failure=f"compensation {failure}",',
+        "                redelivered=redelivered, failure=None,",
+        (SAGAS,),
+    ),
+    # A group's members get one another's outputs (the items in reverse order).
+    "compensation-items-swapped": (
+        "orchestrator/transitions.py",
+        "    items = tuple(json.loads(undo.output) for undo in group.undo)",
+        "    items = tuple(json.loads(undo.output) for undo in reversed(group.undo))",
+        (SAGAS,),
     ),
 }
 

@@ -475,7 +475,11 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
     if status["status"] == "completed":
         _print(json.dumps(status["result"]))
         return 0
-    raise CliError(f"program {status['status']}: {status['error']}", EXIT_FAILED)
+    error = status["error"]
+    saga = status.get("compensations") or {}
+    if saga.get("error"):  # a compensation failed too (or was stopped)
+        error = f"{error}; {saga['error']}"
+    raise CliError(f"program {status['status']}: {error}", EXIT_FAILED)
 
 
 def _read_program(path: Path) -> str:

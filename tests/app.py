@@ -72,6 +72,16 @@ async def echo(ctx: TaskContext) -> Any:
 
 
 @task()
+async def undo(ctx: TaskContext) -> dict[str, Any]:
+    """A compensation: returns what it undoes (its item) and its args; fails its first
+    `fail_first` attempts (all of them with a large number)."""
+    if ctx.attempt < ctx.args.get("fail_first", 0):
+        _record(ctx, "start")
+        raise RuntimeError(f"undo attempt {ctx.attempt} fails")
+    return await _traced(ctx, {"undid": ctx.item, "args": ctx.args, "attempt": ctx.attempt})
+
+
+@task()
 async def add(ctx: TaskContext) -> int:
     """prev (a number, or the sum of a list of numbers) plus args.n."""
     prev = ctx.prev if ctx.prev is not None else 0

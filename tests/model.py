@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -614,3 +615,81 @@ def key_of(step: dict[str, Any], input: Any, args: dict[str, Any], item: Any) ->
     """The key (and max) the model computes for a limited task, bag member or map item."""
     most, compute = LIMIT_KEYS[step["limit"]["key"]]
     return compute(input, args, item), most
+
+
+# --- saga compensation (#14 item 7) --------------------------------------------------------
+# Top-level tasks and task members of top-level bags may name a compensation: mostly `work`
+# (it succeeds; its output names the saga leaf it ran at), now and then `flaky` failing once
+# and retried, or `boom` (the program then ends compensation_failed when it runs).
+
+
+@st.composite
+def _with_compensations(
+    draw: st.DrawFn, program: dict[str, Any], often: bool = False
+) -> dict[str, Any]:
+    """The same program with a compensation on some top-level tasks and bag task members (one
+    in three, or with `often` three in four; shrinks to none)."""
+    sometimes = st.integers(0, 3 if often else 2).map(lambda n: n >= (1 if often else 2))
+    undo = st.sampled_from(
+        [
+            {"task": "work"},
+            {"task": "work"},
+            {"task": "flaky", "args": {"fails": ["error"]}, "retry": {"max_attempts": 2}},
+            {"task": "boom"},
+        ]
+    )
+
+    def compensated(member: dict[str, Any]) -> dict[str, Any]:
+        if "map" in member or not draw(sometimes):
+            return member
+        return {**member, "compensate": draw(undo)}
+
+    steps = []
+    for step in program["steps"]:
+        if "bag" in step:
+            step = {
+                **step,
+                "bag": [m if "steps" in m else compensated(m) for m in step["bag"]],
+            }
+        elif "task" in step:
+            step = compensated(step)
+        steps.append(step)
+    return {**program, "steps": steps}
+
+
+def with_compensations(
+    drawn: st.SearchStrategy[dict[str, Any]], often: bool = False
+) -> st.SearchStrategy[dict[str, Any]]:
+    """Drawn programs, some of whose top-level tasks and bag members name a compensation
+    (`often`: most of them)."""
+    return drawn.flatmap(lambda program: _with_compensations(program, often))
+
+
+def compensations(program: dict[str, Any]) -> list[tuple[int, list[tuple[int | None, str]]]]:
+    """The steps that name compensations, in step order: (step, [(member or None, task)])."""
+    found = []
+    for n, step in enumerate(program["steps"]):
+        if "bag" in step:
+            members = [
+                (i, m["compensate"]["task"]) for i, m in enumerate(step["bag"]) if "compensate" in m
+            ]
+            if members:
+                found.append((n, members))
+        elif "compensate" in step:
+            found.append((n, [(None, step["compensate"]["task"])]))
+    return found
+
+
+def saga_plan(
+    program: dict[str, Any], completed: Mapping[str, set[int]]
+) -> list[tuple[str, list[tuple[int | None, str]]]]:
+    """The groups a compensating program must run, last step first: per step with completed
+    members that name a compensation, its leaf (`saga:<step>`) and those members (in member
+    order) with their compensating task. `completed`: step path -> the members recorded (0
+    for a single task)."""
+    plan = []
+    for n, members in reversed(compensations(program)):
+        done = [(i, task) for i, task in members if (i or 0) in completed.get(str(n), set())]
+        if done:
+            plan.append((f"saga:{n}", done))
+    return plan

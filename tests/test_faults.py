@@ -932,3 +932,125 @@ async def test_a_slot_held_by_a_killed_worker_comes_back_and_the_limit_holds(
     again = [e for e in events[kill_at:] if e.get("wf") == killed_wf and e.get("event") == "end"]
     assert again, f"{killed_wf} never ran to its end after the kill"
     assert all(code == 0 for code in exits), exits
+
+
+SAGAS = 12
+
+
+def saga_program(k: int) -> dict[str, Any]:
+    """A task and a bag of three that name compensations, then a step that always fails: the
+    saga undoes the bag (its three side by side) and then the task. The compensations are
+    slow, so that a kill lands on them."""
+
+    def undo(n: int) -> dict[str, Any]:
+        return {"task": "fault.step", "args": {"n": n, "sleep_s": 0.4}, "pool": "parallel"}
+
+    return {
+        "name": f"saga-{k}",
+        "steps": [
+            {"task": "fault.step", "pool": "parallel", "args": {"n": k}, "compensate": undo(-k)},
+            {
+                "bag": [
+                    {"task": "fault.step", "args": {"n": i}, "compensate": undo(100 + i)}
+                    for i in range(3)
+                ]
+            },
+            {"task": "boom", "pool": "parallel"},
+        ],
+    }
+
+
+@pytest.mark.fault
+async def test_compensations_cut_by_kill_9_run_again_and_every_saga_ends_in_order(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """kill -9 of the worker running a compensation, and of the active orchestrator, while
+    sagas compensate: every compensation runs to its end, the bag's before the task's, none
+    again once its saga moved on, and every program ends compensated."""
+    env = {
+        "SHARDFLOW_AMQP_URL": settings.amqp_url,
+        "SHARDFLOW_REDIS_URL": settings.redis_url,
+        "SHARDFLOW_SHARDS": str(settings.shards),
+        "SHARDFLOW_PREFIX": settings.prefix,
+        "SHARDFLOW_GRACE_S": "2",
+        "SHARDFLOW_METRICS_PORT": "0",
+    }
+    fleet = Fleet(env, tmp_path)
+    shards = ",".join(map(str, range(settings.shards)))
+    fleet.specs = {name: ["orchestrator", "--shards", shards] for name in ("orcha", "orchb")}
+    for name in ("wa", "wb"):
+        fleet.specs[name] = [
+            "worker", "--pool", "parallel", "--app", "tests.app", "--concurrency", "8"
+        ]  # fmt: skip
+    log = ExecLog(settings.redis_url, f"{settings.prefix}:exec")
+    store = RedisStore(
+        Redis.from_url(settings.redis_url, decode_responses=True), Keys(settings.prefix)
+    )
+    from orchestrator.bus import Bus
+
+    bus = Bus(settings)
+    await bus.connect()
+    ids = [f"s{k}" for k in range(SAGAS)]
+    victims: list[str] = []
+    try:
+        fleet.start_all()
+        router = Router(settings, store=store, bus=bus)
+        for k, wf in enumerate(ids):
+            await router.submit(saga_program(k), log.as_input(), wf)
+        # Twice: the worker of a compensation that started (and is still running), then the
+        # orchestrator that owns the shards (the standby takes over), each started again.
+        for kind in ("worker", "orchestrator"):
+            deadline = time.monotonic() + 30
+            while True:
+                events = log.read()
+                ended = {
+                    (e["wf"], e["path"], e["index"]) for e in events if e.get("event") == "end"
+                }
+                running = [
+                    e
+                    for e in events
+                    if e.get("event") == "start"
+                    and e["path"].startswith("saga:")
+                    and (e["wf"], e["path"], e["index"]) not in ended
+                ]
+                if running:
+                    break
+                assert time.monotonic() < deadline, "no compensation started"
+                await asyncio.sleep(0.02)
+            if kind == "worker":
+                pid = running[-1]["pid"]
+                [victim] = [name for name, p in fleet.processes.items() if p.pid == pid]
+            else:
+                victim = "orcha" if "orcha" not in victims else "orchb"
+            fleet.kill(victim)
+            log.mark("kill", victim=victim, pid=fleet.processes[victim].pid)
+            victims.append(victim)
+            await asyncio.sleep(0.2)
+            fleet.start(victim)
+        statuses = await _wait_all(store, ids, timeout_s=90)
+        log.mark("settled")
+    finally:
+        await bus.close()
+        exits = fleet.stop_all()
+        await store.close()
+    events = log.read()
+    log.drop()
+    (tmp_path / "exec.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert all(s.get("status") == "compensated" for s in statuses.values()), statuses
+    # The plan of each: its steps, then its compensations (the bag's, then the task's).
+    plans = {
+        wf: [
+            Leaf("0", None, {None: k}),
+            Leaf("1", None, {i: i for i in range(3)}),
+            Leaf("saga:1", None, {i: 100 + i for i in range(3)}),
+            Leaf("saga:0", None, {0: -k}),
+        ]
+        for k, wf in enumerate(ids)
+    }
+    problems = missing_members(events, plans) + late_runs(events, plans)
+    assert not problems, "\n".join(problems[:10])
+    reach = kill_reach(events, "saga:0")
+    print(f"\nsaga kills: {victims}; {reach}")
+    assert reach and reach[0].cut, reach  # the worker died running a compensation
+    assert all(r.running for r in reach), reach  # every kill found sagas in flight
+    assert all(code == 0 for code in exits), exits

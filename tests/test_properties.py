@@ -43,9 +43,9 @@ from redis.asyncio import Redis
 from orchestrator.keys import Keys, Names
 from orchestrator.machine import leaf_at
 from orchestrator.memory_store import MemoryStore
-from orchestrator.messages import Cancelled, TaskMessage, decode_task
+from orchestrator.messages import Cancelled, Start, TaskMessage, decode_task
 from orchestrator.owner import handle_shard_message
-from orchestrator.paths import parent_of
+from orchestrator.paths import is_saga, live_status, parent_of
 from orchestrator.program import Program, parse_program, pool_of
 from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
@@ -58,11 +58,14 @@ from tests.model import (
     SIGNAL,
     SLEEP_S,
     Expected,
+    compensations,
     expect,
     input_of,
     output_of,
     programs,
+    saga_plan,
     signal_data,
+    with_compensations,
     with_limits,
 )
 from worker.context import TaskContext
@@ -70,7 +73,7 @@ from worker.pool import Worker
 from worker.registry import Registry
 
 MAX_IN_FLIGHT = 300
-LIVE = ("pending", "running")
+LIVE = ("pending", "running", "compensating")
 
 
 class Crash(BaseException):
@@ -189,6 +192,8 @@ class RecordingStore:
         self.ended: Counter[str] = Counter()
         self.final: dict[str, dict[str, str]] = {}  # each program's state as it ended
         self.cancelled: dict[str, tuple[str, str]] = {}  # ended by cancel: (status, reason)
+        self.compensating: set[str] = set()  # programs that began compensating (this run)
+        self.stopped: dict[str, str] = {}  # compensations stopped by a cancel: its reason
         self.violations: list[str] = []
         self._limits_init()
 
@@ -202,7 +207,7 @@ class RecordingStore:
         before = await self.inner.at(wf, path)  # in a branch: the branch's cursor
         completion = await self.inner.record(wf, path, size, outputs, epoch)
         if completion.verdict in ("fire", "again", "wait") and (
-            before.get("status") != "running" or before.get("cursor") != path
+            before.get("status") != live_status(path) or before.get("cursor") != path
         ):
             self.violations.append(
                 f"{wf} {path}: {completion.verdict} while the program was "
@@ -323,6 +328,8 @@ class RecordingStore:
         if verdict.verdict == "applied" and status in TERMINAL:
             await self._ended(wf)
         scope = str(kwargs.get("scope", ""))
+        if verdict.verdict == "applied" and status == "compensating" and scope != "saga":
+            self.compensating.add(wf)
         if verdict.verdict == "applied" and scope and not cursor and status == "running":
             parent = parent_of(scope)  # a branch ended: its member of the bag is recorded
             assert parent is not None, scope
@@ -332,12 +339,24 @@ class RecordingStore:
         return verdict
 
     async def cancel(
-        self, wf: str, status: str, reason: str, epoch: int | None = None
+        self,
+        wf: str,
+        status: str,
+        reason: str,
+        epoch: int | None = None,
+        compensates: bool = False,
     ) -> Ended | None:
-        ended = await self.inner.cancel(wf, status, reason, epoch)
+        ended = await self.inner.cancel(wf, status, reason, epoch, compensates)
         if ended is not None and ended.now:
+            if ended.status == "compensation_failed":  # a cancel stopped the compensations
+                self.stopped[wf] = reason
+                await self._ended(wf)
+                return ended
             self.cancelled.setdefault(wf, (status, reason))
-            await self._ended(wf)
+            if ended.status == "compensating":  # its compensations run first
+                self.compensating.add(wf)
+            else:
+                await self._ended(wf)
         return ended
 
     async def _ended(self, wf: str) -> None:
@@ -350,6 +369,8 @@ class RecordingStore:
         self.ended[wf] = 0
         self.final.pop(wf, None)
         self.cancelled.pop(wf, None)
+        self.compensating.discard(wf)
+        self.stopped.pop(wf, None)
         for key in [key for key in self.recorded if key[0] == wf]:
             if any(key[1] == root or key[1].startswith(root + "/") for root in roots):
                 del self.recorded[key]
@@ -384,6 +405,7 @@ class Cluster(RuleBasedStateMachine):
         self.router = Router(settings, store=self.store, bus=self.transport)
         self.expected: dict[str, Expected] = {}
         self.programs: dict[str, Program] = {}
+        self.drawn: dict[str, dict[str, Any]] = {}  # each program as drawn
         # per program, the positions (in the model's list) of the leaves dispatched so far
         self.dispatched: dict[str, set[int]] = {}
         # (wf, path, index, attempt, run) -> retries of it published by a first delivery
@@ -394,6 +416,7 @@ class Cluster(RuleBasedStateMachine):
         self.cancels_left = 0
         self.interleavings_left = 0
         self.signals: dict[str, list[str]] = {}  # per program, the signal steps not sent yet
+        self.saga_dispatched: dict[str, set[int]] = {}  # per program, compensation groups sent
         self.sent: Counter[str] = Counter()
         self.gate: asyncio.Event | None = None  # while set up, every handler waits on it
         self.held = 0
@@ -495,6 +518,11 @@ class Cluster(RuleBasedStateMachine):
                 f"{task.wf}: {task.path} of run {task.epoch} dispatched in run "
                 f"{self.epochs.get(task.wf, 0)}"
             )
+        if is_saga(task.path):
+            self._check_compensation(task, retry=retry, pool=pool)
+            return
+        if task.wf in self.store.compensating:
+            violations.append(f"{task.wf}: {task.path} dispatched while it compensates")
         if task.path not in paths:
             violations.append(f"{task.wf}: dispatched {task.path}, not in {paths}")
             return
@@ -557,6 +585,56 @@ class Cluster(RuleBasedStateMachine):
                     "again by a report that was not redelivered"
                 )
 
+    def _completed(self, wf: str) -> dict[str, set[int]]:
+        """The members of the program's own steps recorded (0: a single task's output)."""
+        return {
+            path: set(done)
+            for (w, path), done in self.store.recorded.items()
+            if w == wf and not is_saga(path)
+        }
+
+    def _check_compensation(self, task: TaskMessage, *, retry: bool, pool: str) -> None:
+        """A compensation's task message: sent only once its program failed or was cancelled,
+        only for steps that completed, each member the compensation of the member it undoes
+        with that member's output as its item, on its pool, in the order of the plan (a group
+        only once every group before it completed; never one again after a later one), and
+        retried within its own policy."""
+        violations = self.store.violations
+        wf = task.wf
+        if wf not in self.store.compensating:
+            violations.append(f"{wf}: {task.path} dispatched before the program failed")
+        plan = saga_plan(self.drawn[wf], self._completed(wf))
+        paths = [path for path, _ in plan]
+        if task.path not in paths:
+            violations.append(f"{wf}: compensation {task.path} dispatched, plan is {paths}")
+            return
+        position = paths.index(task.path)
+        step = task.path.removeprefix("saga:")
+        members = plan[position][1]
+        for one in task.split():
+            if one.index is None or not 0 <= one.index < len(members):
+                violations.append(f"{wf} {task.path}: member {one.index} of {len(members)}")
+                continue
+            member, name = members[one.index]
+            if (one.task, one.item) != (name, output_of(step, member)):
+                violations.append(
+                    f"{wf} {task.path}/{one.index}: {one.task} with item {one.item}, expected "
+                    f"{name} undoing {output_of(step, member)}"
+                )
+        if pool != share_pool("parallel", share_of(self.programs[wf])):
+            violations.append(f"{wf} {task.path}: a compensation sent to {pool}")
+        for path, size in plan[:position]:
+            if len(self.store.recorded[(wf, path)]) < len(size):
+                violations.append(f"{wf}: {task.path} dispatched before {path} completed")
+        dispatched = self.saga_dispatched.setdefault(wf, set())
+        if any(later > position for later in dispatched):
+            violations.append(f"{wf}: {task.path} dispatched again after a later group")
+        dispatched.add(position)
+        most = 2 if any(name == "flaky" for _, name in members) else 1
+        if retry and not 0 < task.attempt < most:
+            violations.append(f"{wf} {task.path}: retried as attempt {task.attempt} of {most}")
+        event("a compensation ran")
+
     @invariant()
     def nothing_out_of_order(self) -> None:
         assert not self.store.violations, self.store.violations
@@ -588,6 +666,12 @@ class Cluster(RuleBasedStateMachine):
             f"{wf} never ended: lost a message ({status})"
         )
         assert self.store.ended[wf] == 1
+        if compensations(self.drawn[wf]) and status["status"] != "completed":
+            # Whatever ends a program that names compensations goes through compensating.
+            assert wf in self.store.compensating, f"{wf} ended {status} without compensating"
+        if wf in self.store.compensating:
+            self._check_saga_end(wf, expected, status)
+            return
         if wf in self.store.cancelled:  # by a cancel or its deadline, before its own end
             assert (status["status"], status["error"]) == self.store.cancelled[wf], status
             return
@@ -606,9 +690,46 @@ class Cluster(RuleBasedStateMachine):
             # Every leaf ran, so loops ran exactly as many iterations as the model says.
             assert dispatched == finished, (dispatched, finished)
 
+    def _check_saga_end(self, wf: str, expected: Expected, status: dict[str, Any]) -> None:
+        """A program that failed or was cancelled with compensations to its name: it keeps the
+        error that caused it; with nothing completed to undo it ends as its cause; else every
+        group of the plan ran and it ended compensated, or a compensation that always fails
+        (`boom`) ended it compensation_failed and no group after that one ran; a cancel while
+        compensating ends it compensation_failed naming its reason."""
+        if wf in self.store.cancelled:  # a cancel or a deadline caused it
+            cause, reason = self.store.cancelled[wf]
+            errors = [reason]
+        else:
+            assert expected.status == "failed", (status, expected)
+            cause, errors = "failed", expected.errors
+        assert status["error"] in errors, (status, errors)
+        plan = saga_plan(self.drawn[wf], self._completed(wf))
+        saga = status.get("compensations") or {}
+        if wf in self.store.stopped:
+            assert status["status"] == "compensation_failed", status
+            reason = self.store.stopped[wf]
+            assert saga["error"] == f"cancelled during compensation: {reason}", saga
+            return
+        if not plan:
+            assert status["status"] == cause, (status, plan)
+            return
+        assert saga["cause"] == cause, saga
+        failing = [n for n, (_, members) in enumerate(plan) if any(t == "boom" for _, t in members)]
+        if failing:
+            assert status["status"] == "compensation_failed", (status, plan)
+            assert "task 'boom'" in saga["error"], saga
+            for path, _ in plan[failing[0] + 1 :]:
+                assert not self.store.recorded.get((wf, path)), f"{wf}: {path} ran after a failure"
+        else:
+            assert status["status"] == "compensated", (status, plan)
+            for path, members in plan:
+                assert len(self.store.recorded[(wf, path)]) == len(members), (path, members)
+        event(f"a program ended {status['status']}")
+
     # --- the transport's moves ---------------------------------------------------------
 
-    grammar = with_limits(programs(faults=True))  # what `submit` draws programs from
+    # what `submit` draws programs from
+    grammar = with_compensations(with_limits(programs(faults=True)))
 
     @initialize(
         drawn=st.runner().flatmap(
@@ -637,6 +758,7 @@ class Cluster(RuleBasedStateMachine):
             self.expected[wf] = expect(program)
             self.signals[wf] = list(self.expected[wf].signals)
             self.programs[wf] = parse_program(program)
+            self.drawn[wf] = program
             self.run(self.router.submit(program, input_of(program), wf))
             while early and self.signals[wf]:  # every signal kept before any step waits
                 self._signal(wf, self.sent[wf], signal_data(self.signals[wf].pop(0)))
@@ -649,7 +771,7 @@ class Cluster(RuleBasedStateMachine):
         """Hand one message to the process that consumes it; it may die after `crash_after`
         of its publishes."""
         if envelope.kind == "control":  # no ack: the worker's exclusive queue is no-ack
-            self.worker.cancel_program(Cancelled.model_validate_json(envelope.body).wf)
+            await self.worker.stop_ended(Cancelled.model_validate_json(envelope.body).wf)
             self.history.append(envelope)
             return
         delivery = FakeDelivery(envelope)
@@ -674,10 +796,12 @@ class Cluster(RuleBasedStateMachine):
         if delivery.acked:
             self.history.append(envelope)
             run = json.loads(envelope.body).get("epoch", 0) if deadline else 0
-            if deadline and before["status"] in LIVE and run == int(before.get("epoch") or 0):
+            live = before.get("status") in ("pending", "running")
+            if deadline and live and run == int(before.get("epoch") or 0):
                 after = await self.store.state(envelope.wf)
                 reason = f"deadline of {json.loads(envelope.body)['deadline_s']}s exceeded"
-                assert (after["status"], after["error"]) == ("failed", reason), after
+                ends = "compensating" if compensations(self.drawn[envelope.wf]) else "failed"
+                assert (after["status"], after["error"]) == (ends, reason), after
         else:  # the process died holding it: the broker delivers it again, flagged
             self.transport.in_flight.append(replace(envelope, redelivered=True))
 
@@ -747,8 +871,12 @@ class Cluster(RuleBasedStateMachine):
         finally:
             self.transport.crash_after = None
         now = self.run(self.store.state(wf))
-        if was["status"] in LIVE:
-            assert (now["status"], now["error"]) == ("cancelled", reason), now
+        if was["status"] in ("pending", "running"):
+            ends = "compensating" if compensations(self.drawn[wf]) else "cancelled"
+            assert (now["status"], now["error"]) == (ends, reason), now
+        elif was["status"] == "compensating":  # a cancel stops the compensations
+            stopped = f"cancelled during compensation: {reason}"
+            assert (now["status"], now["saga_error"]) == ("compensation_failed", stopped), now
         else:
             assert now == was, f"a cancel changed an ended program: {was} -> {now}"
 
@@ -805,7 +933,8 @@ class Cluster(RuleBasedStateMachine):
             task = decode_task(self.transport.in_flight[i].body)
             state = self.run(self.store.state(task.wf))
             now = (state.get("status"), state.get("cursor"), int(state.get("epoch") or 0))
-            if now == ("running", task.path, task.epoch):
+            # A program that compensates turns compensating when cancelled: no redrive then.
+            if now == ("running", task.path, task.epoch) and not compensations(self.drawn[task.wf]):
                 found.append(i)
         return found
 
@@ -997,6 +1126,15 @@ class Cluster(RuleBasedStateMachine):
             assert not live, f"{key!r}: slots still held after every program ended: {live}"
             assert set(kept) <= store.dead, f"{key!r}: kept holders that gave theirs back: {kept}"
 
+    def _sweep(self) -> None:
+        """What the owner's sweep does once a shard's queue is empty: start the compensations
+        of a program whose `start` was lost (the router died after its cancel)."""
+        for wf in self.expected:
+            state = self.run(self.store.at(wf, "saga:0"))
+            if state.get("status") == "compensating" and not state.get("cursor"):
+                body = Start(wf=wf).model_dump_json().encode()
+                self.run(self.transport.publish_to_shard(int(state["owner"]), body))
+
     def _drain(self) -> None:
         for wf, left in self.signals.items():  # every signal the programs wait for
             while left:
@@ -1006,11 +1144,13 @@ class Cluster(RuleBasedStateMachine):
         owed = sum(
             2 * sum(expected.attempts.values()) + len(expected.leaves) + 2
             for expected in self.expected.values()
-        )
+        ) + 4 * sum(len(compensations(program)) for program in self.drawn.values())
         transport = self.transport
         for _ in range(4 * (owed + len(transport.in_flight) + len(transport.later)) + 100):
             kinds = [e.kind for e in transport.later]
             wakes = [i for i, e in enumerate(transport.later) if _is_wake(e)]
+            if not transport.in_flight:
+                self._sweep()
             if transport.in_flight:
                 self._deliver(0)
             elif "task" in kinds:  # retries and sleeps fall due before deadlines
@@ -1050,7 +1190,7 @@ def test_maps_sleeps_and_waits_keep_order_under_duplicates_reordering_and_crashe
     try:
         run_state_machine_as_test(Cluster)
     finally:
-        Cluster.grammar = with_limits(programs(faults=True))
+        Cluster.grammar = with_compensations(with_limits(programs(faults=True)))
 
 
 def test_branches_keep_order_under_duplicates_reordering_and_crashes(
@@ -1064,7 +1204,22 @@ def test_branches_keep_order_under_duplicates_reordering_and_crashes(
     try:
         run_state_machine_as_test(Cluster)
     finally:
-        Cluster.grammar = programs(faults=True)
+        Cluster.grammar = with_compensations(with_limits(programs(faults=True)))
+
+
+def test_sagas_keep_order_under_duplicates_reordering_and_crashes(
+    keyspace: tuple[str, str],
+) -> None:
+    """The same machine over programs that fail more often and name compensations on most of
+    their top-level tasks and bag members (so sagas of several groups are common), on the
+    real Lua."""
+    Cluster.redis_url, Cluster.prefix = keyspace
+    Cluster.store_kind = "redis"
+    Cluster.grammar = with_compensations(programs(faults=True, fail_rate=6), often=True)
+    try:
+        run_state_machine_as_test(Cluster)
+    finally:
+        Cluster.grammar = with_compensations(with_limits(programs(faults=True)))
 
 
 def test_the_model_runs_branches_side_by_side() -> None:

@@ -25,7 +25,7 @@ from orchestrator.redis_store import RedisStore
 from orchestrator.store import Store
 
 WORKFLOWS = ["a", "b", "c"]  # a and b are submitted first; c only if drawn
-PATHS = ["0", "1", "2/iter:0/0", "2/iter:1/0", "1/branch:1/0", "1/branch:1/1"]
+PATHS = ["0", "1", "2/iter:0/0", "2/iter:1/0", "1/branch:1/0", "1/branch:1/1", "saga:1", "saga:0"]
 # Leaves in parallel branches of the bag at step 1 (member 1, and a branch nested in it).
 BRANCH_PATHS = ["1/branch:0/0", "1/branch:1/0/branch:0/0", "2/iter:0/0/branch:0/0"]
 # Branch cursors an advance opens with its new leaf (scope, first leaf, its shape).
@@ -82,8 +82,12 @@ def calls(cursors: dict[str, list[str]]) -> st.SearchStrategy[Call]:
         scoped = at(wf, ["", *PATHS]).flatmap(
             lambda expected: st.tuples(
                 st.just(expected),
-                st.sampled_from([scope_of(expected)] * 4 + ["", "1/branch:1", "1/branch:0"]),
+                st.sampled_from(
+                    [scope_of(expected)] * 4 + ["", "1/branch:1", "1/branch:0", "saga"]
+                ),
             )
+        ) | st.tuples(  # the saga's own moves: its start ("") and its groups, whatever the status
+            st.sampled_from(["", "", "saga:0", "saga:1"]), st.just("saga")
         )
         return st.builds(
             lambda scoped, cursor, status, payload, leaf, drop, refs, epoch, opened: (
@@ -104,7 +108,10 @@ def calls(cursors: dict[str, list[str]]) -> st.SearchStrategy[Call]:
             ),
             scoped,
             st.sampled_from(["", *PATHS, *BRANCH_PATHS]),
-            st.sampled_from(["running"] * 4 + ["completed", "failed"]),
+            st.sampled_from(
+                ["running"] * 4
+                + ["completed", "failed", "compensating", "compensated", "compensation_failed"]
+            ),
             st.sampled_from([("", ""), ("result", "7"), ("error", "boom")]),
             st.sampled_from(["", "task", "bag:0", "bag:1", "bag:2", "bag:3", "sleep", "signal"]),
             # a loop iteration dropped as the loop moves on (keys under 2/iter:0/ go)
@@ -138,9 +145,10 @@ def calls(cursors: dict[str, list[str]]) -> st.SearchStrategy[Call]:
             EPOCHS,
         )
         cancel = st.builds(
-            lambda status, epoch: ("cancel", (wf, status, "r", epoch)),
+            lambda status, epoch, compensates: ("cancel", (wf, status, "r", epoch, compensates)),
             st.sampled_from(["cancelled", "failed"]),
             st.none() | EPOCHS,  # None: a user's cancel; a number: a deadline's run
+            st.booleans(),  # the program names compensations: it turns compensating
         )
         redrive = st.builds(
             lambda epoch, rerun, prior, roots: (
@@ -425,5 +433,91 @@ async def test_a_branch_member_is_never_completed_and_a_branch_moves_only_inside
         assert model.data[keys.output("w", "0", 1)] == '"b"'  # the branch's, not a forged one
         assert (await real.state("f"))["status"] == "running"
         assert await real.members("f", "0") == 1  # the stale end joined nothing
+    finally:
+        await client.aclose()
+
+
+async def test_a_saga_moves_only_while_compensating_in_its_own_scope(
+    keyspace: tuple[str, str],
+) -> None:
+    """Saga compensation: a failure or a cancel turns the program compensating (no expiry),
+    the saga's cursor (`cur:saga`) moves from "" group to group only while it is, reports of
+    a compensation count only then, the end expires every key, and a cancel while
+    compensating ends it compensation_failed. The model and the real Lua, call by call."""
+    redis_url, base = keyspace
+    client = Redis.from_url(redis_url, decode_responses=True)
+    keys = Keys(f"{base}-saga")
+    real: Store = RedisStore(client, keys, RETENTION_MS)
+    model = MemoryStore(keys, retention_ms=RETENTION_MS)
+
+    def saga(wf: str, expected: str, to: str, status: str = "compensating", *more: str) -> Call:
+        field, text = more or ("", "")
+        leaf = "bag:2" if to else ""
+        return "advance", (wf, expected, to, status, field, text, leaf, "", (), 0, "saga")
+
+    script: list[tuple[Call, str]] = [
+        (("submit", ("w", PLANS[0], 1, "x", "d1")), "created"),
+        (("advance", ("w", "", "0", "running", "", "", "task")), "applied"),
+        (("record", ("w", "0", 1, {None: '"booked"'})), "fire"),
+        (("advance", ("w", "0", "1", "running", "", "", "task")), "applied"),
+        # Not compensating yet: the saga does not move, its reports do not count.
+        (saga("w", "", "saga:0"), "stale"),
+        (("advance", ("w", "1", "", "compensating", "error", "boom", "")), "applied"),
+        (("record", ("w", "1", 1, {None: '"late"'})), "stale"),
+        (("advance", ("w", "1", "", "failed", "error", "boom", "")), "replay"),
+        (saga("w", "", "saga:0"), "applied"),
+        (saga("w", "", "saga:0"), "replay"),
+        (("record", ("w", "saga:0", 2, {0: '"undone"'})), "wait"),
+        (("fail", ("w", "saga:0", 1, 0, "busy", 2)), "retry"),
+        (("fail", ("w", "saga:0", 1, 0, "busy", 2)), "again"),
+        (("record", ("w", "saga:0", 2, {1: '"undone"'})), "fire"),
+        (("record", ("w", "0", 1, {None: '"x"'})), "stale"),
+        (saga("w", "saga:0", "", "compensated"), "applied"),
+        (saga("w", "saga:0", "", "compensated"), "replay"),
+        (("fail", ("w", "saga:0", 1, 1, "busy", 2)), "stale"),
+        (("cancel", ("w", "cancelled", "late", None, True)), "ended"),
+        (("redrive", ("w", 0, "0", "", "", ["0"])), "refused"),
+        # A cancel turns it compensating; a deadline then leaves it so; a second cancel
+        # stops the compensations: compensation_failed, every key expiring.
+        (("submit", ("c", PLANS[0], 1, "x", "d1")), "created"),
+        (("advance", ("c", "", "0", "running", "", "", "bag:2")), "applied"),
+        (("record", ("c", "0", 2, {0: '"a"'})), "wait"),
+        (("cancel", ("c", "cancelled", "stop", None, True)), "applied"),
+        (("record", ("c", "0", 2, {1: '"b"'})), "stale"),
+        (("cancel", ("c", "failed", "deadline", 0, True)), "ended"),
+        (saga("c", "", "saga:0"), "applied"),
+        (("stash", ("c", {"input": '"big"'})), "ok"),
+        (("purge", ("c", "completed,failed,cancelled", 2**62)), "live"),
+        (("cancel", ("c", "cancelled", "enough", None, True)), "applied"),
+        (("record", ("c", "saga:0", 2, {0: '"a"'})), "stale"),
+        (saga("c", "saga:0", "", "compensated"), "stale"),
+    ]
+    try:
+        for n, ((name, args), verdict) in enumerate(script):
+            expected = await getattr(model, name)(*args)
+            got = await getattr(real, name)(*args)
+            assert got == expected, f"call {n} {name}{args}: lua {got} != model {expected}"
+            found = getattr(got, "verdict", None)
+            if name == "submit":
+                found = "created" if got.created else "exists"
+            elif name == "cancel":
+                found = "applied" if got.now else "ended"
+            elif name == "stash":
+                found = "ok" if got else "ended"
+            elif name == "purge":
+                found = got
+            assert found == verdict, f"call {n} {name}{args}: {got}"
+            state, expiring = await dump(client, keys.prefix)
+            assert state == _normal(model.data), f"after call {n} {name}{args}"
+            assert expiring == set(model.ttl), f"expiry after call {n} {name}{args}"
+        w, c = await real.state("w"), await real.state("c")
+        assert (w["status"], w["cause"], w["from"], w["prior"]) == (
+            "compensated",
+            "failed",
+            "1",
+            "0",
+        )
+        assert (c["status"], c["cause"], c["error"]) == ("compensation_failed", "cancelled", "stop")
+        assert c["saga_error"] == "cancelled during compensation: enough"
     finally:
         await client.aclose()

@@ -28,6 +28,7 @@ from orchestrator.messages import (
     decode_task,
     encode,
 )
+from orchestrator.paths import is_saga, live_status
 from orchestrator.program import check_pool_name, is_lane
 from orchestrator.settings import Settings
 from orchestrator.shares import share_pools
@@ -76,6 +77,8 @@ class Worker(Service):
         self.marks = Marks(store)  # who holds the serial lane, for `explain`
         self.lease_ms = round(settings.key_lease_s * 1000)
         self._running: dict[str, set[asyncio.Task[Any]]] = {}
+        # The handlers running compensations, which a program that starts compensating keeps.
+        self._compensations: set[asyncio.Task[Any]] = set()
 
     def summary(self) -> str:
         return format_counts(self.counts)
@@ -96,15 +99,26 @@ class Worker(Service):
             except ValidationError:
                 log.warning("%s: ignored a control message: %r", self.name, message.body[:200])
                 continue
-            # Anyone on the vhost can publish here: only a program that really ended stops.
-            if wf in self._running and (await self.store.state(wf)).get("status") in TERMINAL:
-                self.cancel_program(wf)
-            elif wf in self._running:
-                log.warning("%s: ignored a cancel of %s, which has not ended", self.name, wf)
+            await self.stop_ended(wf)
 
-    def cancel_program(self, wf: str) -> int:
-        """Cancel this worker's running handlers of a program; how many there were."""
-        handlers = self._running.get(wf, set())
+    async def stop_ended(self, wf: str) -> int:
+        """A program was cancelled (or ran out of time): stop this worker's running tasks of
+        it; how many. Anyone on the vhost can publish that notice: only a program that really
+        ended stops, and one that now runs its compensations stops every task but those."""
+        if wf not in self._running:
+            return 0
+        status = (await self.store.state(wf)).get("status")
+        if status in TERMINAL:
+            return self.cancel_program(wf)
+        if status == "compensating":
+            return self.cancel_program(wf, keep=self._compensations)
+        log.warning("%s: ignored a cancel of %s, which has not ended", self.name, wf)
+        return 0
+
+    def cancel_program(self, wf: str, keep: set[asyncio.Task[Any]] | None = None) -> int:
+        """Cancel this worker's running handlers of a program (but those in `keep`); how many
+        there were."""
+        handlers = self._running.get(wf, set()) - (keep or set())
         for handler in handlers:
             handler.cancel()
         if handlers:
@@ -157,7 +171,7 @@ class Worker(Service):
         if not state:  # never run a handler for a program nobody submitted
             raise Poison(f"{tasks[0].wf}: no such program")
         if (
-            state.get("status") != "running"
+            state.get("status") != live_status(tasks[0].path)
             or state.get("cursor") != tasks[0].path
             or int(state.get("epoch") or 0) != tasks[0].epoch  # a run before a redrive
         ):
@@ -337,6 +351,8 @@ class Worker(Service):
         handler = asyncio.create_task(_guarded(self.registry.run(task.task, ctx)))
         running = self._running.setdefault(task.wf, set())
         running.add(handler)
+        if is_saga(task.path):
+            self._compensations.add(handler)
         metrics.TASKS_RUNNING.labels(self.pool).inc()
         watch = asyncio.create_task(lost.wait()) if lost is not None else None
         try:
@@ -351,6 +367,7 @@ class Worker(Service):
                 handler.cancel()
                 await asyncio.gather(handler, return_exceptions=True)
             running.discard(handler)
+            self._compensations.discard(handler)
             metrics.TASKS_RUNNING.labels(self.pool).dec()
             if not running:
                 del self._running[task.wf]
