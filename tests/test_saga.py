@@ -223,7 +223,7 @@ async def test_a_compensation_out_of_tries_ends_compensation_failed() -> None:
     assert [g["state"] for g in groups] == ["failed", "skipped"]
 
 
-async def test_a_cancel_compensates_and_a_second_cancel_stops_the_compensations() -> None:
+async def test_a_cancel_compensates_a_second_changes_nothing_and_a_stop_stops_them() -> None:
     saga = Saga(BOOKING)
     await saga.submit()
     [flight] = saga.tasks()
@@ -237,10 +237,18 @@ async def test_a_cancel_compensates_and_a_second_cancel_stops_the_compensations(
     assert (unhotel.path, unhotel.task, unhotel.item) == ("saga:1", "unhotel", {"hotel": "H"})
     # The car completes after the cancel: nothing is recorded, so nothing to undo for it.
     assert (await saga.store.record(saga.wf, "1", 3, {1: "{}"})).verdict == "stale"
-    status = await saga.router.cancel(saga.wf, "enough")
-    assert status["status"] == "compensation_failed"
+    # A retried cancel (or one that races a failure) changes nothing and says so.
+    status = await saga.router.cancel(saga.wf, "changed my mind")
+    assert status["status"] == "compensating" and "changed nothing" in status["note"]
+    assert "saga_error" not in await saga.state()
+    await saga.shard()  # the start sent again moves nothing: saga:1 still runs
+    assert not saga.tasks()
+    with pytest.raises(RedriveError, match=r"is compensating: .* not redriven"):
+        await saga.router.redrive(saga.wf)
+    status = await saga.router.cancel(saga.wf, "enough", stop_compensations=True)
+    assert status["status"] == "compensation_failed" and "note" not in status
     state = await saga.state()
-    assert state["saga_error"] == "cancelled during compensation: enough"
+    assert state["saga_error"] == "compensations stopped by a cancel: enough"
     assert state["cause"] == "cancelled" and state["error"] == "changed my mind"
     await saga.complete(unhotel, None)
     assert not saga.tasks()
