@@ -348,3 +348,25 @@ def test_the_schema_names_compensate_where_a_task_may_carry_one() -> None:
     assert defs["Compensate"]["additionalProperties"] is False
     for kind in ("Task", "Member"):
         assert "compensate" in defs[kind]["properties"], kind
+
+
+async def test_a_redelivered_failure_sends_the_start_a_crash_cut_short() -> None:
+    """Killed between the advance to compensating and the publish of the saga's start: the
+    redelivered report is stale for fail.lua, yet it sends the start again (idempotent)."""
+    saga = Saga(BOOKING)
+    charge = await _to_charge(saga)
+    await saga.fail(charge, "declined")
+    [retry] = saga.tasks()
+    report = Failed(
+        wf=saga.wf, path=retry.path, index=retry.index, attempt=retry.attempt,
+        task=retry.task, error="declined again", item=retry.item, epoch=retry.epoch,
+    )  # fmt: skip
+    assert await saga.transitions.apply(report, redelivered=False, shard=saga.owner) == "applied"
+    assert (await saga.state())["status"] == "compensating"
+    saga.bus.shard.clear()  # the crash: the start never went out
+    assert await saga.transitions.apply(report, redelivered=True, shard=saga.owner) == "stale"
+    await saga.shard()
+    assert {t.path for t in saga.tasks()} == {"saga:1"}
+    # Once the saga moved, a redelivery owes nothing: no second start, no group sent twice.
+    assert await saga.transitions.apply(report, redelivered=True, shard=saga.owner) == "stale"
+    assert not saga.bus.shard and not saga.tasks()
