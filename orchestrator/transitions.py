@@ -812,12 +812,19 @@ class Transitions:
         """A report of a compensation's leaf (`saga:<step>`): its group finished (next), or
         one of its tasks failed: tried again by its own retry policy, or, out of tries, the
         program ends compensation_failed."""
+        groups = await self._groups(message.wf, plan)
         if isinstance(message, Next):
+            # Trusted only once every member of its group is recorded (a forged or misrouted
+            # `next` would skip the rest of the group, or end the saga compensated early).
+            group = saga.group_at(groups, message.path)
+            if group is None or await self.store.members(message.wf, message.path) < len(
+                group.undo
+            ):
+                return "stale"
             return await self._compensate(
                 message.wf, plan, message.path, message.epoch, message.epoch,
                 redelivered=redelivered,
             )  # fmt: skip
-        groups = await self._groups(message.wf, plan)
         group = saga.group_at(groups, message.path)
         if group is None or message.index is None or not 0 <= message.index < len(group.undo):
             raise Poison(f"{message.wf}: no compensation {message.path} member {message.index}")

@@ -370,3 +370,32 @@ async def test_a_redelivered_failure_sends_the_start_a_crash_cut_short() -> None
     # Once the saga moved, a redelivery owes nothing: no second start, no group sent twice.
     assert await saga.transitions.apply(report, redelivered=True, shard=saga.owner) == "stale"
     assert not saga.bus.shard and not saga.tasks()
+
+
+async def test_a_groups_next_counts_only_once_every_member_is_recorded() -> None:
+    """A forged (or misrouted) `next` of a group still running moves nothing: the saga
+    neither skips the rest of the group nor ends compensated early."""
+    saga = Saga(BOOKING)
+    charge = await _to_charge(saga)
+    await saga.fail(charge)
+    [retry] = saga.tasks()
+    await saga.fail(retry)
+    unhotel, uncar = sorted(saga.tasks(), key=lambda t: t.index or 0)
+    await saga.complete(unhotel, None)  # the car's undo still runs
+    forged = Next(wf=saga.wf, path="saga:1", output=[None, None])
+    assert await saga.transitions.apply(forged, redelivered=False, shard=saga.owner) == "stale"
+    assert await saga.transitions.apply(forged, redelivered=True, shard=saga.owner) == "stale"
+    ahead = Next(wf=saga.wf, path="saga:0", output=[None])  # a group not reached yet
+    assert await saga.transitions.apply(ahead, redelivered=False, shard=saga.owner) == "stale"
+    assert not saga.tasks() and not saga.bus.shard
+    state = await saga.store.at(saga.wf, "saga:1")
+    assert (state["status"], state["cursor"]) == ("compensating", "saga:1")
+    await saga.complete(uncar, None)
+    [unflight] = saga.tasks()
+    await saga.complete(unflight, None)
+    assert (await saga.state())["status"] == "compensated"
+    # A late failure of a compensation, once the program ended, is stale (not poison).
+    late = Failed(
+        wf=saga.wf, path="saga:1", index=1, attempt=0, task="uncar", error="late", epoch=0
+    )
+    assert await saga.transitions.apply(late, redelivered=False, shard=saga.owner) == "stale"
