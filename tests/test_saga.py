@@ -5,11 +5,13 @@ compensation's retries, cancels before and during, duplicates and stale reports,
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
 
 from orchestrator.keys import Keys
+from orchestrator.marks import attempt_field
 from orchestrator.memory_store import MemoryStore
 from orchestrator.messages import (
     Failed,
@@ -399,3 +401,22 @@ async def test_a_groups_next_counts_only_once_every_member_is_recorded() -> None
         wf=saga.wf, path="saga:1", index=1, attempt=0, task="uncar", error="late", epoch=0
     )
     assert await saga.transitions.apply(late, redelivered=False, shard=saga.owner) == "stale"
+
+
+async def test_explain_names_a_compensations_attempts_and_its_pending_retry() -> None:
+    saga = Saga(BOOKING)
+    charge = await _to_charge(saga)
+    await saga.fail(charge)
+    await saga.fail(saga.tasks()[0])
+    group = {t.task: t for t in saga.tasks()}
+    await saga.fail(group["unhotel"], "hotel busy")  # retried (2 attempts)
+    # The owner's mark of that retry (orchestrator/marks.py writes it on Redis only).
+    due = {"attempt": 0, "due_ms": int(time.time() * 1000) + 60_000}
+    field = attempt_field("saga:1", group["unhotel"].index)
+    saga.store.data[saga.store.keys.attempts(saga.wf)] = {field: json.dumps(due)}
+    explained = await saga.router.explain(saga.wf)
+    assert explained is not None
+    [attempt] = [a for a in explained["attempts"] if a["step"] == "saga:1"]
+    assert (attempt["task"], attempt["index"]) == ("unhotel", group["unhotel"].index)
+    assert attempt["failed"] == [{"attempt": 0, "error": "hotel busy"}]
+    assert attempt["retry_pending"] is True
