@@ -8,9 +8,11 @@
 -- ARGV[4]  the run (epoch) a deadline belongs to, or "" (a user's cancel: whatever run)
 -- ARGV[5]  "1" when the program names compensations: it becomes compensating instead (its
 --          `cause` ARGV[1]; no expiry yet), and its owner runs them (saga compensation).
---          A cancel (ARGV[1] cancelled) of a compensating program stops the compensations:
---          it ends compensation_failed, `saga_error` naming the reason; anything else
---          (a deadline) leaves it compensating ("ended")
+--          A cancel or deadline of a compensating program changes nothing ("ended"): its
+--          compensations go on (a cancel that races a failure, or is retried, is harmless)
+-- ARGV[6]  "1": stop the compensations (`shardflow cancel --stop-compensations`): a
+--          compensating program ends compensation_failed, `saga_error` naming the reason;
+--          any other program is cancelled as without it
 -- returns  {"applied", status, owner}  ended now
 --          {"ended", status, owner}    it had already ended: nothing changes
 --          {"stale", status, owner}    live, but in another run than ARGV[4]: nothing changes
@@ -35,9 +37,9 @@ local function expire()
 end
 local t = redis.call("TIME")
 local now = string.format("%d", t[1] * 1000 + math.floor(t[2] / 1000))
-if status == "compensating" and ARGV[1] == "cancelled" then
+if status == "compensating" and ARGV[6] == "1" then
   redis.call("HSET", KEYS[1], "status", "compensation_failed", "saga_error",
-    "cancelled during compensation: " .. ARGV[2], "updated_ms", now, "ended_ms", now)
+    "compensations stopped by a cancel: " .. ARGV[2], "updated_ms", now, "ended_ms", now)
   expire()
   return {"applied", "compensation_failed", owner}
 end

@@ -24,17 +24,19 @@ async def end_program(
     *,
     epoch: int | None = None,
     compensates: bool = False,
+    stop: bool = False,
 ) -> str:
     """Cancel (or fail) a live program wherever it stands, and tell the workers. With
     `epoch` (a deadline's), only while the program is still in that run. A program that
     names compensations (`compensates`) becomes compensating instead: its owner is sent a
     `start`, which runs them (a crash before it leaves that to the owner's sweep). A cancel
-    of a compensating program stops its compensations (it ends compensation_failed).
+    of a compensating program changes nothing (`ended`) unless `stop`: then its
+    compensations stop (it ends compensation_failed).
 
     Returns `applied` (ended now), `ended` (it had ended before), `stale` (it was redriven
     since: another run) or `missing`.
     """
-    ended = await store.cancel(wf, status, reason, epoch, compensates)
+    ended = await store.cancel(wf, status, reason, epoch, compensates, stop)
     if ended is None:
         return "missing"
     if ended.stale:

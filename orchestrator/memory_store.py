@@ -378,6 +378,7 @@ class MemoryStore:
         reason: str,
         epoch: int | None = None,
         compensates: bool = False,
+        stop: bool = False,
     ) -> Ended | None:
         """lua/cancel.lua"""
         key = self.keys.state(wf)
@@ -386,11 +387,11 @@ class MemoryStore:
         )
         if now_status is None:
             return None
-        if now_status == "compensating" and status == "cancelled":  # stops the compensations
+        if now_status == "compensating" and stop:  # stops the compensations
             now = self._clock()
             self._hash(key).update(
                 status="compensation_failed",
-                saga_error=f"cancelled during compensation: {reason}",
+                saga_error=f"compensations stopped by a cancel: {reason}",
                 updated_ms=now,
                 ended_ms=now,
             )

@@ -41,7 +41,8 @@ PROGRAMS_STARTED = Counter(
 )
 PROGRAMS_ENDED = Counter(
     "shardflow_programs_ended_total",
-    "Programs that ended, by status (completed, failed, cancelled).",
+    "Programs that ended, by status (completed, failed, cancelled, compensated, "
+    "compensation_failed).",
     ["status"],
 )
 STEP_DURATION = Histogram(

@@ -212,10 +212,12 @@ class RedisStore:
         reason: str,
         epoch: int | None = None,
         compensates: bool = False,
+        stop: bool = False,
     ) -> Ended | None:
         """End a live program now (see lua/cancel.lua); None when there is no such program."""
         run: str | int = "" if epoch is None else epoch
         args: list[str | int] = [status, reason, self.retention_ms, run, str(int(compensates))]
+        args.append(str(int(stop)))
         verdict, now_status, owner = await self._cancel(keys=[self.keys.state(wf)], args=args)
         if verdict == "missing":
             return None

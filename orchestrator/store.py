@@ -180,11 +180,13 @@ class Store(Protocol):
         reason: str,
         epoch: int | None = None,
         compensates: bool = False,
+        stop: bool = False,
     ) -> Ended | None:
         """End a live program now; None when there is no such program (lua/cancel.lua).
         With `epoch` (a deadline's run), a program in another run is left as it is. With
-        `compensates` (the program names compensations) it becomes compensating instead; a
-        cancel of a compensating program stops its compensations (compensation_failed)."""
+        `compensates` (the program names compensations) it becomes compensating instead. A
+        compensating program is left so (`ended`) unless `stop`: then its compensations
+        stop and it ends compensation_failed."""
         ...
 
     async def redrive(

@@ -613,6 +613,8 @@ class Transitions:
         if reply.verdict in ("missing", "invalid"):
             raise Poison(f"{message.wf}: {', '.join(reply.outputs) or 'no such program'}")
         if reply.verdict == "stale":
+            if redelivered and plan.program.compensations:
+                await self._start_owed(message.wf, plan, message.epoch)
             return "stale"
         if policy is None or message.attempt + 1 >= attempts:
             await self.marks.failed(message, None)
@@ -654,6 +656,20 @@ class Transitions:
                 await self.bus.publish_later(pool, bodies[0], delay_s, level)
             return "retried"
         return "stale"
+
+    async def _start_owed(self, wf: str, plan: Plan, epoch: int) -> None:
+        """A redelivered report that fail.lua refuses may be the one that made the program
+        compensating, its saga's start cut short by a crash (the sweep would wait for an
+        empty queue): while the saga has not moved yet, send the start again. It is
+        idempotent: its compare-and-advance from "" applies once."""
+        state = await self.store.at(wf, f"{SAGA}:0")  # with the saga's cursor
+        if state.get("status") != "compensating" or state.get("cursor"):
+            return
+        if int(state.get("epoch") or 0) != epoch:
+            return
+        await self.bus.publish_to_shard(plan.owner, encode(Start(wf=wf)), NEW)
+        self.counts["republished"] += 1
+        log.info("%s: redelivered failure: the start of its compensations sent again", wf)
 
     async def _arguments(
         self, message: Failed, plan: Plan, leaf: machine.Leaf
@@ -796,12 +812,19 @@ class Transitions:
         """A report of a compensation's leaf (`saga:<step>`): its group finished (next), or
         one of its tasks failed: tried again by its own retry policy, or, out of tries, the
         program ends compensation_failed."""
+        groups = await self._groups(message.wf, plan)
         if isinstance(message, Next):
+            # Trusted only once every member of its group is recorded (a forged or misrouted
+            # `next` would skip the rest of the group, or end the saga compensated early).
+            group = saga.group_at(groups, message.path)
+            if group is None or await self.store.members(message.wf, message.path) < len(
+                group.undo
+            ):
+                return "stale"
             return await self._compensate(
                 message.wf, plan, message.path, message.epoch, message.epoch,
                 redelivered=redelivered,
             )  # fmt: skip
-        groups = await self._groups(message.wf, plan)
         group = saga.group_at(groups, message.path)
         if group is None or message.index is None or not 0 <= message.index < len(group.undo):
             raise Poison(f"{message.wf}: no compensation {message.path} member {message.index}")

@@ -34,6 +34,11 @@ from router.hashing import shard_for
 
 SIGNAL_PATTERN = re.compile(SIGNAL_NAME)
 MAX_SIGNAL_ID = 200
+# A cancel of a compensating program changes nothing: said in its answer (and by the CLI).
+COMPENSATING_NOTE = (
+    "the program is compensating: this cancel changed nothing, its compensations go on "
+    "(`shardflow cancel --stop-compensations` stops them: it ends compensation_failed)"
+)
 
 Progress = Callable[[dict[str, Any]], Awaitable[None] | None]
 
@@ -180,20 +185,32 @@ class Router:
             "waiting": int(kept.status) if kept.verdict == "kept" else None,
         }
 
-    async def cancel(self, workflow_id: str, reason: str = "cancelled") -> dict[str, Any]:
-        """Cancel a program: no further step is dispatched, running tasks are told to stop."""
+    async def cancel(
+        self, workflow_id: str, reason: str = "cancelled", *, stop_compensations: bool = False
+    ) -> dict[str, Any]:
+        """Cancel a program: no further step is dispatched, running tasks are told to stop.
+        A compensating program is left so (its status gains a `note` saying the cancel
+        changed nothing) unless `stop_compensations`: then it ends compensation_failed."""
         if self.bus is None:
             raise RuntimeError("Router needs a bus to cancel")
         raw = await self._plan(workflow_id)
         program = None if raw is None else parse_program(raw["program"], max_bytes=1 << 30)
         compensates = program is not None and bool(program.compensations)
         verdict = await end_program(
-            self.store, self.bus, workflow_id, "cancelled", reason, compensates=compensates
+            self.store,
+            self.bus,
+            workflow_id,
+            "cancelled",
+            reason,
+            compensates=compensates,
+            stop=stop_compensations,
         )
         if verdict == "missing":
             raise LookupError(f"no program {workflow_id!r}")
         status = await self.status(workflow_id)
         assert status is not None
+        if verdict == "ended" and status["status"] == "compensating":
+            status["note"] = COMPENSATING_NOTE
         return status
 
     async def redrive(self, workflow_id: str, from_step: str | None = None) -> dict[str, Any]:
@@ -333,7 +350,13 @@ def _refuse(workflow_id: str, status: str) -> None:
             f"program {workflow_id!r} ended {status}: a program whose compensations ran is "
             "not redriven (its completed steps were undone; submit it again under a new id)"
         )
-    if status in ("pending", "running", "compensating"):
+    if status == "compensating":
+        raise redriving.RedriveError(
+            f"program {workflow_id!r} is compensating: a program whose compensations run is "
+            "not redriven (it ends compensated or compensation_failed; submit it again under "
+            "a new id)"
+        )
+    if status in ("pending", "running"):
         raise redriving.RedriveError(
             f"program {workflow_id!r} is {status}: only a failed or cancelled program can be "
             "redriven (cancel it first to run it again)"

@@ -17,7 +17,7 @@ from typing import Any
 from orchestrator import saga
 from orchestrator.bus import Bus, ladder_ms
 from orchestrator.marks import attempt_field, redis_of
-from orchestrator.paths import SAGA
+from orchestrator.paths import SAGA, is_saga
 from orchestrator.program import (
     MAX_BRANCH_DEPTH,
     SERIAL,
@@ -230,12 +230,19 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
         else []
     )
     errors_of = dict(zip(failed_paths, errors, strict=True))
+    undoing: dict[str, list[str]] = {}  # a compensation's leaf: its group's tasks, in order
+    if any(is_saga(path) for path in failed_paths):
+        undoing, saga_at = await _saga_tasks(store, wf, state, program)
+        cursors |= {saga_at} - {""}
     now = time.time() * 1000
     for name in sorted(marks, key=_field_order):
         path, index = _split_field(name)
         mark = _mark(marks[name])
         spot = locate(program, path)
         task = _task_name(spot, index)
+        if is_saga(path):  # locate() reads the program's steps; a group is made at runtime
+            names = undoing.get(path, [])
+            task = names[index] if index is not None and 0 <= index < len(names) else None
         failed = _failed(errors_of.get(path) or {}, index)
         if not failed and mark is not None:  # its errors went with an old loop iteration
             failed = [{"attempt": a, "error": None} for a in range(mark["attempt"] + 1)]
@@ -454,6 +461,20 @@ def _failed(errors: dict[str, str], index: int | None) -> list[dict[str, Any]]:
         if who == member and attempt.isdigit():
             found.append({"attempt": int(attempt), "error": error})
     return sorted(found, key=lambda f: f["attempt"])
+
+
+async def _saga_tasks(
+    store: Store, wf: str, state: dict[str, str], program: Program
+) -> tuple[dict[str, list[str]], str]:
+    """The compensations' task names per group leaf (`saga:<step>`), and the leaf the saga's
+    cursor stands at while compensating ("" else): where a retry may be pending."""
+    if not program.compensations:
+        return {}, ""
+    groups = saga.plan(program, await store.leaf_outputs(wf, saga.leaves(program)))
+    names = {g.path: [u.compensate.task for u in g.undo] for g in groups}
+    if state.get("status") != "compensating":
+        return names, ""
+    return names, (await store.at(wf, f"{SAGA}:0")).get("cursor") or ""
 
 
 def _task_name(where: Where | None, index: int | None) -> str | None:

@@ -163,6 +163,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     cancel.add_argument("id")
     cancel.add_argument("--reason", default="cancelled", help="recorded as the program's error")
+    cancel.add_argument(
+        "--stop-compensations",
+        action="store_true",
+        help="of a compensating program (a plain cancel changes nothing then): stop its "
+        "compensations, ending it compensation_failed with the reason",
+    )
 
     redrive = commands.add_parser(
         "redrive",
@@ -567,9 +573,14 @@ async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
     _check_id(args.id)
     async with connected(settings, "shardflow-cancel") as (store, bus):
         try:
-            status = await Router(settings, store=store, bus=bus).cancel(args.id, args.reason)
+            router = Router(settings, store=store, bus=bus)
+            status = await router.cancel(
+                args.id, args.reason, stop_compensations=args.stop_compensations
+            )
         except LookupError as exc:
             raise CliError(str(exc), EXIT_FAILED) from None
+    if "note" in status:  # a person may miss it in the JSON
+        print(f"shardflow: {status['note']}", file=sys.stderr)
     _print(json.dumps(status, indent=2))
     return 0
 

@@ -323,6 +323,33 @@ def test_the_approval_example_waits_for_its_signal(dev: dict[str, str]) -> None:
     assert (unknown.returncode, unknown.stderr.strip()) == (1, "shardflow: no program 'nobody'")
 
 
+async def test_cancel_of_a_compensating_program_changes_nothing_unless_told_to_stop(
+    settings: Settings,
+) -> None:
+    from orchestrator.redis_store import RedisStore
+
+    env = environment(settings)
+    store = RedisStore.connect(settings)
+    undo = {"task": "t", "compensate": {"task": "u"}}
+    plan = json.dumps({"program": {"steps": [undo, {"task": "t"}]}, "input": None, "owner": 0})
+    await store.submit("cli-saga", plan, 0, "n", "d")
+    await store.advance("cli-saga", "", "0", "running", leaf="task")
+    await store.cancel("cli-saga", "cancelled", "first", compensates=True)
+    await store.close()
+
+    again = shardflow("cancel", "cli-saga", "--reason", "again", env=env)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["status"] == "compensating"
+    assert "compensating: this cancel changed nothing" in again.stderr
+    refused = shardflow("redrive", "cli-saga", env=env)
+    assert refused.returncode == 2 and "cancel it first" not in refused.stderr
+    stop = shardflow("cancel", "cli-saga", "--stop-compensations", "--reason", "x", env=env)
+    assert stop.returncode == 0, stop.stderr
+    status = json.loads(stop.stdout)
+    assert status["status"] == "compensation_failed" and "note" not in status
+    assert status["compensations"]["error"] == "compensations stopped by a cancel: x"
+
+
 async def test_redrive_runs_an_ended_program_again_and_refuses_what_it_cannot(
     settings: Settings,
 ) -> None:

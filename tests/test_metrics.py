@@ -269,3 +269,18 @@ def _families() -> list[Any]:
     from prometheus_client import REGISTRY
 
     return list(REGISTRY.collect())
+
+
+def test_every_end_status_is_named_where_programs_ended_is_described() -> None:
+    """The help text, the metrics doc and the dashboard list every status a program ends in
+    (saga compensation added compensated and compensation_failed)."""
+    from orchestrator.store import TERMINAL
+
+    [family] = [f for f in _families() if f.name == "shardflow_programs_ended"]
+    doc = Path(__file__).parent.parent / "docs" / "observability.md"
+    [row] = [line for line in doc.read_text().splitlines() if "programs_ended_total` |" in line]
+    panels = _panels(json.loads(DASHBOARD.read_text())["panels"])
+    [shown] = [p for p in panels if "programs_ended_total" in json.dumps(p.get("targets"))]
+    for where, text in (("help", family.documentation), ("doc", row), ("panel", shown)):
+        missing = [s for s in sorted(TERMINAL) if s not in str(text)]
+        assert not missing, f"{where} names no {missing}"

@@ -345,8 +345,9 @@ class RecordingStore:
         reason: str,
         epoch: int | None = None,
         compensates: bool = False,
+        stop: bool = False,
     ) -> Ended | None:
-        ended = await self.inner.cancel(wf, status, reason, epoch, compensates)
+        ended = await self.inner.cancel(wf, status, reason, epoch, compensates, stop)
         if ended is not None and ended.now:
             if ended.status == "compensation_failed":  # a cancel stopped the compensations
                 self.stopped[wf] = reason
@@ -708,7 +709,7 @@ class Cluster(RuleBasedStateMachine):
         if wf in self.store.stopped:
             assert status["status"] == "compensation_failed", status
             reason = self.store.stopped[wf]
-            assert saga["error"] == f"cancelled during compensation: {reason}", saga
+            assert saga["error"] == f"compensations stopped by a cancel: {reason}", saga
             return
         if not plan:
             assert status["status"] == cause, (status, plan)
@@ -858,14 +859,16 @@ class Cluster(RuleBasedStateMachine):
             self._cancel_while_running(data)
             return
         wf = data.draw(st.sampled_from(list(self.expected)), label="program")  # in submit order
-        self._cancel(wf, "cancelled by a rule", dies=dies)
+        stop = data.draw(st.booleans(), label="stop_compensations")
+        self._cancel(wf, "cancelled by a rule", dies=dies, stop=stop)
 
-    def _cancel(self, wf: str, reason: str, *, dies: bool = False) -> None:
-        """The real cancel path; a live program ends cancelled, an ended one stays as it was."""
+    def _cancel(self, wf: str, reason: str, *, dies: bool = False, stop: bool = False) -> None:
+        """The real cancel path; a live program ends cancelled, an ended one stays as it was,
+        a compensating one too unless `stop`."""
         was = self.run(self.store.state(wf))
         self.transport.crash_after = 0 if dies else None
         try:
-            self.run(self.router.cancel(wf, reason))
+            self.run(self.router.cancel(wf, reason, stop_compensations=stop))
         except Crash:
             pass
         finally:
@@ -874,8 +877,8 @@ class Cluster(RuleBasedStateMachine):
         if was["status"] in ("pending", "running"):
             ends = "compensating" if compensations(self.drawn[wf]) else "cancelled"
             assert (now["status"], now["error"]) == (ends, reason), now
-        elif was["status"] == "compensating":  # a cancel stops the compensations
-            stopped = f"cancelled during compensation: {reason}"
+        elif was["status"] == "compensating" and stop:  # it stops the compensations
+            stopped = f"compensations stopped by a cancel: {reason}"
             assert (now["status"], now["saga_error"]) == ("compensation_failed", stopped), now
         else:
             assert now == was, f"a cancel changed an ended program: {was} -> {now}"

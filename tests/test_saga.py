@@ -5,11 +5,13 @@ compensation's retries, cancels before and during, duplicates and stale reports,
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
 
 from orchestrator.keys import Keys
+from orchestrator.marks import attempt_field
 from orchestrator.memory_store import MemoryStore
 from orchestrator.messages import (
     Failed,
@@ -223,7 +225,7 @@ async def test_a_compensation_out_of_tries_ends_compensation_failed() -> None:
     assert [g["state"] for g in groups] == ["failed", "skipped"]
 
 
-async def test_a_cancel_compensates_and_a_second_cancel_stops_the_compensations() -> None:
+async def test_a_cancel_compensates_a_second_changes_nothing_and_a_stop_stops_them() -> None:
     saga = Saga(BOOKING)
     await saga.submit()
     [flight] = saga.tasks()
@@ -237,10 +239,18 @@ async def test_a_cancel_compensates_and_a_second_cancel_stops_the_compensations(
     assert (unhotel.path, unhotel.task, unhotel.item) == ("saga:1", "unhotel", {"hotel": "H"})
     # The car completes after the cancel: nothing is recorded, so nothing to undo for it.
     assert (await saga.store.record(saga.wf, "1", 3, {1: "{}"})).verdict == "stale"
-    status = await saga.router.cancel(saga.wf, "enough")
-    assert status["status"] == "compensation_failed"
+    # A retried cancel (or one that races a failure) changes nothing and says so.
+    status = await saga.router.cancel(saga.wf, "changed my mind")
+    assert status["status"] == "compensating" and "changed nothing" in status["note"]
+    assert "saga_error" not in await saga.state()
+    await saga.shard()  # the start sent again moves nothing: saga:1 still runs
+    assert not saga.tasks()
+    with pytest.raises(RedriveError, match=r"is compensating: .* not redriven"):
+        await saga.router.redrive(saga.wf)
+    status = await saga.router.cancel(saga.wf, "enough", stop_compensations=True)
+    assert status["status"] == "compensation_failed" and "note" not in status
     state = await saga.state()
-    assert state["saga_error"] == "cancelled during compensation: enough"
+    assert state["saga_error"] == "compensations stopped by a cancel: enough"
     assert state["cause"] == "cancelled" and state["error"] == "changed my mind"
     await saga.complete(unhotel, None)
     assert not saga.tasks()
@@ -340,3 +350,73 @@ def test_the_schema_names_compensate_where_a_task_may_carry_one() -> None:
     assert defs["Compensate"]["additionalProperties"] is False
     for kind in ("Task", "Member"):
         assert "compensate" in defs[kind]["properties"], kind
+
+
+async def test_a_redelivered_failure_sends_the_start_a_crash_cut_short() -> None:
+    """Killed between the advance to compensating and the publish of the saga's start: the
+    redelivered report is stale for fail.lua, yet it sends the start again (idempotent)."""
+    saga = Saga(BOOKING)
+    charge = await _to_charge(saga)
+    await saga.fail(charge, "declined")
+    [retry] = saga.tasks()
+    report = Failed(
+        wf=saga.wf, path=retry.path, index=retry.index, attempt=retry.attempt,
+        task=retry.task, error="declined again", item=retry.item, epoch=retry.epoch,
+    )  # fmt: skip
+    assert await saga.transitions.apply(report, redelivered=False, shard=saga.owner) == "applied"
+    assert (await saga.state())["status"] == "compensating"
+    saga.bus.shard.clear()  # the crash: the start never went out
+    assert await saga.transitions.apply(report, redelivered=True, shard=saga.owner) == "stale"
+    await saga.shard()
+    assert {t.path for t in saga.tasks()} == {"saga:1"}
+    # Once the saga moved, a redelivery owes nothing: no second start, no group sent twice.
+    assert await saga.transitions.apply(report, redelivered=True, shard=saga.owner) == "stale"
+    assert not saga.bus.shard and not saga.tasks()
+
+
+async def test_a_groups_next_counts_only_once_every_member_is_recorded() -> None:
+    """A forged (or misrouted) `next` of a group still running moves nothing: the saga
+    neither skips the rest of the group nor ends compensated early."""
+    saga = Saga(BOOKING)
+    charge = await _to_charge(saga)
+    await saga.fail(charge)
+    [retry] = saga.tasks()
+    await saga.fail(retry)
+    unhotel, uncar = sorted(saga.tasks(), key=lambda t: t.index or 0)
+    await saga.complete(unhotel, None)  # the car's undo still runs
+    forged = Next(wf=saga.wf, path="saga:1", output=[None, None])
+    assert await saga.transitions.apply(forged, redelivered=False, shard=saga.owner) == "stale"
+    assert await saga.transitions.apply(forged, redelivered=True, shard=saga.owner) == "stale"
+    ahead = Next(wf=saga.wf, path="saga:0", output=[None])  # a group not reached yet
+    assert await saga.transitions.apply(ahead, redelivered=False, shard=saga.owner) == "stale"
+    assert not saga.tasks() and not saga.bus.shard
+    state = await saga.store.at(saga.wf, "saga:1")
+    assert (state["status"], state["cursor"]) == ("compensating", "saga:1")
+    await saga.complete(uncar, None)
+    [unflight] = saga.tasks()
+    await saga.complete(unflight, None)
+    assert (await saga.state())["status"] == "compensated"
+    # A late failure of a compensation, once the program ended, is stale (not poison).
+    late = Failed(
+        wf=saga.wf, path="saga:1", index=1, attempt=0, task="uncar", error="late", epoch=0
+    )
+    assert await saga.transitions.apply(late, redelivered=False, shard=saga.owner) == "stale"
+
+
+async def test_explain_names_a_compensations_attempts_and_its_pending_retry() -> None:
+    saga = Saga(BOOKING)
+    charge = await _to_charge(saga)
+    await saga.fail(charge)
+    await saga.fail(saga.tasks()[0])
+    group = {t.task: t for t in saga.tasks()}
+    await saga.fail(group["unhotel"], "hotel busy")  # retried (2 attempts)
+    # The owner's mark of that retry (orchestrator/marks.py writes it on Redis only).
+    due = {"attempt": 0, "due_ms": int(time.time() * 1000) + 60_000}
+    field = attempt_field("saga:1", group["unhotel"].index)
+    saga.store.data[saga.store.keys.attempts(saga.wf)] = {field: json.dumps(due)}
+    explained = await saga.router.explain(saga.wf)
+    assert explained is not None
+    [attempt] = [a for a in explained["attempts"] if a["step"] == "saga:1"]
+    assert (attempt["task"], attempt["index"]) == ("unhotel", group["unhotel"].index)
+    assert attempt["failed"] == [{"attempt": 0, "error": "hotel busy"}]
+    assert attempt["retry_pending"] is True

@@ -135,7 +135,7 @@ async def test_a_compensation_out_of_tries_ends_compensation_failed(
     assert "Compensation error: compensation step saga:1/bag:1" in text
 
 
-async def test_a_cancel_undoes_what_completed_and_a_second_cancel_stops_it(
+async def test_a_cancel_undoes_what_completed_and_a_cancel_with_stop_stops_it(
     cluster: Router, trace: app.Trace
 ) -> None:
     program = {
@@ -157,9 +157,11 @@ async def test_a_cancel_undoes_what_completed_and_a_second_cancel_stops_it(
     await until(events, lambda found: any(e["path"] == "saga:0" for e in found["events"]))
     explained = await cluster.explain(wf)
     assert "its compensations of step 0: undo (at saga:0)" in explained["waiting_for"]
-    status = await cluster.cancel(wf, "enough")
+    status = await cluster.cancel(wf, "plans changed")  # a retry changes nothing
+    assert status["status"] == "compensating" and "changed nothing" in status["note"]
+    status = await cluster.cancel(wf, "enough", stop_compensations=True)
     assert status["status"] == "compensation_failed"
-    assert status["compensations"]["error"] == "cancelled during compensation: enough"
+    assert status["compensations"]["error"] == "compensations stopped by a cancel: enough"
     assert status["error"] == "plans changed"
     assert [g["state"] for g in status["compensations"]["groups"]] == ["failed"]
     ended = await cluster.wait(wf, timeout_s=10)

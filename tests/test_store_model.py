@@ -145,10 +145,14 @@ def calls(cursors: dict[str, list[str]]) -> st.SearchStrategy[Call]:
             EPOCHS,
         )
         cancel = st.builds(
-            lambda status, epoch, compensates: ("cancel", (wf, status, "r", epoch, compensates)),
+            lambda status, epoch, compensates, stop: (
+                "cancel",
+                (wf, status, "r", epoch, compensates, stop),
+            ),
             st.sampled_from(["cancelled", "failed"]),
             st.none() | EPOCHS,  # None: a user's cancel; a number: a deadline's run
             st.booleans(),  # the program names compensations: it turns compensating
+            st.booleans(),  # --stop-compensations: a compensating program ends
         )
         redrive = st.builds(
             lambda epoch, rerun, prior, roots: (
@@ -442,8 +446,9 @@ async def test_a_saga_moves_only_while_compensating_in_its_own_scope(
 ) -> None:
     """Saga compensation: a failure or a cancel turns the program compensating (no expiry),
     the saga's cursor (`cur:saga`) moves from "" group to group only while it is, reports of
-    a compensation count only then, the end expires every key, and a cancel while
-    compensating ends it compensation_failed. The model and the real Lua, call by call."""
+    a compensation count only then, the end expires every key, and only a cancel that
+    stops the compensations ends a compensating program (compensation_failed). The model and
+    the real Lua, call by call."""
     redis_url, base = keyspace
     client = Redis.from_url(redis_url, decode_responses=True)
     keys = Keys(f"{base}-saga")
@@ -477,8 +482,9 @@ async def test_a_saga_moves_only_while_compensating_in_its_own_scope(
         (("fail", ("w", "saga:0", 1, 1, "busy", 2)), "stale"),
         (("cancel", ("w", "cancelled", "late", None, True)), "ended"),
         (("redrive", ("w", 0, "0", "", "", ["0"])), "refused"),
-        # A cancel turns it compensating; a deadline then leaves it so; a second cancel
-        # stops the compensations: compensation_failed, every key expiring.
+        # A cancel turns it compensating; a deadline or a second cancel then leaves it so;
+        # a cancel that stops the compensations ends it compensation_failed, every key
+        # expiring.
         (("submit", ("c", PLANS[0], 1, "x", "d1")), "created"),
         (("advance", ("c", "", "0", "running", "", "", "bag:2")), "applied"),
         (("record", ("c", "0", 2, {0: '"a"'})), "wait"),
@@ -488,7 +494,8 @@ async def test_a_saga_moves_only_while_compensating_in_its_own_scope(
         (saga("c", "", "saga:0"), "applied"),
         (("stash", ("c", {"input": '"big"'})), "ok"),
         (("purge", ("c", "completed,failed,cancelled", 2**62)), "live"),
-        (("cancel", ("c", "cancelled", "enough", None, True)), "applied"),
+        (("cancel", ("c", "cancelled", "again", None, True)), "ended"),
+        (("cancel", ("c", "cancelled", "enough", None, True, True)), "applied"),
         (("record", ("c", "saga:0", 2, {0: '"a"'})), "stale"),
         (saga("c", "saga:0", "", "compensated"), "stale"),
     ]
@@ -518,6 +525,6 @@ async def test_a_saga_moves_only_while_compensating_in_its_own_scope(
             "0",
         )
         assert (c["status"], c["cause"], c["error"]) == ("compensation_failed", "cancelled", "stop")
-        assert c["saga_error"] == "cancelled during compensation: enough"
+        assert c["saga_error"] == "compensations stopped by a cancel: enough"
     finally:
         await client.aclose()
