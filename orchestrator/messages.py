@@ -216,14 +216,16 @@ _TASK = TypeAdapter(TaskMessage)
 
 
 def _unused_new_fields(message: _Message) -> dict[str, Any]:
-    """Fields added since 0.1 (`item`, `epoch`, `limit`), left out while unused: parts from
-    before them refuse unknown fields (extra="forbid"), and must keep reading messages during a
-    rolling upgrade."""
+    """Fields added since 0.1 (`item`, `epoch`, `limit`, `limit.redelivered`), left out while
+    unused: parts from before them refuse unknown fields (extra="forbid"), and must keep
+    reading messages during a rolling upgrade."""
     unused: dict[str, Any] = {}
     if getattr(message, "epoch", None) == 0:
         unused["epoch"] = True
     if isinstance(message, TaskMessage) and message.limit is None:
         unused["limit"] = True
+    elif isinstance(message, TaskMessage) and message.limit and not message.limit.redelivered:
+        unused["limit"] = {"redelivered"}
     if isinstance(message, TaskMessage | Failed) and message.item is None:
         unused["item"] = True
     if isinstance(message, TaskMessage):

@@ -134,6 +134,10 @@ def test_a_task_message_with_a_limit_is_checked_at_the_door() -> None:
     base = {"wf": "w", "path": "0", "task": "t", "owner": 0}
     ok = TaskMessage.model_validate({**base, "limit": {"key": "k", "max": 2, "waits": 3}})
     assert decode_task(encode(ok)) == ok
+    # Left out unless set: a worker from before it must keep reading waiting tasks.
+    assert b"redelivered" not in encode(ok)
+    flagged = ok.model_copy(update={"limit": KeyLimit(key="k", max=2, redelivered=True)})
+    assert decode_task(encode(flagged)) == flagged
     bad = [
         {**base, "limit": {"key": "", "max": 2}},
         {**base, "limit": {"key": "k" * (MAX_LIMIT_KEY_CHARS + 1), "max": 2}},
