@@ -152,11 +152,14 @@ class Slot(_Message):
 
 class KeyLimit(_Message):
     """A task's per-key limit, its key evaluated by the owner; `waits`: how often it found no
-    free slot (its next wait doubles)."""
+    free slot (its next wait doubles); `redelivered`: a delivery of it came back redelivered
+    before it waited (a run before may have recorded and died before its report, which the
+    message sent back to wait, unflagged by the broker, still owes)."""
 
     key: str = Field(min_length=1, max_length=MAX_LIMIT_KEY_CHARS)
     max: int = Field(ge=1, le=MAX_LIMIT)
     waits: int = Field(default=0, ge=0, le=1_000_000)
+    redelivered: bool = False
 
 
 class TaskMessage(_Message):
@@ -213,14 +216,16 @@ _TASK = TypeAdapter(TaskMessage)
 
 
 def _unused_new_fields(message: _Message) -> dict[str, Any]:
-    """Fields added since 0.1 (`item`, `epoch`, `limit`), left out while unused: parts from
-    before them refuse unknown fields (extra="forbid"), and must keep reading messages during a
-    rolling upgrade."""
+    """Fields added since 0.1 (`item`, `epoch`, `limit`, `limit.redelivered`), left out while
+    unused: parts from before them refuse unknown fields (extra="forbid"), and must keep
+    reading messages during a rolling upgrade."""
     unused: dict[str, Any] = {}
     if getattr(message, "epoch", None) == 0:
         unused["epoch"] = True
     if isinstance(message, TaskMessage) and message.limit is None:
         unused["limit"] = True
+    elif isinstance(message, TaskMessage) and message.limit and not message.limit.redelivered:
+        unused["limit"] = {"redelivered"}
     if isinstance(message, TaskMessage | Failed) and message.item is None:
         unused["item"] = True
     if isinstance(message, TaskMessage):

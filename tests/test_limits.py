@@ -134,6 +134,10 @@ def test_a_task_message_with_a_limit_is_checked_at_the_door() -> None:
     base = {"wf": "w", "path": "0", "task": "t", "owner": 0}
     ok = TaskMessage.model_validate({**base, "limit": {"key": "k", "max": 2, "waits": 3}})
     assert decode_task(encode(ok)) == ok
+    # Left out unless set: a worker from before it must keep reading waiting tasks.
+    assert b"redelivered" not in encode(ok)
+    flagged = ok.model_copy(update={"limit": KeyLimit(key="k", max=2, redelivered=True)})
+    assert decode_task(encode(flagged)) == flagged
     bad = [
         {**base, "limit": {"key": "", "max": 2}},
         {**base, "limit": {"key": "k" * (MAX_LIMIT_KEY_CHARS + 1), "max": 2}},
@@ -200,3 +204,33 @@ async def test_a_task_that_finds_every_slot_held_goes_back_and_runs_nothing() ->
 
 async def _holders(store: MemoryStore, key: str) -> dict[str, str]:
     return dict(store.data.get(store.keys.limit(key)) or {})  # type: ignore[arg-type]
+
+
+async def test_a_redelivered_task_that_waits_for_a_slot_still_reports_a_step_it_completed() -> None:
+    """A worker runs a limited task, records its output and dies before its report; the
+    broker redelivers the message (flagged), but every slot is held (by dead workers), so it
+    goes back to wait: a new message, which the broker does not flag. When it gets a slot,
+    the step is already complete ("again"): it must still report, or nothing moves the
+    program on (the property machine's lost message: die_holding_slot, a crash past the
+    record, a wait)."""
+    store = MemoryStore(Keys("m"))
+    await store.submit("w", json.dumps({"program": {}, "input": None, "owner": 0}), 0, "", "d")
+    await store.advance("w", "", "0", "running", leaf="task")
+    registry = Registry()
+
+    async def handler(ctx: Any) -> str:
+        return "done"
+
+    registry.add("t", handler)
+    bus = _Bus()
+    worker = Worker(Settings(), registry, pool="parallel", store=store, bus=bus)  # type: ignore[arg-type]
+    # The first delivery's run: recorded, then its worker died before it reported.
+    assert (await store.record("w", "0", 1, {None: json.dumps("done")})).verdict == "fire"
+    for holder in ("a", "b"):
+        assert (await store.acquire("k", holder, 2, 30_000)).verdict == "acquired"
+    task = TaskMessage(wf="w", path="0", task="t", owner=0, limit=KeyLimit(key="k", max=2))
+    assert await worker._limited(task, "parallel", redelivered=True) == []
+    [(_, body, _)] = bus.later
+    await store.release("k", "a")
+    reports = await worker._limited(decode_task(body), "parallel", redelivered=False)
+    assert [(r.kind, getattr(r, "output", None)) for r in reports] == [("next", "done")]

@@ -189,12 +189,14 @@ class Worker(Service):
         stopped and the attempt fails, as on a timeout."""
         limit = task.limit
         assert limit is not None
+        # A message back from a wait is a new one to the broker: its flag travels with it.
+        redelivered = redelivered or limit.redelivered
         if not await self._current([task]):
             return []
         holder = limits.holder(task.wf, task.path, task.index)
         slot = await self.store.acquire(limit.key, holder, limit.max, self.lease_ms)
         if slot.verdict == "busy":
-            await self._wait_for_slot(task, pool, slot.held, slot.left_ms, priority)
+            await self._wait_for_slot(task, pool, slot.held, slot.left_ms, priority, redelivered)
             return []
         if limit.waits:
             await self.marks.slot_taken(task.wf, task.path, task.index)
@@ -213,14 +215,24 @@ class Worker(Service):
                 log.warning("%s: could not release a slot of %r: %r", self.name, limit.key, exc)
 
     async def _wait_for_slot(
-        self, task: TaskMessage, pool: str, held: int, left_ms: int | None, priority: int | None
+        self,
+        task: TaskMessage,
+        pool: str,
+        held: int,
+        left_ms: int | None,
+        priority: int | None,
+        redelivered: bool,
     ) -> None:
         """Send the task back to its pool after a backoff (never past the first lease's end,
-        so a dead holder's slot is taken up soon after it runs out)."""
+        so a dead holder's slot is taken up soon after it runs out). A redelivered task stays
+        flagged: a run of it may have recorded and died before reporting, and only a
+        redelivered task reports a step already complete (see run_tasks)."""
         assert task.limit is not None
         waits = task.limit.waits
         left_s = None if left_ms is None else left_ms / 1000
-        later = task.limit.model_copy(update={"waits": min(waits + 1, limits.MAX_WAITS)})
+        later = task.limit.model_copy(
+            update={"waits": min(waits + 1, limits.MAX_WAITS), "redelivered": redelivered}
+        )
         body = encode(task.model_copy(update={"limit": later}))
         # It keeps its priority (the program's level) while it waits.
         level = GOING_ON if priority is None else priority
