@@ -279,7 +279,7 @@ end""",
     "limit-runs-when-busy": (
         "worker/pool.py",
         """        if slot.verdict == "busy":
-            await self._wait_for_slot(task, pool, slot.held, slot.left_ms, priority)
+            await self._wait_for_slot(task, pool, slot.held, slot.left_ms, priority, redelivered)
             return []
 """,
         "",
