@@ -403,6 +403,20 @@ end""",
         "  if false then",
         (LEFT,),
     ),
+    # complete.lua and fail.lua alike: a late report of a branch's task whose bag was left
+    # records an output, or schedules a retry, for a branch that no longer matters.
+    "complete-ignores-the-bag": (
+        "lua/complete.lua",
+        '  if redis.call("HGET", holder, "cursor") ~= bag then  -- the bag was left: record',
+        "  if false then",
+        (LEFT,),
+    ),
+    "fail-ignores-the-bag": (
+        "lua/fail.lua",
+        '  if redis.call("HGET", holder, "cursor") ~= bag then  -- the bag was left: no retry',
+        "  if false then",
+        (LEFT,),
+    ),
     # A replay of the advance into a bag republishes every branch's first leaf, also of
     # branches that moved on.
     "replay-republishes-moved-branches": (
