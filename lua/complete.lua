@@ -50,6 +50,16 @@ end
 if s[1] ~= live or s[2] ~= ARGV[1] or ARGV[2] ~= (s[4] or "0") then
   return {"stale", s[1], s[2] or ""}
 end
+-- a leaf in a parallel branch counts only while its bag is open: the scope around the bag
+-- (the program's cursor, or the enclosing branch's) still stands at it, as advance.lua checks
+if scope and scope ~= "saga" then
+  local bag = string.match(scope, "^(.*)/branch:%d+$")
+  local outer = string.match(bag, "^(.*/branch:%d+)/")
+  local holder = outer and (string.sub(KEYS[1], 1, -6) .. "cur:" .. outer) or KEYS[1]
+  if redis.call("HGET", holder, "cursor") ~= bag then  -- the bag was left: record nothing
+    return {"stale", s[1], s[2] or ""}
+  end
+end
 local leaf = s[3] or ""  -- "" for a program started before leaves were recorded
 if #KEYS == 2 then
   if leaf ~= "" and leaf ~= "task" then

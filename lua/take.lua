@@ -11,10 +11,10 @@
 --          {"stale"}    the program is elsewhere or ended: nothing taken
 --          {"missing"}  no such program
 -- A leaf in a parallel branch (a path with `/branch:K/`) is compared with its branch's
--- cursor and leaf, in <prefix>:{<wf>}:cur:<scope> (see advance.lua); the status checked is
--- the program's. No epoch is checked (take.lua is given none, for a branch or not): the
--- owner calls it at a cursor it just read, and the `next` it then sends carries the run,
--- which advance.lua compares.
+-- cursor and leaf, in <prefix>:{<wf>}:cur:<scope> (see advance.lua), and is stale once its
+-- bag was left (advance.lua's fence); the status checked is the program's. No epoch is
+-- checked (take.lua is given none, for a branch or not): the owner calls it at a cursor it
+-- just read, and the `next` it then sends carries the run, which advance.lua compares.
 local s = redis.call("HMGET", KEYS[1], "status", "cursor", "leaf")
 if not s[1] then
   return {"missing"}
@@ -29,6 +29,17 @@ if scope then
 end
 if s[1] ~= "running" or s[2] ~= ARGV[1] or s[3] ~= "signal" then
   return {"stale"}
+end
+-- a branch's leaf takes only while its bag is open: the scope around the bag (the program's
+-- cursor, or the enclosing branch's) still stands at it, as advance.lua checks; else a late
+-- take would consume a signal that a later step waits for
+if scope then
+  local bag = string.match(scope, "^(.*)/branch:%d+$")
+  local outer = string.match(bag, "^(.*/branch:%d+)/")
+  local holder = outer and (string.sub(KEYS[1], 1, -6) .. "cur:" .. outer) or KEYS[1]
+  if redis.call("HGET", holder, "cursor") ~= bag then  -- the bag was left
+    return {"stale"}
+  end
 end
 local data = redis.call("LPOP", KEYS[3])
 if not data then

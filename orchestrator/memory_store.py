@@ -266,6 +266,19 @@ class MemoryStore:
                     found[fields.index(name)] = value
         return found
 
+    def _left(self, wf: str, path: str) -> bool:
+        """Whether the bag of the branch a leaf at `path` runs in was left: the scope around
+        the bag no longer stands at it (advance.lua's fence; complete.lua, fail.lua and
+        take.lua apply it to a branch's leaf)."""
+        scope = scope_of(path)
+        parent = parent_of(scope) if scope and scope != SAGA else None
+        if parent is None:
+            return False
+        bag = parent[0]
+        outer = scope_of(bag)
+        holder = self.keys.branch(wf, outer) if outer else self.keys.state(wf)
+        return self._hmget(holder, "cursor")[0] != bag
+
     async def at(self, wf: str, path: str) -> dict[str, str]:
         state = await self.state(wf)
         scope = scope_of(path)
@@ -294,6 +307,8 @@ class MemoryStore:
         if status is None:
             return Completion("missing", [])
         if status != live_status(path) or cursor != path or str(epoch) != (run or "0"):
+            return Completion("stale", [])
+        if self._left(wf, path):  # a branch's leaf whose bag was left
             return Completion("stale", [])
         leaf = leaf or ""  # "" for a program started before leaves were recorded
         if None in outputs:
@@ -345,6 +360,8 @@ class MemoryStore:
         if status is None:
             return Completion("missing", [])
         if status != live_status(path) or cursor != path or str(epoch) != (run or "0"):
+            return Completion("stale", [])
+        if self._left(wf, path):  # a branch's leaf whose bag was left
             return Completion("stale", [])
         if not 1 <= max_attempts <= MAX_ATTEMPTS:
             reason = f"max attempts {max_attempts}: from 1 to {MAX_ATTEMPTS}"
@@ -502,6 +519,8 @@ class MemoryStore:
             return "taken"
         _, cursor, leaf = self._scoped(wf, path, "status", "cursor", "leaf")
         if status != "running" or cursor != path or leaf != "signal":
+            return "stale"
+        if self._left(wf, path):  # a late take would consume a later step's signal
             return "stale"
         waiting = self._list(self.keys.signals(wf, name))
         if not waiting:

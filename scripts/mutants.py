@@ -56,6 +56,12 @@ FENCES = (
     "tests/test_store_model.py::"
     "test_a_branch_member_is_never_completed_and_a_branch_moves_only_inside_its_bag"
 )
+# The model beside the Lua, call by call: a branch's leaf after its bag was left (take,
+# complete, fail), and the signal that stays for the later step.
+LEFT = (
+    "tests/test_store_model.py::"
+    "test_a_branch_leaf_whose_bag_was_left_takes_records_and_fails_nothing"
+)
 
 # The model beside the Lua, call by call, through a saga's moves, a cancel's and their fences.
 SAGA_STORE = "tests/test_store_model.py::test_a_saga_moves_only_while_compensating_in_its_own_scope"
@@ -388,6 +394,28 @@ end""",
         "  if not inside then",
         "  if false then",
         (FENCES,),
+    ),
+    # take.lua ignores the bag's fence: a late take in a branch whose bag was left consumes
+    # the signal a later step of the same name waits for.
+    "take-ignores-the-bag": (
+        "lua/take.lua",
+        '  if redis.call("HGET", holder, "cursor") ~= bag then  -- the bag was left',
+        "  if false then",
+        (LEFT,),
+    ),
+    # complete.lua and fail.lua alike: a late report of a branch's task whose bag was left
+    # records an output, or schedules a retry, for a branch that no longer matters.
+    "complete-ignores-the-bag": (
+        "lua/complete.lua",
+        '  if redis.call("HGET", holder, "cursor") ~= bag then  -- the bag was left: record',
+        "  if false then",
+        (LEFT,),
+    ),
+    "fail-ignores-the-bag": (
+        "lua/fail.lua",
+        '  if redis.call("HGET", holder, "cursor") ~= bag then  -- the bag was left: no retry',
+        "  if false then",
+        (LEFT,),
     ),
     # A replay of the advance into a bag republishes every branch's first leaf, also of
     # branches that moved on.

@@ -10,7 +10,7 @@ import pytest
 from orchestrator.delivery import Poison
 from orchestrator.keys import Keys
 from orchestrator.memory_store import MemoryStore
-from orchestrator.messages import Failed, Start, Wake, decode_shard_message, decode_task
+from orchestrator.messages import Failed, Next, Start, Wake, decode_shard_message, decode_task
 from orchestrator.settings import Settings
 from orchestrator.transitions import Plans, Transitions
 from router.client import Router
@@ -100,3 +100,32 @@ async def test_a_failure_report_with_an_item_over_a_maps_bound_is_refused() -> N
     report = Failed(wf="mapper", path="0", index=0, task="work", error="no", item=first.item)
     assert await transitions.apply(report, redelivered=False, shard=owner) == "retried"
     assert decode_task(bus.tasks[-1]).item == "a"
+
+
+async def test_a_signal_stays_for_the_later_step_when_the_branch_that_waited_was_left() -> None:
+    """A branch's signal step whose bag was left (a stray `next` moved the program on) takes
+    nothing when its timer comes due: the signal stays for the later step of that name."""
+    store = MemoryStore(Keys("left"))
+    bus = Recorder()
+    transitions = Transitions(store, bus, Plans(store, 8))
+    router = Router(Settings(prefix="left"), store=store, bus=bus)
+    waits = {"steps": [{"signal": "go", "timeout_s": 0.001}]}
+    program = {"steps": [{"bag": [waits, {"task": "work"}]}, {"signal": "go"}]}
+    owner = (await router.submit(program, None, "abandoned")).shard
+    start = decode_shard_message(bus.shard.pop())
+    assert await transitions.apply(start, redelivered=False, shard=owner) == "applied"
+    timer = decode_shard_message(bus.later.pop())
+    assert timer == Wake(wf="abandoned", path="0/branch:0/0")
+    stray = Next(wf="abandoned", path="0", output=["a", "b"])
+    assert await transitions.apply(stray, redelivered=False, shard=owner) == "applied"
+    await router.signal("abandoned", "go", "for step 1")
+    hint = decode_shard_message(bus.shard.pop())
+    # The branch's timer is due after the bag was left: stale, nothing taken.
+    assert await transitions.apply(timer, redelivered=False, shard=owner) == "stale"
+    assert not bus.shard
+    # The hint finds step 1 waiting: it takes the signal, and the program ends with it.
+    assert await transitions.apply(hint, redelivered=False, shard=owner) == "taken"
+    done = decode_shard_message(bus.shard.pop())
+    assert await transitions.apply(done, redelivered=False, shard=owner) == "applied"
+    state = await store.state("abandoned")
+    assert (state["status"], state["result"]) == ("completed", '"for step 1"')

@@ -441,6 +441,77 @@ async def test_a_branch_member_is_never_completed_and_a_branch_moves_only_inside
         await client.aclose()
 
 
+async def test_a_branch_leaf_whose_bag_was_left_takes_records_and_fails_nothing(
+    keyspace: tuple[str, str],
+) -> None:
+    """A leaf in a branch whose bag was left (the scope around the bag moved on) is stale for
+    take, complete and fail alike, nested branches too (advance.lua's fence): a late take
+    consumes no signal, so the later step that waits for that name gets it. Inside an open
+    bag the same calls count. The model and the real Lua, call by call."""
+    redis_url, base = keyspace
+    client = Redis.from_url(redis_url, decode_responses=True)
+    keys = Keys(f"{base}-left")
+    real: Store = RedisStore(client, keys, RETENTION_MS)
+    model = MemoryStore(keys, retention_ms=RETENTION_MS)
+    two = (("0/branch:0", "0/branch:0/0", "signal"), ("0/branch:1", "0/branch:1/0", "task"))
+    nested = (
+        ("0/branch:0", "0/branch:0/0", "bag:1"),
+        ("0/branch:0/0/branch:0", "0/branch:0/0/branch:0/0", "signal"),
+    )
+    inner = "0/branch:0/0/branch:0/0"
+
+    def opens(wf: str, shape: str, opened: tuple[tuple[str, str, str], ...]) -> Call:
+        return "advance", (wf, "", "0", "running", "", "", shape, "", (), None, "", opened)
+
+    def moves(wf: str, path: str, to: str, leaf: str = "task") -> Call:
+        return "advance", (wf, path, to, "running", "", "", leaf, "", (), 0, scope_of(path))
+
+    script: list[tuple[Call, str]] = [
+        (("submit", ("s", PLANS[0], 1, "x", "d1")), "created"),
+        (opens("s", "bag:2", two), "applied"),
+        # Inside the open bag a branch's leaves count.
+        (("take", ("s", "0/branch:0/0", "go")), "waiting"),
+        (("fail", ("s", "0/branch:1/0", None, 0, "once", 3, 0)), "retry"),
+        # A stray `next` moves the program past the bag to a signal step of the same name.
+        (moves("s", "0", "1", "signal"), "applied"),
+        (("signal", ("s", "go", '"for step 1"')), "kept"),
+        (("take", ("s", "0/branch:0/0", "go")), "stale"),
+        (("record", ("s", "0/branch:1/0", 1, {None: '"late"'})), "stale"),
+        (("fail", ("s", "0/branch:1/0", None, 1, "late", 3, 0)), "stale"),
+        (("fail", ("s", "0/branch:1/0", None, 0, "once", 3, 0)), "stale"),
+        (("take", ("s", "1", "go")), "taken"),
+        # Nested: the enclosing branch moved past the inner bag; then one still inside.
+        (("submit", ("n", PLANS[0], 1, "x", "d1")), "created"),
+        (opens("n", "bag:1", nested), "applied"),
+        (("signal", ("n", "go", '"n"')), "kept"),
+        (moves("n", "0/branch:0/0", "0/branch:0/1"), "applied"),
+        (("take", ("n", inner, "go")), "stale"),
+        (("submit", ("m", PLANS[0], 1, "x", "d1")), "created"),
+        (opens("m", "bag:1", nested), "applied"),
+        (("signal", ("m", "go", '"m"')), "kept"),
+        (("take", ("m", inner, "go")), "taken"),
+    ]
+    try:
+        for n, ((name, args), verdict) in enumerate(script):
+            expected = await getattr(model, name)(*args)
+            got = await getattr(real, name)(*args)
+            assert got == expected, f"call {n} {name}{args}: lua {got} != model {expected}"
+            found = got if isinstance(got, str) else getattr(got, "verdict", "")
+            found = "created" if getattr(got, "created", False) else found
+            assert found == verdict, f"call {n} {name}{args}: {got}"
+            state, _ = await dump(client, keys.prefix)
+            assert state == _normal(model.data), f"after call {n} {name}{args}"
+        # The signal went to the step that waits for it, none to the abandoned branch.
+        assert model.data[keys.output("s", "1")] == '"for step 1"'
+        assert keys.output("s", "0/branch:0/0") not in model.data
+        assert keys.output("s", "0/branch:1/0") not in model.data
+        assert model.data[keys.failures("s", "0/branch:1/0")] == {"0:0": "once"}
+        assert model.data[keys.signals("n", "go")] == ['"n"']  # kept, not taken
+        assert model.data[keys.output("m", inner)] == '"m"'
+    finally:
+        await client.aclose()
+
+
 async def test_a_saga_moves_only_while_compensating_in_its_own_scope(
     keyspace: tuple[str, str],
 ) -> None:
