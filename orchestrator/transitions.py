@@ -44,6 +44,7 @@ from orchestrator.program import (
     Map,
     Member,
     Program,
+    Retry,
     Signal,
     Sleep,
     Task,
@@ -649,12 +650,7 @@ class Transitions:
                 prev_ref=prev_ref,
                 epoch=message.epoch,
             )
-            delay_s = policy.delay_s(message.attempt)
-            await self.marks.failed(message, delay_s)
-            level = task_priority(plan.priority, going_on=True)
-            for pool, bodies in by_pool.items():  # one member: one pool, one message
-                await self.bus.publish_later(pool, bodies[0], delay_s, level)
-            return "retried"
+            return await self._retry_later(message, plan, policy, by_pool)
         return "stale"
 
     async def _start_owed(self, wf: str, plan: Plan, epoch: int) -> None:
@@ -854,6 +850,12 @@ class Transitions:
             message.wf, plan, leaf, attempt=message.attempt + 1, only=message.index,
             epoch=message.epoch,
         )  # fmt: skip
+        return await self._retry_later(message, plan, policy, by_pool)
+
+    async def _retry_later(
+        self, message: Failed, plan: Plan, policy: Retry, by_pool: dict[str, list[bytes]]
+    ) -> str:
+        """Send a failed task's next attempt after its backoff (a step's or a compensation's)."""
         delay_s = policy.delay_s(message.attempt)
         await self.marks.failed(message, delay_s)
         level = task_priority(plan.priority, going_on=True)
