@@ -809,6 +809,41 @@ def test_kill_reach_counts_what_each_kill_cut(plans: dict[str, list[Leaf]]) -> N
     ]
 
 
+def small_fleet(
+    settings: Settings,
+    tmp_path: Path,
+    orchestrators: tuple[str, ...],
+    concurrency: int,
+    **env: str,
+) -> tuple[Fleet, ExecLog, RedisStore]:
+    """Orchestrators over every shard and two parallel workers (`wa`, `wb`), not started yet;
+    the execution log and a store to read the programs."""
+    fleet = Fleet(
+        {
+            "SHARDFLOW_AMQP_URL": settings.amqp_url,
+            "SHARDFLOW_REDIS_URL": settings.redis_url,
+            "SHARDFLOW_SHARDS": str(settings.shards),
+            "SHARDFLOW_PREFIX": settings.prefix,
+            "SHARDFLOW_GRACE_S": "2",
+            "SHARDFLOW_METRICS_PORT": "0",
+            **env,
+        },
+        tmp_path,
+    )
+    shards = ",".join(map(str, range(settings.shards)))
+    fleet.specs = {name: ["orchestrator", "--shards", shards] for name in orchestrators}
+    for name in ("wa", "wb"):
+        fleet.specs[name] = [
+            "worker", "--pool", "parallel", "--app", "tests.app", "--concurrency",
+            str(concurrency),
+        ]  # fmt: skip
+    log = ExecLog(settings.redis_url, f"{settings.prefix}:exec")
+    store = RedisStore(
+        Redis.from_url(settings.redis_url, decode_responses=True), Keys(settings.prefix)
+    )
+    return fleet, log, store
+
+
 # --- a worker killed while it holds a slot of a per-key limit ---------------------------------
 
 LEASE_S = 1.5  # the slot lease of this test's workers: a dead holder's slot is back this soon
@@ -856,25 +891,8 @@ def test_holders_over_time_closes_the_runs_of_a_killed_process() -> None:
 async def test_a_slot_held_by_a_killed_worker_comes_back_and_the_limit_holds(
     settings: Settings, tmp_path: Path
 ) -> None:
-    env = {
-        "SHARDFLOW_AMQP_URL": settings.amqp_url,
-        "SHARDFLOW_REDIS_URL": settings.redis_url,
-        "SHARDFLOW_SHARDS": str(settings.shards),
-        "SHARDFLOW_PREFIX": settings.prefix,
-        "SHARDFLOW_GRACE_S": "2",
-        "SHARDFLOW_METRICS_PORT": "0",
-        "SHARDFLOW_KEY_LEASE_S": str(LEASE_S),
-    }
-    fleet = Fleet(env, tmp_path)
-    shards = ",".join(map(str, range(settings.shards)))
-    fleet.specs = {"orch": ["orchestrator", "--shards", shards]}
-    for name in ("wa", "wb"):
-        fleet.specs[name] = [
-            "worker", "--pool", "parallel", "--app", "tests.app", "--concurrency", "4"
-        ]  # fmt: skip
-    log = ExecLog(settings.redis_url, f"{settings.prefix}:exec")
-    store = RedisStore(
-        Redis.from_url(settings.redis_url, decode_responses=True), Keys(settings.prefix)
+    fleet, log, store = small_fleet(
+        settings, tmp_path, ("orch",), 4, SHARDFLOW_KEY_LEASE_S=str(LEASE_S)
     )
     from orchestrator.bus import Bus
 
@@ -967,25 +985,7 @@ async def test_compensations_cut_by_kill_9_run_again_and_every_saga_ends_in_orde
     """kill -9 of the worker running a compensation, and of the active orchestrator, while
     sagas compensate: every compensation runs to its end, the bag's before the task's, none
     again once its saga moved on, and every program ends compensated."""
-    env = {
-        "SHARDFLOW_AMQP_URL": settings.amqp_url,
-        "SHARDFLOW_REDIS_URL": settings.redis_url,
-        "SHARDFLOW_SHARDS": str(settings.shards),
-        "SHARDFLOW_PREFIX": settings.prefix,
-        "SHARDFLOW_GRACE_S": "2",
-        "SHARDFLOW_METRICS_PORT": "0",
-    }
-    fleet = Fleet(env, tmp_path)
-    shards = ",".join(map(str, range(settings.shards)))
-    fleet.specs = {name: ["orchestrator", "--shards", shards] for name in ("orcha", "orchb")}
-    for name in ("wa", "wb"):
-        fleet.specs[name] = [
-            "worker", "--pool", "parallel", "--app", "tests.app", "--concurrency", "8"
-        ]  # fmt: skip
-    log = ExecLog(settings.redis_url, f"{settings.prefix}:exec")
-    store = RedisStore(
-        Redis.from_url(settings.redis_url, decode_responses=True), Keys(settings.prefix)
-    )
+    fleet, log, store = small_fleet(settings, tmp_path, ("orcha", "orchb"), 8)
     from orchestrator.bus import Bus
 
     bus = Bus(settings)
