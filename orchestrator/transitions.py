@@ -741,13 +741,16 @@ class Transitions:
         *,
         redelivered: bool,
         failure: str | None = None,
+        groups: list[saga.Group] | None = None,
     ) -> str:
         """Move the saga's cursor on from `expected` ("": the start, sent when the program
         became compensating; else the group that just finished) with compare-and-advance in
         the scope `saga`: to the next group, whose tasks go out, or to the end: compensated,
         compensation_failed (`failure`: a compensation ran out of tries), or, with nothing to
-        undo, the status that caused it (failed or cancelled), so that it can be redriven."""
-        groups = await self._groups(wf, plan)
+        undo, the status that caused it (failed or cancelled), so that it can be redriven.
+        `groups`: the plan when the caller read it already (it no longer changes)."""
+        if groups is None:
+            groups = await self._groups(wf, plan)
         following = None if failure is not None else saga.following(groups, expected)
         status, field, payload = saga.COMPENSATION_FAILED, "saga_error", failure or ""
         if following is not None:
@@ -819,7 +822,7 @@ class Transitions:
                 return "stale"
             return await self._compensate(
                 message.wf, plan, message.path, message.epoch, message.epoch,
-                redelivered=redelivered,
+                redelivered=redelivered, groups=groups,
             )  # fmt: skip
         group = saga.group_at(groups, message.path)
         if group is None or message.index is None or not 0 <= message.index < len(group.undo):
@@ -841,7 +844,7 @@ class Transitions:
             failure = _failure(message, reply.outputs or [message.error]).error
             return await self._compensate(
                 message.wf, plan, message.path, message.epoch, message.epoch,
-                redelivered=redelivered, failure=f"compensation {failure}",
+                redelivered=redelivered, failure=f"compensation {failure}", groups=groups,
             )  # fmt: skip
         if reply.verdict != "retry" and not redelivered:
             return "stale"
