@@ -24,6 +24,9 @@
 --          {"invalid", reason}   the report does not fit the leaf (its shape recorded by
 --                                advance.lua, an index out of range, or a member that is a
 --                                parallel branch: its end is advance.lua's): nothing recorded
+--          {"late"}              the program is compensating from this step (it failed or
+--                                was cancelled there) and the report is of a member started
+--                                before (lua/begin.lua): its output is recorded, to be undone
 -- "fire" and "again" carry no outputs when together they exceed INLINE bytes: the owner reads
 -- them from Redis then (orchestrator/messages.py INLINE_BYTES is the same number).
 -- Every key written is named in the program's registry (see advance.lua).
@@ -34,9 +37,39 @@
 local INLINE = 65536
 local base = string.sub(KEYS[1], 1, -6)
 local registry = base .. "keys"
-local s = redis.call("HMGET", KEYS[1], "status", "cursor", "leaf", "epoch")
+local s = redis.call("HMGET", KEYS[1], "status", "cursor", "leaf", "epoch", "from")
 if not s[1] then
   return {"missing"}
+end
+local started = base .. "started:" .. ARGV[1]  -- see lua/begin.lua
+local function in_bag(k)  -- pair k names a member of a bag of #KEYS - 2 with an output
+  local i = tonumber(ARGV[k])
+  return i and i == math.floor(i) and i >= 0 and i < #KEYS - 2 and ARGV[k + 1] ~= nil
+end
+if s[1] == "compensating" and s[5] == ARGV[1] and ARGV[2] == (s[4] or "0") then
+  -- a member started before the failure or cancel: recorded, so its compensation runs
+  local late = false
+  if #KEYS == 2 then
+    if redis.call("HDEL", started, "0") == 1 then
+      late = true
+      if redis.call("SET", KEYS[2], ARGV[3], "NX") then
+        redis.call("SADD", registry, KEYS[2])
+      end
+    end
+  else
+    for k = 3, #ARGV, 2 do
+      if in_bag(k) and redis.call("HDEL", started, ARGV[k]) == 1 then
+        late = true
+        if redis.call("SADD", KEYS[2], ARGV[k]) == 1 then
+          redis.call("SET", KEYS[3 + tonumber(ARGV[k])], ARGV[k + 1])
+          redis.call("SADD", registry, KEYS[2], KEYS[3 + tonumber(ARGV[k])])
+        end
+      end
+    end
+  end
+  if late then
+    return {"late"}
+  end
 end
 local scope = string.match(ARGV[1], "^(.*/branch:%d+)/")
 local live = "running"
@@ -70,6 +103,7 @@ if #KEYS == 2 then
     verdict = "fire"
     redis.call("SADD", registry, KEYS[2])
   end
+  redis.call("HDEL", started, "0")  -- recorded: nothing to wait for
   if redis.call("STRLEN", KEYS[2]) > INLINE then
     return {verdict}
   end
@@ -80,8 +114,7 @@ if leaf ~= "" and leaf ~= "bag:" .. size then
   return {"invalid", "step " .. ARGV[1] .. " is a " .. leaf .. ", not a bag of " .. size}
 end
 for k = 3, #ARGV, 2 do  -- every index checked before anything is written
-  local i = tonumber(ARGV[k])
-  if not i or i ~= math.floor(i) or i < 0 or i >= size or not ARGV[k + 1] then
+  if not in_bag(k) then
     return {"invalid", "bag member " .. ARGV[k] .. ": a bag of " .. size .. " has 0.." .. (size - 1)}
   end
   -- a branch member (its cursor opened with the bag) ends by its own advance, never here
@@ -96,6 +129,7 @@ for k = 3, #ARGV, 2 do
     redis.call("SADD", registry, KEYS[2], KEYS[3 + tonumber(ARGV[k])])
     verdict = "fire"
   end
+  redis.call("HDEL", started, ARGV[k])  -- recorded: nothing to wait for
 end
 if redis.call("SCARD", KEYS[2]) < size then
   return {"wait"}

@@ -11,6 +11,9 @@
 --          {"exhausted", error...}   first report of the last attempt: every attempt's error
 --          {"again", ...}            this attempt was reported before (same reply otherwise)
 --          {"stale", status, cursor} the program is elsewhere or ended: nothing recorded
+--          {"late"}                  the program is compensating from this step (it failed or
+--                                    was cancelled there) and the member had started before
+--                                    (lua/begin.lua): recorded, never retried
 --          {"missing"}               no such program
 --          {"invalid", reason}       index or attempt out of range: nothing recorded
 -- A leaf in a parallel branch (a path with `/branch:K/`) is compared with its branch's
@@ -18,9 +21,20 @@
 -- program's. A compensation's leaf (`saga:<step>`) is compared with the saga's cursor,
 -- <prefix>:{<wf>}:cur:saga, and only while the program is compensating.
 local MAX_ATTEMPTS = 100  -- bounds the loop below, whatever a caller sends
-local s = redis.call("HMGET", KEYS[1], "status", "cursor", "leaf", "epoch")
+local s = redis.call("HMGET", KEYS[1], "status", "cursor", "leaf", "epoch", "from")
 if not s[1] then
   return {"missing"}
+end
+local started = string.sub(KEYS[1], 1, -6) .. "started:" .. ARGV[1]  -- see lua/begin.lua
+-- whether this is the latest started attempt of the member (lua/begin.lua)
+local latest = redis.call("HGET", started, ARGV[2]) == ARGV[3]
+if s[1] == "compensating" and s[5] == ARGV[1] and (ARGV[6] or "0") == (s[4] or "0")
+    and latest then
+  -- a member started before the failure or cancel ended: no compensation waits for it now
+  redis.call("HDEL", started, ARGV[2])
+  redis.call("HSETNX", KEYS[2], ARGV[2] .. ":" .. ARGV[3], ARGV[4])
+  redis.call("SADD", string.sub(KEYS[1], 1, -6) .. "keys", KEYS[2])
+  return {"late"}
 end
 local scope = string.match(ARGV[1], "^(.*/branch:%d+)/")
 local live = "running"
@@ -65,6 +79,9 @@ if not index or index ~= math.floor(index) or index < 0 or index >= size then
   return {"invalid", "member " .. ARGV[2] .. ": step " .. ARGV[1] .. " has 0.." .. (size - 1)}
 end
 local first = redis.call("HSETNX", KEYS[2], ARGV[2] .. ":" .. ARGV[3], ARGV[4]) == 1
+if latest then  -- this attempt ended (a retry starts anew); an earlier one's report does not count
+  redis.call("HDEL", started, ARGV[2])
+end
 -- named in the program's registry, so it expires with the program (see advance.lua)
 redis.call("SADD", string.sub(KEYS[1], 1, -6) .. "keys", KEYS[2])
 local verdict = "again"

@@ -48,6 +48,11 @@ class Keys:
     def barrier(self, wf: str, path: str) -> str:
         return f"{self.prefix}:{{{wf}}}:bar:{path}"
 
+    def started(self, wf: str, path: str) -> str:
+        """The members of a step that names compensations whose latest attempt started and has
+        not ended, with that attempt (lua/begin.lua)."""
+        return f"{self.prefix}:{{{wf}}}:started:{path}"
+
     def blob(self, wf: str, name: str) -> str:
         """A large value a task message refers to: `input`, or the `prev` of the leaf at a path."""
         return f"{self.prefix}:{{{wf}}}:blob:{name}"

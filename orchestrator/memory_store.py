@@ -10,12 +10,14 @@ line for line.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from orchestrator.keys import Keys
 from orchestrator.paths import SAGA, live_status, parent_of, scope_of
+from orchestrator.program import MAX_BAG
 from orchestrator.store import (
     MAX_ATTEMPTS,
     MAX_RUNS,
@@ -306,6 +308,8 @@ class MemoryStore:
         status, cursor, leaf, run = self._scoped(wf, path, "status", "cursor", "leaf", "epoch")
         if status is None:
             return Completion("missing", [])
+        if self._late(wf, path, epoch) and self._record_late(wf, path, size, outputs):
+            return Completion("late", [])
         if status != live_status(path) or cursor != path or str(epoch) != (run or "0"):
             return Completion("stale", [])
         if self._left(wf, path):  # a branch's leaf whose bag was left
@@ -319,6 +323,7 @@ class MemoryStore:
             if fired:
                 self.data[key] = outputs[None]
                 self._register(wf, key)
+            self._settled(wf, path, 0)
             value = self._get(key) or ""
             return Completion("fire" if fired else "again", [] if len(value) > INLINE else [value])
         if leaf not in ("", f"bag:{size}"):
@@ -338,12 +343,96 @@ class MemoryStore:
                 self.data[self.keys.output(wf, path, index)] = output
                 self._register(wf, self.keys.barrier(wf, path), self.keys.output(wf, path, index))
                 fired = True
+            self._settled(wf, path, index or 0)
         self._drop_if_empty(self.keys.barrier(wf, path))
         if len(barrier) < size:
             return Completion("wait", [])
         members = [self._get(self.keys.output(wf, path, i)) or "" for i in range(size)]
         inline = sum(map(len, members)) <= INLINE
         return Completion("fire" if fired else "again", members if inline else [])
+
+    def _late(self, wf: str, path: str, epoch: int) -> bool:
+        """Whether the program is compensating from the step at `path` (it failed or was
+        cancelled there), in run `epoch`: its started members still report (begin.lua)."""
+        status, start, run = self._hmget(self.keys.state(wf), "status", "from", "epoch")
+        return status == "compensating" and start == path and str(epoch) == (run or "0")
+
+    def _record_late(
+        self, wf: str, path: str, size: int, outputs: Mapping[int | None, str]
+    ) -> bool:
+        """complete.lua's late path: the outputs of members that had started, recorded."""
+        late = False
+        for index, output in outputs.items():
+            if index is not None and not (isinstance(index, int) and 0 <= index < size):
+                continue
+            if not self._settled(wf, path, index or 0):
+                continue
+            late = True
+            if index is None:
+                key = self.keys.output(wf, path)
+                if self._get(key) is None:
+                    self.data[key] = output
+                    self._register(wf, key)
+                continue
+            barrier = self._set(self.keys.barrier(wf, path))
+            if str(index) not in barrier:
+                barrier.add(str(index))
+                self.data[self.keys.output(wf, path, index)] = output
+                self._register(wf, self.keys.barrier(wf, path), self.keys.output(wf, path, index))
+            self._drop_if_empty(self.keys.barrier(wf, path))
+        return late
+
+    def _settled(self, wf: str, path: str, index: int) -> bool:
+        """A member no compensation waits for any more: out of the step's started hash (HDEL);
+        whether it was in."""
+        key = self.keys.started(wf, path)
+        started = self.data.get(key)
+        if not isinstance(started, dict) or str(index) not in started:
+            return False
+        del started[str(index)]
+        self._drop_if_empty(key)
+        return True
+
+    async def begin(
+        self, wf: str, path: str, indexes: list[int], epoch: int = 0, attempt: int = 0
+    ) -> Completion:
+        """lua/begin.lua"""
+        status, cursor, leaf, run, start = self._hmget(
+            self.keys.state(wf), "status", "cursor", "leaf", "epoch", "from"
+        )
+        if status is None:
+            return Completion("missing", [])
+        if str(epoch) != (run or "0"):
+            return Completion("stale", [status, cursor or ""])
+        if attempt < 0:
+            return Completion("invalid", [f"attempt {attempt}: a whole number from 0"])
+        if len(indexes) > MAX_BAG:
+            return Completion("invalid", [f"a message of more than {MAX_BAG} members"])
+        key = self.keys.started(wf, path)
+        if status == "running" and cursor == path:
+            found = re.fullmatch(r"bag:(\d+)", leaf or "")
+            size = int(found.group(1)) if found else 1
+            for index in indexes:
+                if not 0 <= index < size:
+                    return Completion("invalid", [f"member {index}: step {path} has 0..{size - 1}"])
+            marks = self._hash(key)
+            for index in indexes:
+                if attempt > int(marks.get(str(index), "-1")):  # not a late earlier copy
+                    marks[str(index)] = str(attempt)
+            self._drop_if_empty(key)
+            if indexes:
+                self._register(wf, key)
+            return Completion("go", [str(i) for i in indexes])
+        if status == "compensating" and start == path:
+            marked = self._hmget(key, *(str(i) for i in indexes))
+            going = [str(i) for i, at in zip(indexes, marked, strict=True) if at == str(attempt)]
+            if going:
+                return Completion("go", going)
+        return Completion("stale", [status, cursor or ""])
+
+    async def started(self, wf: str, path: str) -> int:
+        started = self.data.get(self.keys.started(wf, path))
+        return len(started) if isinstance(started, dict) else 0
 
     async def fail(
         self,
@@ -359,6 +448,13 @@ class MemoryStore:
         status, cursor, leaf, run = self._scoped(wf, path, "status", "cursor", "leaf", "epoch")
         if status is None:
             return Completion("missing", [])
+        latest = self._hmget(self.keys.started(wf, path), str(index or 0))[0] == str(attempt)
+        if self._late(wf, path, epoch) and latest:
+            # a member started before the failure or cancel: no compensation waits for it now
+            self._settled(wf, path, index or 0)
+            self._hash(self.keys.failures(wf, path)).setdefault(f"{index or 0}:{attempt}", error)
+            self._register(wf, self.keys.failures(wf, path))
+            return Completion("late", [])
         if status != live_status(path) or cursor != path or str(epoch) != (run or "0"):
             return Completion("stale", [])
         if self._left(wf, path):  # a branch's leaf whose bag was left
@@ -383,6 +479,8 @@ class MemoryStore:
         first = f"{member}:{attempt}" not in failures
         failures.setdefault(f"{member}:{attempt}", error)
         self._register(wf, self.keys.failures(wf, path))
+        if latest:  # this attempt ended (a retry starts anew); an earlier one's does not count
+            self._settled(wf, path, member)
         if attempt + 1 < max_attempts:
             return Completion("retry" if first else "again", [])
         errors = [failures.get(f"{member}:{a}", "?") for a in range(attempt + 1)]

@@ -187,6 +187,9 @@ class TaskMessage(_Message):
     epoch: Epoch = 0
     # Run only while holding a slot of this key (a task with a limit travels alone).
     limit: KeyLimit | None = None
+    # Its step names compensations: the worker notes it as started (lua/begin.lua), so a
+    # failure or cancel of the program lets it run to the end, and undoes it too.
+    undoable: bool = False
 
     @model_validator(mode="after")
     def _members_in_bag(self) -> TaskMessage:
@@ -216,12 +219,14 @@ _TASK = TypeAdapter(TaskMessage)
 
 
 def _unused_new_fields(message: _Message) -> dict[str, Any]:
-    """Fields added since 0.1 (`item`, `epoch`, `limit`, `limit.redelivered`), left out while
-    unused: parts from before them refuse unknown fields (extra="forbid"), and must keep
-    reading messages during a rolling upgrade."""
+    """Fields added since 0.1 (`item`, `epoch`, `limit`, `limit.redelivered`, `undoable`),
+    left out while unused: parts from before them refuse unknown fields (extra="forbid"), and
+    must keep reading messages during a rolling upgrade."""
     unused: dict[str, Any] = {}
     if getattr(message, "epoch", None) == 0:
         unused["epoch"] = True
+    if isinstance(message, TaskMessage) and not message.undoable:
+        unused["undoable"] = True
     if isinstance(message, TaskMessage) and message.limit is None:
         unused["limit"] = True
     elif isinstance(message, TaskMessage) and message.limit and not message.limit.redelivered:

@@ -70,6 +70,7 @@ class RedisStore:
         self._advance = self._transition("advance")
         self._complete = self._transition("complete")
         self._fail = self._transition("fail")
+        self._begin = self._transition("begin")
         self._cancel = self._transition("cancel")
         self._stash = self._transition("stash")
         self._purge = self._transition("purge")
@@ -237,6 +238,18 @@ class RedisStore:
 
     async def members(self, wf: str, path: str) -> int:
         return int(await self.client.scard(self.keys.barrier(wf, path)))  # type: ignore[misc]
+
+    async def begin(
+        self, wf: str, path: str, indexes: list[int], epoch: int = 0, attempt: int = 0
+    ) -> Completion:
+        reply = await self._begin(
+            keys=[self.keys.state(wf), self.keys.started(wf, path)],
+            args=[path, epoch, attempt, *indexes],
+        )
+        return Completion(reply[0], _carried(reply, ("go", "invalid", "stale")))
+
+    async def started(self, wf: str, path: str) -> int:
+        return int(await self.client.hlen(self.keys.started(wf, path)))  # type: ignore[misc]
 
     async def stash(self, wf: str, blobs: Mapping[str, str]) -> bool:
         """Keep large values under the program (see lua/stash.lua)."""

@@ -75,9 +75,12 @@ class Redriven:
 @dataclass(frozen=True, slots=True)
 class Completion:
     """A task's completion as recorded; `fire` and `again` carry every output (JSON) of the step,
-    `exhausted` every attempt's error, `invalid` the reason a report was refused."""
+    `exhausted` every attempt's error, `invalid` the reason a report was refused, `go` the
+    members to run (lua/begin.lua). `late`: recorded for a program compensating from its step."""
 
-    verdict: Literal["fire", "again", "wait", "stale", "retry", "exhausted", "missing", "invalid"]
+    verdict: Literal[
+        "fire", "again", "wait", "stale", "retry", "exhausted", "missing", "invalid", "late", "go"
+    ]
     outputs: list[str]
 
 
@@ -209,6 +212,18 @@ class Store(Protocol):
 
     async def members(self, wf: str, path: str) -> int:
         """How many members of the bag or map at `path` finished (its barrier's size)."""
+        ...
+
+    async def begin(
+        self, wf: str, path: str, indexes: list[int], epoch: int = 0, attempt: int = 0
+    ) -> Completion:
+        """Tasks of a step that names compensations start (lua/begin.lua): `go` with the
+        indexes to run (as text), stale (with the status and cursor), missing or invalid."""
+        ...
+
+    async def started(self, wf: str, path: str) -> int:
+        """How many members of the step at `path` started and have not ended (lua/begin.lua):
+        its compensations wait for them."""
         ...
 
     async def stash(self, wf: str, blobs: Mapping[str, str]) -> bool:

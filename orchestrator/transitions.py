@@ -74,6 +74,11 @@ class Plan:
     # The program's priority (0..MAX_PRIORITY, given at submit): its tasks' head start.
     priority: int = 0
 
+    @property
+    def undoable(self) -> frozenset[str]:
+        """The paths of the top-level steps that name compensations (lua/begin.lua)."""
+        return frozenset(str(n) for n, _ in self.program.compensations)
+
 
 class Plans:
     """A bounded cache of plans, so a transition costs one Redis call, not two."""
@@ -220,6 +225,7 @@ def task_messages(
                 ],
                 epoch=epoch,
                 limit=limit(first),
+                undoable=leaf.path in plan.undoable,
             )
             bodies.append(encode(message))
     return messages
@@ -613,6 +619,9 @@ class Transitions:
         )
         if reply.verdict in ("missing", "invalid"):
             raise Poison(f"{message.wf}: {', '.join(reply.outputs) or 'no such program'}")
+        if reply.verdict == "late":  # its compensations may begin now (lua/begin.lua)
+            await self.bus.publish_to_shard(plan.owner, encode(Start(wf=message.wf)), NEW)
+            return "late"
         if reply.verdict == "stale":
             if redelivered and plan.program.compensations:
                 await self._start_owed(message.wf, plan, message.epoch)
@@ -749,6 +758,13 @@ class Transitions:
         compensation_failed (`failure`: a compensation ran out of tries), or, with nothing to
         undo, the status that caused it (failed or cancelled), so that it can be redriven.
         `groups`: the plan when the caller read it already (it no longer changes)."""
+        if not expected:
+            if state is None:
+                state = await self.store.state(wf)
+            waiting = await self._still_running(wf, plan, state)
+            if waiting:  # each one's end (a late report) sends the start again
+                log.info("%s: compensations wait for %d started task(s)", wf, waiting)
+                return "waiting"
         if groups is None:
             groups = await self._groups(wf, plan)
         following = None if failure is not None else saga.following(groups, expected)
@@ -793,6 +809,15 @@ class Transitions:
             self.plans.forget(wf)
             await self.store.untrack(wf, plan.owner)
         return verdict.verdict
+
+    async def _still_running(self, wf: str, plan: Plan, state: dict[str, str]) -> int:
+        """How many tasks of the step a compensating program failed or was cancelled at still
+        run (started before, lua/begin.lua): its compensations start once they ended, so
+        that what they did is undone too."""
+        at = state.get("from") or ""
+        if state.get("status") != "compensating" or at not in plan.undoable:
+            return 0
+        return await self.store.started(wf, at)
 
     async def _publish_group(
         self, wf: str, plan: Plan, group: saga.Group, epoch: int, only: int | None = None

@@ -60,18 +60,25 @@ async def compensations(
 ) -> dict[str, Any] | None:
     """The saga of a program that compensates (None for any other): why (`cause`: failed or
     cancelled), a compensation's failure, and per group of compensations (last step first)
-    the step it undoes, its tasks and whether it ran, runs, failed, waits or was skipped."""
+    the step it undoes, its tasks and whether it ran, runs, failed, waits or was skipped;
+    before they start, how many tasks of the step it stopped at still run to their end
+    (`waiting_for`: their outputs are undone too, lua/begin.lua)."""
     status = state.get("status", "")
     if program is None or not program.compensations or status not in SAGA_STATUSES:
         return None
     groups = saga.plan(program, await store.leaf_outputs(wf, saga.leaves(program)))
     cursor = await store.at(wf, f"{SAGA}:0")  # the saga's own cursor
     at = cursor.get("cursor") or cursor.get("from") or ""
-    return {
+    found: dict[str, Any] = {
         "cause": state.get("cause"),
         "error": state.get("saga_error"),
         "groups": saga.describe(groups, status, at),
     }
+    stopped_at = state.get("from") or ""
+    if status == "compensating" and not at and stopped_at.isdigit():
+        found["waiting_for"] = await store.started(wf, stopped_at)
+        found["stopped_at"] = int(stopped_at)
+    return found
 
 
 # What a cursor may point at.
@@ -646,8 +653,14 @@ def _waiting_for(report: dict[str, Any], *, cursor: str, now: float) -> str:
     if status in TERMINAL:
         return f"nothing: it ended {status}"
     if status == "compensating":
-        groups = (report.get("compensations") or {}).get("groups") or []
+        saga_now = report.get("compensations") or {}
+        groups = saga_now.get("groups") or []
         now_running = [g for g in groups if g["state"] == "running"]
+        if not now_running and saga_now.get("waiting_for"):
+            return (
+                f"{saga_now['waiting_for']} started task(s) of step {saga_now['stopped_at']} to "
+                "end (their outputs are undone too), then its compensations"
+            )
         if not now_running:
             return f"its compensations to start, on shard {report['owner']}"
         group = now_running[0]

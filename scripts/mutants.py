@@ -78,6 +78,7 @@ for k = 3, #ARGV, 2 do
     redis.call("SADD", registry, KEYS[2], KEYS[3 + tonumber(ARGV[k])])
     verdict = "fire"
   end
+  redis.call("HDEL", started, ARGV[k])  -- recorded: nothing to wait for
 end
 if redis.call("SCARD", KEYS[2]) < size then
   return {"wait"}
@@ -85,6 +86,7 @@ end""",
         """for k = 3, #ARGV, 2 do
   redis.call("SET", KEYS[3 + tonumber(ARGV[k])], ARGV[k + 1])
   redis.call("SADD", registry, KEYS[2], KEYS[3 + tonumber(ARGV[k])])
+  redis.call("HDEL", started, ARGV[k])
 end
 local count = redis.call("INCRBY", KEYS[2], (#ARGV - 2) / 2)
 if count < size then
@@ -460,6 +462,54 @@ end""",
         "orchestrator/transitions.py",
         '                redelivered=redelivered, failure=f"compensation {failure}",',
         "                redelivered=redelivered, failure=None,",
+        (SAGAS,),
+    ),
+    # --- started tasks run to their end before the compensations (lua/begin.lua) ---
+    # begin.lua notes nothing: a task still running at the failure reports too late, its
+    # output is never recorded and what it did is never undone.
+    "begin-notes-nothing": (
+        "lua/begin.lua",
+        '      redis.call("HSET", KEYS[2], ARGV[k], ARGV[3])',
+        "      -- (nothing noted)",
+        (SAGAS, DIFFERENTIAL),
+    ),
+    # The compensations start while started tasks still run: a late output comes after the
+    # plan was read, and is never undone.
+    "compensations-start-while-tasks-run": (
+        "orchestrator/transitions.py",
+        "            if waiting:  # each one's end (a late report) sends the start again",
+        "            if False:",
+        (SAGAS,),
+    ),
+    # A late output of a single task is answered `late` but not written.
+    "late-output-not-recorded": (
+        "lua/complete.lua",
+        '      if redis.call("SET", KEYS[2], ARGV[3], "NX") then\n        redis.call("SADD", reg',
+        '      if false then\n        redis.call("SADD", reg',
+        (SAGAS, DIFFERENTIAL),
+    ),
+    # A late failure is refused as stale: the member stays started and the compensations
+    # wait for it for ever.
+    "late-failure-refused": (
+        "lua/fail.lua",
+        "    and latest then",
+        "    and false then",
+        (SAGAS, DIFFERENTIAL),
+    ),
+    # Any failure report takes the member out, a stale one of an earlier attempt too: the
+    # compensations start while its latest attempt still runs, whose output is then lost.
+    "stale-failure-settles": (
+        "lua/fail.lua",
+        'local latest = redis.call("HGET", started, ARGV[2]) == ARGV[3]',
+        'local latest = redis.call("HEXISTS", started, ARGV[2]) == 1',
+        (SAGAS, MACHINE, SAGA_STORE),
+    ),
+    # A cancel stops a running task that names a compensation: it never reports, and the
+    # compensations wait for it for ever.
+    "cancel-stops-undoable-tasks": (
+        "worker/pool.py",
+        "        if is_saga(task.path) or task.undoable:",
+        "        if is_saga(task.path):",
         (SAGAS,),
     ),
     # A group's members get one another's outputs (the items in reverse order).

@@ -1054,3 +1054,71 @@ async def test_compensations_cut_by_kill_9_run_again_and_every_saga_ends_in_orde
     assert reach and reach[0].cut, reach  # the worker died running a compensation
     assert all(r.running for r in reach), reach  # every kill found sagas in flight
     assert all(code == 0 for code in exits), exits
+
+
+def late_program(k: int) -> dict[str, Any]:
+    """A bag whose member 0 is slow and names a compensation, and whose member 1 always fails:
+    the program compensates while member 0 still runs, which must end and be undone."""
+    undo = {"task": "fault.step", "args": {"n": 100 + k}, "pool": "parallel"}
+    slow = {"task": "fault.step", "args": {"n": k, "sleep_s": 1.0}, "compensate": undo}
+    return {"name": f"late-{k}", "steps": [{"bag": [slow, {"task": "boom"}]}]}
+
+
+@pytest.mark.fault
+async def test_a_task_still_running_when_its_program_fails_survives_kill_9_and_is_undone(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """kill -9 of the worker running bag members that started before their programs failed:
+    the redelivered members run again (lua/begin.lua), their outputs are recorded late, and
+    only then do the compensations start; every program ends compensated, each member undone
+    once, after its last run ended."""
+    fleet, log, store = small_fleet(settings, tmp_path, ("orcha",), 8)
+    from orchestrator.bus import Bus
+
+    bus = Bus(settings)
+    await bus.connect()
+    ids = [f"l{k}" for k in range(8)]
+    try:
+        fleet.start_all()
+        router = Router(settings, store=store, bus=bus)
+        for k, wf in enumerate(ids):
+            await router.submit(late_program(k), log.as_input(), wf)
+        # Kill the worker running the most slow members once their programs compensate.
+        deadline = time.monotonic() + 30
+        while True:
+            running = [e for e in log.read() if e.get("event") == "start" and e["path"] == "0"]
+            states = [await store.state(e["wf"]) for e in running]
+            compensating = [
+                e for e, s in zip(running, states, strict=True) if s["status"] == "compensating"
+            ]
+            if len(compensating) >= 4:
+                break
+            assert time.monotonic() < deadline, f"no slow member ran in a failed bag: {states}"
+            await asyncio.sleep(0.05)
+        pids = Counter(e["pid"] for e in compensating)
+        [victim] = [n for n, p in fleet.processes.items() if p.pid == pids.most_common(1)[0][0]]
+        fleet.kill(victim)
+        log.mark("kill", victim=victim)
+        fleet.start(victim)
+        statuses = await _wait_all(store, ids, timeout_s=60)
+    finally:
+        await bus.close()
+        exits = fleet.stop_all()
+        await store.close()
+    events = log.read()
+    log.drop()
+    assert all(s.get("status") == "compensated" for s in statuses.values()), statuses
+    kill_at = next(n for n, e in enumerate(events) if e.get("event") == "kill")
+    rerun = 0
+    for wf in ids:
+        mine = [(n, e) for n, e in enumerate(events) if e.get("wf") == wf]
+        ends = [n for n, e in mine if e["path"] == "0" and e["event"] == "end"]
+        undos = [(n, e) for n, e in mine if e["path"] == "saga:0" and e["event"] == "start"]
+        assert ends, f"{wf}: its slow member never ended"
+        assert len(undos) == 1, f"{wf}: undone {len(undos)} times"
+        assert undos[0][0] > max(ends), f"{wf}: undone before its member's last run ended"
+        assert undos[0][1]["prev"] is None and undos[0][1]["index"] == 0
+        starts = [n for n, e in mine if e["path"] == "0" and e["event"] == "start"]
+        rerun += any(n > kill_at for n in starts)
+    assert rerun, "no member cut by the kill ran again"
+    assert all(code == 0 for code in exits), exits

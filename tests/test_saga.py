@@ -79,6 +79,8 @@ class Saga:
     async def complete(self, task: TaskMessage, output: Any) -> None:
         outputs = {task.index: json.dumps(output)}
         done = await self.store.record(self.wf, task.path, task.size, outputs, task.epoch)
+        if done.verdict == "late":  # its compensations may start now, as the worker says
+            self.bus.shard.append(Start(wf=self.wf).model_dump_json().encode())
         if done.verdict == "fire":  # the last member: the worker reports the step done
             value = output if task.index is None else [json.loads(v) for v in done.outputs]
             self.bus.shard.append(
@@ -87,6 +89,13 @@ class Saga:
                 .encode()
             )
         await self.shard()
+
+    async def begin(self, task: TaskMessage) -> str:
+        """A worker takes the task: noted as started when it names compensations (go)."""
+        assert task.undoable
+        index = [task.index or 0]
+        found = await self.store.begin(self.wf, task.path, index, task.epoch, task.attempt)
+        return found.verdict
 
     async def fail(self, task: TaskMessage, error: str = "no") -> None:
         report = Failed(
@@ -237,7 +246,7 @@ async def test_a_cancel_compensates_a_second_changes_nothing_and_a_stop_stops_th
     await saga.shard()
     [unhotel] = saga.tasks()
     assert (unhotel.path, unhotel.task, unhotel.item) == ("saga:1", "unhotel", {"hotel": "H"})
-    # The car completes after the cancel: nothing is recorded, so nothing to undo for it.
+    # No worker took the car before the cancel: its report is refused, nothing to undo.
     assert (await saga.store.record(saga.wf, "1", 3, {1: "{}"})).verdict == "stale"
     # A retried cancel (or one that races a failure) changes nothing and says so.
     status = await saga.router.cancel(saga.wf, "changed my mind")
@@ -254,6 +263,35 @@ async def test_a_cancel_compensates_a_second_changes_nothing_and_a_stop_stops_th
     assert state["cause"] == "cancelled" and state["error"] == "changed my mind"
     await saga.complete(unhotel, None)
     assert not saga.tasks()
+
+
+async def test_started_members_end_before_the_compensations_and_are_undone_too() -> None:
+    """The hotel and the car had started when the program was cancelled; the note had not.
+    The compensations wait for both (begin.lua); the car completes (late: recorded), the
+    hotel fails (late: no retry); then the saga undoes the car and the flight."""
+    saga = Saga(BOOKING)
+    await saga.submit()
+    [flight] = saga.tasks()
+    await saga.complete(flight, {"flight": "F1"})
+    members = {t.task: t for t in saga.tasks()}
+    assert all(t.undoable for t in members.values())
+    for name in ("hotel", "car"):
+        assert await saga.begin(members[name]) == "go"
+    assert (await saga.router.cancel(saga.wf, "changed my mind"))["status"] == "compensating"
+    assert await saga.shard() == ["waiting"]
+    assert not saga.tasks()
+    assert (await saga.router.status(saga.wf))["compensations"]["waiting_for"] == 2
+    assert await saga.begin(members["note"]) == "stale"  # nothing new starts
+    await saga.complete(members["car"], {"car": "C"})
+    assert not saga.tasks(), "the hotel still runs"
+    await saga.fail(members["hotel"], "no rooms")
+    assert (await saga.state())["status"] == "compensating"
+    [uncar] = saga.tasks()
+    assert (uncar.path, uncar.task, uncar.item) == ("saga:1", "uncar", {"car": "C"})
+    await saga.complete(uncar, None)
+    [unflight] = saga.tasks()
+    await saga.complete(unflight, None)
+    assert (await saga.state())["status"] == "compensated"
 
 
 async def test_nothing_to_undo_ends_as_its_cause_and_can_be_redriven() -> None:

@@ -176,3 +176,62 @@ async def test_a_failure_before_anything_completed_stays_a_plain_failure(
     status = await cluster.wait(wf, timeout_s=30)
     assert status["status"] == "failed" and "compensations" not in status
     assert (await cluster.redrive(wf))["status"] in ("pending", "running", "failed")
+
+
+async def test_a_bag_member_running_when_its_bag_fails_ends_and_is_undone(
+    cluster: Router, trace: app.Trace
+) -> None:
+    """Member 0 still runs when member 1 fails the bag: the compensations wait for it to end,
+    record its output, and undo it (lua/begin.lua)."""
+    program = {
+        "steps": [
+            {
+                "bag": [
+                    {"task": "echo", "args": {"m": 0, "sleep_s": 1.5}, "compensate": _undo()},
+                    {"task": "boom"},
+                ]
+            }
+        ]
+    }
+    wf = (await cluster.submit(program, trace.as_input())).workflow_id
+    explained = await until(
+        lambda: cluster.explain(wf), lambda found: found["status"] == "compensating"
+    )
+    if not any(e["path"] == "0" and e["event"] == "end" for e in _events(trace, wf)):
+        assert "1 started task(s) of step 0 to end" in explained["waiting_for"], explained
+        assert explained["compensations"]["waiting_for"] == 1
+    status = await cluster.wait(wf, timeout_s=30)
+    assert status["status"] == "compensated", status
+    assert status["compensations"]["groups"] == [
+        {"path": "saga:0", "undoes": 0, "tasks": ["undo (member 0)"], "state": "done"}
+    ]
+    seq = {(e["path"], e["index"], e["event"]): e["seq"] for e in _events(trace, wf)}
+    assert seq[("0", 0, "end")] < seq[("saga:0", 0, "start")], seq
+    redis, keys = redis_of(cluster.store), cluster.store.keys
+    undone = json.loads(await redis.get(keys.output(wf, "saga:0", 0)))
+    assert undone["undid"]["args"] == {"m": 0, "sleep_s": 1.5}
+
+
+async def test_a_task_running_when_its_program_is_cancelled_ends_and_is_undone(
+    cluster: Router, trace: app.Trace
+) -> None:
+    """A cancel does not stop a running task that names a compensation: it ends, and is
+    undone (a task of a step that names none is stopped, as before)."""
+    program = {
+        "steps": [
+            {"task": "echo", "args": {"n": 0, "sleep_s": 1.5}, "compensate": _undo()},
+            {"task": "echo", "args": {"n": 1}},
+        ]
+    }
+    wf = (await cluster.submit(program, trace.as_input())).workflow_id
+
+    async def events() -> dict[str, Any]:
+        return {"events": _events(trace, wf)}
+
+    await until(events, lambda found: any(e["path"] == "0" for e in found["events"]))
+    assert (await cluster.cancel(wf, "plans changed"))["status"] == "compensating"
+    status = await cluster.wait(wf, timeout_s=30)
+    assert (status["status"], status["error"]) == ("compensated", "plans changed"), status
+    seq = {(e["path"], e["event"]): e["seq"] for e in _events(trace, wf)}
+    assert seq[("0", "end")] < seq[("saga:0", "start")], seq
+    assert ("1", "start") not in seq

@@ -188,8 +188,15 @@ def calls(cursors: dict[str, list[str]]) -> st.SearchStrategy[Call]:
         take = st.builds(
             lambda path, name: ("take", (wf, path, name)), at(wf, PATHS), st.sampled_from(SIGNALS)
         )
+        begin = st.builds(  # tasks of a step that names compensations start (begin.lua)
+            lambda path, indexes, epoch, attempt: ("begin", (wf, path, indexes, epoch, attempt)),
+            at(wf, PATHS),
+            st.lists(st.sampled_from([0, 1, 1, 2, -1]), min_size=1, max_size=3),
+            EPOCHS,
+            st.sampled_from([0, 0, 1, 2, -1]),  # fail's drawn attempts are 0..2 mostly
+        )
         # Weighted toward the moves that change a live program; a cancel ends it.
-        moves = {"advance": advance(wf), "record": record(wf), "fail": fail}
+        moves = {"advance": advance(wf), "record": record(wf), "fail": fail, "begin": begin}
         moves |= {"signal": signal, "take": take}
         others = {"submit": submit, "track": track, "cancel": cancel}
         others |= {"stash": stash, "purge": purge, "redrive": redrive}
@@ -569,6 +576,32 @@ async def test_a_saga_moves_only_while_compensating_in_its_own_scope(
         (("cancel", ("c", "cancelled", "enough", None, True, True)), "applied"),
         (("record", ("c", "saga:0", 2, {0: '"a"'})), "stale"),
         (saga("c", "saga:0", "", "compensated"), "stale"),
+        # Tasks that started before a failure run to their end: a late output is recorded
+        # (to be undone), a late failure is never retried, and no new task starts.
+        (("submit", ("l", PLANS[0], 1, "x", "d1")), "created"),
+        (("advance", ("l", "", "0", "running", "", "", "bag:3")), "applied"),
+        (("begin", ("l", "0", [0, 1], 0, 0)), "go"),
+        (("record", ("l", "0", 3, {0: '"a"'})), "wait"),
+        (("advance", ("l", "0", "", "compensating", "error", "boom", "")), "applied"),
+        (("begin", ("l", "0", [2], 0, 0)), "stale"),
+        (("begin", ("l", "0", [0, 1], 0, 0)), "go"),  # a redelivery of member 1 runs again
+        (("record", ("l", "0", 3, {1: '"b"'})), "late"),
+        (("record", ("l", "0", 3, {1: '"c"'})), "stale"),
+        (("fail", ("l", "0", 1, 0, "e", 2)), "stale"),
+        (("submit", ("m", PLANS[0], 1, "x", "d1")), "created"),
+        (("advance", ("m", "", "0", "running", "", "", "task")), "applied"),
+        (("begin", ("m", "0", [0], 0, 0)), "go"),
+        (("fail", ("m", "0", None, 0, "e", 3)), "retry"),
+        (("begin", ("m", "0", [0], 0, 1)), "go"),  # attempt 1 runs
+        (("fail", ("m", "0", None, 0, "e", 3)), "again"),  # a late copy of attempt 0's report
+        (("begin", ("m", "0", [0], 0, 0)), "go"),  # a late copy of attempt 0 runs, unmarked
+        (("cancel", ("m", "cancelled", "stop", None, True)), "applied"),
+        (("begin", ("m", "0", [0], 1, 1)), "stale"),
+        (("begin", ("m", "0", [0], 0, 0)), "stale"),
+        (("fail", ("m", "0", None, 0, "e", 3)), "stale"),  # attempt 1 is the one waited for
+        (("fail", ("m", "0", None, 1, "e", 3)), "late"),
+        (("fail", ("m", "0", None, 1, "e", 3)), "stale"),
+        (("begin", ("m", "0", [0], 0, 1)), "stale"),
     ]
     try:
         for n, ((name, args), verdict) in enumerate(script):
@@ -588,6 +621,8 @@ async def test_a_saga_moves_only_while_compensating_in_its_own_scope(
             state, expiring = await dump(client, keys.prefix)
             assert state == _normal(model.data), f"after call {n} {name}{args}"
             assert expiring == set(model.ttl), f"expiry after call {n} {name}{args}"
+        assert [await real.started("l", "0"), await model.started("l", "0")] == [0, 0]
+        assert await real.leaf_outputs("l", [("0", 0), ("0", 1), ("0", 2)]) == ['"a"', '"b"', None]
         w, c = await real.state("w"), await real.state("c")
         assert (w["status"], w["cause"], w["from"], w["prior"]) == (
             "compensated",

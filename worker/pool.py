@@ -24,6 +24,7 @@ from orchestrator.messages import (
     Cancelled,
     Failed,
     Next,
+    Start,
     TaskMessage,
     decode_task,
     encode,
@@ -41,7 +42,8 @@ log = logging.getLogger(__name__)
 # A slot not given back within this is left to run out with its lease.
 RELEASE_WAIT_S = 5.0
 
-Report = Next | Failed
+# A Start to a compensating program's owner: a late report, its compensations may begin.
+Report = Next | Failed | Start
 
 
 class Worker(Service):
@@ -77,8 +79,8 @@ class Worker(Service):
         self.marks = Marks(store)  # who holds the serial lane, for `explain`
         self.lease_ms = round(settings.key_lease_s * 1000)
         self._running: dict[str, set[asyncio.Task[Any]]] = {}
-        # The handlers running compensations, which a program that starts compensating keeps.
-        self._compensations: set[asyncio.Task[Any]] = set()
+        # Handlers a cancel of a compensating program keeps: compensations and undoable tasks.
+        self._kept: set[asyncio.Task[Any]] = set()
 
     def summary(self) -> str:
         return format_counts(self.counts)
@@ -104,14 +106,16 @@ class Worker(Service):
     async def stop_ended(self, wf: str) -> int:
         """A program was cancelled (or ran out of time): stop this worker's running tasks of
         it; how many. Anyone on the vhost can publish that notice: only a program that really
-        ended stops, and one that now runs its compensations stops every task but those."""
+        ended stops, and one that now runs its compensations stops every task but those and
+        the tasks of the step it failed at that name compensations (they run to the end, to be
+        undone: lua/begin.lua)."""
         if wf not in self._running:
             return 0
         status = (await self.store.state(wf)).get("status")
         if status in TERMINAL:
             return self.cancel_program(wf)
         if status == "compensating":
-            return self.cancel_program(wf, keep=self._compensations)
+            return self.cancel_program(wf, keep=self._kept)
         log.warning("%s: ignored a cancel of %s, which has not ended", self.name, wf)
         return 0
 
@@ -162,10 +166,14 @@ class Worker(Service):
             for report in reports:
                 await self.bus.publish_to_shard(task.owner, encode(report))
 
-    async def _current(self, tasks: list[TaskMessage]) -> bool:
-        """Whether the program is still at the tasks' step, in their run. A step its program
-        has left (a late copy from a replay, or a redelivery after a crash past the report)
-        is not run again: nothing it could record would count."""
+    async def _current(
+        self, tasks: list[TaskMessage], *, redelivered: bool = False
+    ) -> list[TaskMessage]:
+        """The tasks to run: all when the program is still at their step, in their run, else
+        none. A step its program has left (a late copy from a replay, or a redelivery after a
+        crash past the report) is not run again: nothing it could record would count."""
+        if tasks[0].undoable:
+            return await self._begin(tasks, redelivered=redelivered)
         # In a parallel branch, the branch's own cursor says where it is.
         state = await self.store.at(tasks[0].wf, tasks[0].path)
         if not state:  # never run a handler for a program nobody submitted
@@ -176,8 +184,26 @@ class Worker(Service):
             or int(state.get("epoch") or 0) != tasks[0].epoch  # a run before a redrive
         ):
             self.counts["stale"] += len(tasks)
-            return False
-        return True
+            return []
+        return tasks
+
+    async def _begin(self, tasks: list[TaskMessage], *, redelivered: bool) -> list[TaskMessage]:
+        """`_current` for tasks of a step that names compensations: noted as started, or, once
+        the program compensates from that step, those started before (lua/begin.lua)."""
+        first = tasks[0]
+        indexes = [task.index or 0 for task in tasks]
+        reply = await self.store.begin(first.wf, first.path, indexes, first.epoch, first.attempt)
+        if reply.verdict in ("missing", "invalid"):
+            raise Poison(f"{first.wf}: {', '.join(reply.outputs) or 'no such program'}")
+        if reply.verdict == "go":
+            going = set(reply.outputs)
+            return [task for task in tasks if str(task.index or 0) in going]
+        self.counts["stale"] += len(tasks)
+        if redelivered and reply.outputs[:1] == ["compensating"]:
+            # A late report whose Start a crash cut short (see run_tasks): sent again, as
+            # the start is idempotent.
+            await self.bus.publish_to_shard(first.owner, encode(Start(wf=first.wf)))
+        return []
 
     async def _limited(
         self, task: TaskMessage, pool: str, *, redelivered: bool, priority: int | None = None
@@ -191,7 +217,7 @@ class Worker(Service):
         assert limit is not None
         # A message back from a wait is a new one to the broker: its flag travels with it.
         redelivered = redelivered or limit.redelivered
-        if not await self._current([task]):
+        if not await self._current([task], redelivered=redelivered):
             return []
         holder = limits.holder(task.wf, task.path, task.index)
         slot = await self.store.acquire(limit.key, holder, limit.max, self.lease_ms)
@@ -270,8 +296,10 @@ class Worker(Service):
         """Run one message's tasks side by side and record their outputs in one call; the
         reports for the owner: failures, and `next` when this completed the step. `lost`: set
         when the slot a limited task holds is lost; `checked`: the step is known current."""
-        if not checked and not await self._current(tasks):
-            return []
+        if not checked:
+            tasks = await self._current(tasks, redelivered=redelivered)
+            if not tasks:
+                return []
         values = await self._values(tasks[0])  # a message's tasks share input and prev
         if len(tasks) == 1:  # the common case, without gather's extra task
             outcomes = [await self._attempt(tasks[0], *values, lost)]
@@ -289,6 +317,9 @@ class Worker(Service):
             raise Poison(f"{task.wf}: {', '.join(completion.outputs) or 'no such program'}")
         self.counts[completion.verdict] += len(outputs)
         metrics.recorded(completion.verdict, redelivered=redelivered)
+        if completion.verdict == "late":  # its compensations may begin now (lua/begin.lua)
+            reports.append(Start(wf=task.wf))
+            return reports
         # Only a redelivered task may be the one whose report a crash cut short.
         if completion.verdict == "fire" or (completion.verdict == "again" and redelivered):
             if not completion.outputs:  # too large to carry: the owner reads them in Redis
@@ -363,8 +394,8 @@ class Worker(Service):
         handler = asyncio.create_task(_guarded(self.registry.run(task.task, ctx)))
         running = self._running.setdefault(task.wf, set())
         running.add(handler)
-        if is_saga(task.path):
-            self._compensations.add(handler)
+        if is_saga(task.path) or task.undoable:
+            self._kept.add(handler)
         metrics.TASKS_RUNNING.labels(self.pool).inc()
         watch = asyncio.create_task(lost.wait()) if lost is not None else None
         try:
@@ -379,7 +410,7 @@ class Worker(Service):
                 handler.cancel()
                 await asyncio.gather(handler, return_exceptions=True)
             running.discard(handler)
-            self._compensations.discard(handler)
+            self._kept.discard(handler)
             metrics.TASKS_RUNNING.labels(self.pool).dec()
             if not running:
                 del self._running[task.wf]
