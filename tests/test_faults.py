@@ -619,6 +619,23 @@ def _median(values: list[int]) -> int:
     return sorted(values)[len(values) // 2] if values else 0
 
 
+async def _stop(fleet: Fleet, bus: Any, store: RedisStore) -> list[int]:
+    """Close the test's connections and stop every process; their exit codes."""
+    await bus.close()
+    exits = fleet.stop_all()
+    await store.close()
+    return exits
+
+
+def _kept_log(log: ExecLog, tmp_path: Path) -> list[dict[str, Any]]:
+    """The execution log, dropped from Redis and kept beside the processes' logs (pytest keeps
+    the last runs' tmp_path) to reproduce a failure."""
+    events = log.read()
+    log.drop()
+    (tmp_path / "exec.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    return events
+
+
 async def _wait_all(store: Store, ids: list[str], timeout_s: float) -> dict[str, dict[str, str]]:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -933,12 +950,8 @@ async def test_a_slot_held_by_a_killed_worker_comes_back_and_the_limit_holds(
 
         await until(held, lambda h: h["held"] == 0, 2 * LEASE_S + 1)
     finally:
-        await bus.close()
-        exits = fleet.stop_all()
-        await store.close()
-    events = log.read()
-    log.drop()
-    (tmp_path / "exec.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+        exits = await _stop(fleet, bus, store)
+    events = _kept_log(log, tmp_path)
     assert all(s.get("status") == "completed" for s in statuses.values()), statuses
     key_of = {wf: ("solo" if wf == "other" else "acme") for wf in ids}
     seen = holders_over_time(events, key_of)
@@ -1030,12 +1043,8 @@ async def test_compensations_cut_by_kill_9_run_again_and_every_saga_ends_in_orde
         statuses = await _wait_all(store, ids, timeout_s=90)
         log.mark("settled")
     finally:
-        await bus.close()
-        exits = fleet.stop_all()
-        await store.close()
-    events = log.read()
-    log.drop()
-    (tmp_path / "exec.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+        exits = await _stop(fleet, bus, store)
+    events = _kept_log(log, tmp_path)
     assert all(s.get("status") == "compensated" for s in statuses.values()), statuses
     # The plan of each: its steps, then its compensations (the bag's, then the task's).
     plans = {
@@ -1102,11 +1111,8 @@ async def test_a_task_still_running_when_its_program_fails_survives_kill_9_and_i
         fleet.start(victim)
         statuses = await _wait_all(store, ids, timeout_s=60)
     finally:
-        await bus.close()
-        exits = fleet.stop_all()
-        await store.close()
-    events = log.read()
-    log.drop()
+        exits = await _stop(fleet, bus, store)
+    events = _kept_log(log, tmp_path)
     assert all(s.get("status") == "compensated" for s in statuses.values()), statuses
     kill_at = next(n for n, e in enumerate(events) if e.get("event") == "kill")
     rerun = 0
