@@ -65,6 +65,14 @@ LEFT = (
 
 # The model beside the Lua, call by call, through a saga's moves, a cancel's and their fences.
 SAGA_STORE = "tests/test_store_model.py::test_a_saga_moves_only_while_compensating_in_its_own_scope"
+# The owner's saga over the model, driven by hand: members that started before a cancel.
+SAGA_LATE = (
+    "tests/test_saga.py::test_started_members_end_before_the_compensations_and_are_undone_too"
+)
+# A real cluster: a task running when its program is cancelled ends and is undone.
+CANCEL_MID_TASK = (
+    "tests/test_saga_e2e.py::test_a_task_running_when_its_program_is_cancelled_ends_and_is_undone"
+)
 # The same machine over programs that fail often and name compensations on most tasks.
 SAGAS = "tests/test_properties.py::test_sagas_keep_order_under_duplicates_reordering_and_crashes"
 
@@ -471,7 +479,7 @@ end""",
         "lua/begin.lua",
         '      redis.call("HSET", KEYS[2], ARGV[k], ARGV[3])',
         "      -- (nothing noted)",
-        (SAGAS, DIFFERENTIAL),
+        (SAGA_LATE, DIFFERENTIAL),
     ),
     # The compensations start while started tasks still run: a late output comes after the
     # plan was read, and is never undone.
@@ -479,14 +487,14 @@ end""",
         "orchestrator/transitions.py",
         "            if waiting:  # each one's end (a late report) sends the start again",
         "            if False:",
-        (SAGAS,),
+        (SAGA_LATE, SAGAS),
     ),
     # A late output of a single task is answered `late` but not written.
     "late-output-not-recorded": (
         "lua/complete.lua",
         '      if redis.call("SET", KEYS[2], ARGV[3], "NX") then\n        redis.call("SADD", reg',
         '      if false then\n        redis.call("SADD", reg',
-        (SAGAS, DIFFERENTIAL),
+        (SAGA_STORE, SAGAS),
     ),
     # A late failure is refused as stale: the member stays started and the compensations
     # wait for it for ever.
@@ -494,7 +502,7 @@ end""",
         "lua/fail.lua",
         "    and latest then",
         "    and false then",
-        (SAGAS, DIFFERENTIAL),
+        (SAGAS, SAGA_STORE),
     ),
     # Any failure report takes the member out, a stale one of an earlier attempt too: the
     # compensations start while its latest attempt still runs, whose output is then lost.
@@ -502,7 +510,7 @@ end""",
         "lua/fail.lua",
         'local latest = redis.call("HGET", started, ARGV[2]) == ARGV[3]',
         'local latest = redis.call("HEXISTS", started, ARGV[2]) == 1',
-        (SAGAS, MACHINE, SAGA_STORE),
+        (SAGA_STORE, SAGAS),
     ),
     # A cancel stops a running task that names a compensation: it never reports, and the
     # compensations wait for it for ever.
@@ -510,7 +518,7 @@ end""",
         "worker/pool.py",
         "        if is_saga(task.path) or task.undoable:",
         "        if is_saga(task.path):",
-        (SAGAS,),
+        (CANCEL_MID_TASK, SAGAS),
     ),
     # A group's members get one another's outputs (the items in reverse order).
     "compensation-items-swapped": (

@@ -755,13 +755,15 @@ class Cluster(RuleBasedStateMachine):
     grammar = with_compensations(with_limits(programs(faults=True)))
     # how many cancels a run may make (the saga machine makes more: a cancel mid-task)
     cancel_budget = st.sampled_from([0, 0, 0, 1, 2])
+    # how often handlers are held while other messages go (the saga machine: more often)
+    interleave_budget = st.integers(0, 3)
 
     @initialize(
         drawn=st.runner().flatmap(
             lambda cluster: st.lists(cluster.grammar, min_size=1, max_size=2)
         ),
         cancels=st.runner().flatmap(lambda cluster: cluster.cancel_budget),
-        interleavings=st.integers(0, 3),
+        interleavings=st.runner().flatmap(lambda cluster: cluster.interleave_budget),
         early=st.booleans(),
         redrives=st.sampled_from([0, 1, 2, 3]),
     )
@@ -1260,11 +1262,13 @@ def test_sagas_keep_order_under_duplicates_reordering_and_crashes(
     Cluster.store_kind = "redis"
     Cluster.grammar = with_compensations(programs(faults=True, fail_rate=6), often=True)
     Cluster.cancel_budget = st.sampled_from([0, 1, 2, 3])
+    Cluster.interleave_budget = st.integers(2, 6)
     try:
         run_state_machine_as_test(Cluster)
     finally:
         Cluster.grammar = with_compensations(with_limits(programs(faults=True)))
         Cluster.cancel_budget = st.sampled_from([0, 0, 0, 1, 2])
+        Cluster.interleave_budget = st.integers(0, 3)
 
 
 def test_the_model_runs_branches_side_by_side() -> None:

@@ -602,6 +602,13 @@ async def test_a_saga_moves_only_while_compensating_in_its_own_scope(
         (("fail", ("m", "0", None, 1, "e", 3)), "late"),
         (("fail", ("m", "0", None, 1, "e", 3)), "stale"),
         (("begin", ("m", "0", [0], 0, 1)), "stale"),
+        # A single task that started before a cancel: its late output is recorded.
+        (("submit", ("n", PLANS[0], 1, "x", "d1")), "created"),
+        (("advance", ("n", "", "0", "running", "", "", "task")), "applied"),
+        (("begin", ("n", "0", [0], 0, 0)), "go"),
+        (("cancel", ("n", "cancelled", "stop", None, True)), "applied"),
+        (("record", ("n", "0", 1, {None: '"late"'})), "late"),
+        (("record", ("n", "0", 1, {None: '"again"'})), "stale"),
     ]
     try:
         for n, ((name, args), verdict) in enumerate(script):
@@ -622,6 +629,7 @@ async def test_a_saga_moves_only_while_compensating_in_its_own_scope(
             assert state == _normal(model.data), f"after call {n} {name}{args}"
             assert expiring == set(model.ttl), f"expiry after call {n} {name}{args}"
         assert [await real.started("l", "0"), await model.started("l", "0")] == [0, 0]
+        assert await real.leaf_outputs("n", [("0", None)]) == ['"late"']
         assert await real.leaf_outputs("l", [("0", 0), ("0", 1), ("0", 2)]) == ['"a"', '"b"', None]
         w, c = await real.state("w"), await real.state("c")
         assert (w["status"], w["cause"], w["from"], w["prior"]) == (
