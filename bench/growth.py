@@ -15,7 +15,8 @@ processes, restarted and database emptied for each size) and its figures (`bench
   and at the end.
 
 `--sweep-s` sets the orchestrators' SHARDFLOW_SWEEP_S (default: theirs, 30 s), to see what the
-periodic sweep of live programs costs at a size.
+periodic sweep of live programs costs at a size; `--sweep-live 1000,10000` times one
+`Orchestrator.sweep()` (all shards, in this process) with that many programs live and held.
 """
 
 from __future__ import annotations
@@ -159,6 +160,49 @@ async def long_loop(sf: Shardflow, iterations: int) -> dict[str, Any]:
     }
 
 
+async def sweep_cost(sf: Shardflow, counts: list[int]) -> dict[str, dict[str, float]]:
+    """One `Orchestrator.sweep()` of every shard, timed in this process (wall and CPU) with
+    `count` programs live: each waits on a task that holds the only worker slot, so nothing
+    else moves while it runs (the fleet's own sweep every `sweep_s` aside)."""
+    from orchestrator.owner import Orchestrator
+
+    await asyncio.to_thread(
+        subprocess.run, ["redis-cli", "-n", "2", "flushdb"], check=True, capture_output=True
+    )
+    sf.start(orchestrators=1, worker_concurrency=1, workers=1)
+    program = {"steps": [{"task": "hold", "pool": "parallel", "args": {"s": 600}}]}
+    result = {}
+    try:
+        async with connected(sf.settings, "bench-growth") as (store, bus):
+            assert isinstance(store, RedisStore)
+            router = Router(sf.settings, store=store, bus=bus)
+            sweeper = Orchestrator(sf.settings, range(SHARDS), store=store, bus=bus)
+            submitted = 0
+            for count in counts:
+                while submitted < count:
+                    batch = range(submitted, min(count, submitted + 50))
+                    await asyncio.gather(*(router.submit(program) for _ in batch))
+                    submitted += len(batch)
+                for _ in range(1200):  # until every start is handled: the programs run
+                    if not sum([(await bus.shard_queue_state(s) or (0, 0))[0]
+                                for s in range(SHARDS)]):  # fmt: skip
+                        break
+                    await asyncio.sleep(0.5)
+                wall, cpu = time.perf_counter(), time.process_time()
+                await sweeper.sweep()
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                result[str(count)] = {
+                    "live": await live_programs(store),
+                    "sweep_wall_s": round(wall, 3),
+                    "sweep_client_cpu_s": round(cpu, 3),
+                    "orchestrator_rss_mb": orchestrator_rss(sf),
+                }
+                print(f"sweep with {count} live: {result[str(count)]}", flush=True)
+    finally:
+        sf.stop()
+    return result
+
+
 def ratios(sizes: dict[int, dict[str, Any]]) -> dict[str, dict[str, float]]:
     first = sizes[min(sizes)]
     keys = ("tasks_per_s", "latency_p50_ms", "latency_p99_ms", "cpu_s_per_1000_tasks",
@@ -175,6 +219,9 @@ async def main() -> None:
     parser.add_argument("--sizes", default="1000,10000", help="M of shape A, comma-separated")
     parser.add_argument("--iterations", type=int, default=10_000, help="0: no loop run")
     parser.add_argument("--sweep-s", type=float, default=None)
+    parser.add_argument(
+        "--sweep-live", default="", help="time one sweep with these many programs live: 1000,..."
+    )
     parser.add_argument("--stamp", help="results' file name (default: growth-<date>)")
     args = parser.parse_args()
     logs = ROOT / "bench" / "results" / "logs"
@@ -189,7 +236,7 @@ async def main() -> None:
     }
     try:
         sizes: dict[int, dict[str, Any]] = {}
-        for m in (int(size) for size in args.sizes.split(",")):
+        for m in (int(size) for size in args.sizes.split(",") if size):
             sizes[m] = await shape_a_at(sf, m)
             print(f"shape A M={m}: {json.dumps(sizes[m])}", flush=True)
         report["shape_a"] = {str(m): run for m, run in sizes.items()}
@@ -198,6 +245,9 @@ async def main() -> None:
         if args.iterations:
             report["loop"] = await long_loop(sf, args.iterations)
             print(f"loop: {json.dumps(report['loop'])}", flush=True)
+        if args.sweep_live:
+            counts = [int(count) for count in args.sweep_live.split(",")]
+            report["sweep"] = await sweep_cost(sf, counts)
     finally:
         await asyncio.to_thread(drop_vhost, "shardflow-bench")
         await asyncio.to_thread(
