@@ -234,28 +234,34 @@ async def main() -> None:
         "machine": machine(),
         "command": "python bench/growth.py " + " ".join(sys.argv[1:]),
     }
+    stamp = args.stamp or f"growth-{report['date'][:10]}"
+    out = ROOT / "bench" / "results" / f"{stamp}.json"
+
+    def save() -> None:  # after each part: a run cut short keeps what it measured
+        out.write_text(json.dumps(report, indent=2) + "\n")
+
     try:
         sizes: dict[int, dict[str, Any]] = {}
         for m in (int(size) for size in args.sizes.split(",") if size):
             sizes[m] = await shape_a_at(sf, m)
             print(f"shape A M={m}: {json.dumps(sizes[m])}", flush=True)
-        report["shape_a"] = {str(m): run for m, run in sizes.items()}
-        if len(sizes) > 1:
-            report["ratios"] = ratios(sizes)
+            report["shape_a"] = {str(m): run for m, run in sizes.items()}
+            if len(sizes) > 1:
+                report["ratios"] = ratios(sizes)
+            save()
         if args.iterations:
             report["loop"] = await long_loop(sf, args.iterations)
             print(f"loop: {json.dumps(report['loop'])}", flush=True)
+            save()
         if args.sweep_live:
             counts = [int(count) for count in args.sweep_live.split(",")]
             report["sweep"] = await sweep_cost(sf, counts)
+            save()
     finally:
         await asyncio.to_thread(drop_vhost, "shardflow-bench")
         await asyncio.to_thread(
             subprocess.run, ["redis-cli", "-n", "2", "flushdb"], capture_output=True
         )
-    stamp = args.stamp or f"growth-{report['date'][:10]}"
-    out = ROOT / "bench" / "results" / f"{stamp}.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report.get("ratios", {}), indent=2))
     print(f"written to {out.relative_to(ROOT)}")
 
