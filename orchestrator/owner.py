@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 
 from aio_pika.abc import AbstractQueueIterator
@@ -26,6 +26,8 @@ from orchestrator.store import TERMINAL, Store
 from orchestrator.transitions import Plans, Transitions
 
 log = logging.getLogger(__name__)
+# Live programs whose states a sweep reads side by side.
+SWEEP_PAGE = 256
 
 # Retrying cannot help these (nor a MessageError): the plan or the path a message names is bad.
 SHARD_POISON = (ProgramError, PathError)
@@ -149,8 +151,7 @@ class Orchestrator(Service):
             # sweep would only double the starts. An empty queue holds no start for anyone.
             queue = await self.bus.shard_queue_state(shard)
             waiting = bool(queue and queue[0])
-            async for wf in self.store.live(shard):
-                state = await self.store.state(wf)
+            async for wf, state in self._states(shard):
                 if state:
                     indexed[wf] = int(state.get("created_ms") or 0)
                 if not state:
@@ -173,6 +174,23 @@ class Orchestrator(Service):
         await self.marks.index(indexed)
         await self.marks.prune_index()
         return started
+
+    async def _states(self, shard: int) -> AsyncIterator[tuple[str, dict[str, str]]]:
+        """The live programs of a shard with their states, read a page at a time side by side
+        (pipelined: orchestrator/pipelining.py): one read after another cost 0.3 ms of CPU per
+        live program every sweep (bench/growth.py)."""
+        page: list[str] = []
+        async for wf in self.store.live(shard):
+            page.append(wf)
+            if len(page) >= SWEEP_PAGE:
+                for found in zip(page, await self._read(page), strict=True):
+                    yield found
+                page = []
+        for found in zip(page, await self._read(page), strict=True):
+            yield found
+
+    async def _read(self, page: list[str]) -> list[dict[str, str]]:
+        return list(await asyncio.gather(*(self.store.state(wf) for wf in page)))
 
     async def _unstarted(self, wf: str, state: dict[str, str], old_ms: float) -> bool:
         """Whether a compensating program's compensations never started (a crash between its
