@@ -462,7 +462,10 @@ class Bus:
     async def _consumer_channel(self, prefetch: int = 0) -> AbstractChannel:
         if self._connection is None:
             raise RuntimeError("Bus.connect() was not called")
-        channel = await self._connection.channel(publisher_confirms=False)
+        try:
+            channel = await self._connection.channel(publisher_confirms=False)
+        except RuntimeError as exc:  # aio-pika while it reconnects: "Connection was not opened"
+            raise ConnectionError(f"the broker connection is down: {exc}") from exc
         if prefetch:
             await channel.set_qos(prefetch_count=prefetch)
         return channel

@@ -133,6 +133,8 @@ class Orchestrator(Service):
                     log.warning("orchestrator: started %d program(s) that never started", started)
             except UNREACHABLE as exc:
                 log.warning("orchestrator: sweep skipped: %r", exc)
+            except Exception:  # e.g. aio-pika's channel() while it reconnects: try next time
+                log.exception("orchestrator: sweep failed; the next one tries again")
             raise_if_cancelled()
             await asyncio.sleep(self.settings.sweep_s)
 
