@@ -89,11 +89,16 @@ class Samples:
         }
 
 
-async def shape_a_at(sf: Shardflow, m: int) -> dict[str, Any]:
-    """One size of shape A, with a fresh database and fresh orchestrators."""
+async def _flush() -> None:
+    """Empty the bench's Redis database (2): each part starts from nothing."""
     await asyncio.to_thread(
         subprocess.run, ["redis-cli", "-n", "2", "flushdb"], check=True, capture_output=True
     )
+
+
+async def shape_a_at(sf: Shardflow, m: int) -> dict[str, Any]:
+    """One size of shape A, with a fresh database and fresh orchestrators."""
+    await _flush()
     sf.start(orchestrators=2)
     try:
         async with connected(sf.settings, "bench-growth") as (store, _):
@@ -116,9 +121,7 @@ async def shape_a_at(sf: Shardflow, m: int) -> dict[str, Any]:
 
 
 async def long_loop(sf: Shardflow, iterations: int) -> dict[str, Any]:
-    await asyncio.to_thread(
-        subprocess.run, ["redis-cli", "-n", "2", "flushdb"], check=True, capture_output=True
-    )
+    await _flush()
     sf.start(orchestrators=2)
     try:
         async with connected(sf.settings, "bench-growth") as (store, bus):
@@ -166,9 +169,7 @@ async def sweep_cost(sf: Shardflow, counts: list[int]) -> dict[str, dict[str, fl
     else moves while it runs (the fleet's own sweep every `sweep_s` aside)."""
     from orchestrator.owner import Orchestrator
 
-    await asyncio.to_thread(
-        subprocess.run, ["redis-cli", "-n", "2", "flushdb"], check=True, capture_output=True
-    )
+    await _flush()
     sf.start(orchestrators=1, worker_concurrency=1, workers=1)
     program = {"steps": [{"task": "hold", "pool": "parallel", "args": {"s": 600}}]}
     result = {}
