@@ -186,6 +186,7 @@ def task_messages(
         found = members[i].limit
         return None if key is None or found is None else KeyLimit(key=key, max=found.max)
 
+    undoable = leaf.path in plan.undoable  # once a leaf, not once a message
     for pool, ours in by_pool.items():
         bodies = messages[pool] = []
         chunk = 1
@@ -225,7 +226,7 @@ def task_messages(
                 ],
                 epoch=epoch,
                 limit=limit(first),
-                undoable=leaf.path in plan.undoable,
+                undoable=undoable,
             )
             bodies.append(encode(message))
     return messages
