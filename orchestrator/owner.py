@@ -1,5 +1,5 @@
-"""The shard owner: the orchestrator process that consumes its shards' queues, one message at a
-time per shard, and so owns the ordering of their programs."""
+"""The shard owner: the orchestrator process that consumes its shards' queues, each program's
+messages one at a time in delivery order, and so owns the ordering of their programs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 
-from aio_pika.abc import AbstractQueueIterator
+from aio_pika.abc import AbstractIncomingMessage, AbstractQueueIterator
 
 from orchestrator import logs, metrics
 from orchestrator.backlog import Backlog
@@ -18,7 +18,14 @@ from orchestrator.delivery import UNREACHABLE, Delivery, process, redelivered
 from orchestrator.lifecycle import Service, format_counts, raise_if_cancelled
 from orchestrator.machine import PathError
 from orchestrator.marks import Marks
-from orchestrator.messages import Start, decode_shard_message, encode
+from orchestrator.messages import (
+    MessageError,
+    ShardMessage,
+    Start,
+    decode_shard_message,
+    encode,
+)
+from orchestrator.ordering import ProgramOrder
 from orchestrator.paths import SAGA
 from orchestrator.program import ProgramError
 from orchestrator.settings import Settings
@@ -40,12 +47,23 @@ async def handle_shard_message(
     shard: int,
     source: str,
     limit: int = 20,
+    decoded: ShardMessage | None = None,
 ) -> None:
-    """Apply one message of `shard`; ack only after what it publishes is confirmed."""
+    """Apply one message of `shard` (`decoded`: its body, already parsed); ack only after
+    what it publishes is confirmed."""
     async with process(delivery, bus, source, poison=SHARD_POISON, limit=limit):
-        decoded = decode_shard_message(delivery.body)
+        if decoded is None:
+            decoded = decode_shard_message(delivery.body)
         logs.bind(workflow_id=decoded.wf, step=getattr(decoded, "path", None), shard=shard)
         await transitions.apply(decoded, redelivered=redelivered(delivery), shard=shard)
+
+
+def _parsed(body: bytes) -> ShardMessage | None:
+    """The message, or None when it is malformed (handled, and dead-lettered, on its own)."""
+    try:
+        return decode_shard_message(body)
+    except MessageError:
+        return None
 
 
 class ShardError(ValueError):
@@ -208,13 +226,30 @@ class Orchestrator(Service):
             log.info("orchestrator: consuming %s", queue)
             return iterator
 
+        # Up to `prefetch` messages at once, each program's one at a time in delivery order
+        # (orchestrator/ordering.py); a slot is held until its message settled, through a
+        # failure's pause, so a broken dependency is tried at most `prefetch` times a pause.
+        slots = asyncio.Semaphore(self.settings.prefetch)
+        order = ProgramOrder()
+
+        async def handle(message: AbstractIncomingMessage, decoded: ShardMessage | None) -> None:
+            async def begin() -> None:
+                if self._stop.is_set():  # stopping: never begun, unsettled, handed back
+                    return
+                await handle_shard_message(
+                    message, self.transitions, self.bus, shard, queue, self.limit, decoded
+                )
+
+            # A malformed message has no program to wait for: it is dead-lettered at once.
+            await (order.run(decoded.wf, begin()) if decoded else begin())
+
+        def settled(task: asyncio.Task[None]) -> None:
+            slots.release()  # also for a task cancelled before it began
+            if not task.cancelled() and task.exception() is not None:
+                log.error("orchestrator: a message's work failed", exc_info=task.exception())
+
         async for message in self._messages(start, self.bus.stop_consuming):
             await self.marks.owner(shard)  # who owns the shard, for `explain`
-            # One message at a time, in delivery order; shielded so a stop lets it finish.
-            await asyncio.shield(
-                self._spawn(
-                    handle_shard_message(
-                        message, self.transitions, self.bus, shard, queue, self.limit
-                    )
-                )
-            )
+            await slots.acquire()
+            # Spawned: a stop cancels this loop, never a message's work (it gets the grace).
+            self._spawn(handle(message, _parsed(message.body))).add_done_callback(settled)
