@@ -162,8 +162,7 @@ class Service:
     def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run one message's work beside the loop; held until done, awaited on stop.
 
-        A loop that must stay sequential awaits the task behind `asyncio.shield`, so that
-        stopping the loop never cuts a message's work short.
+        Stopping the loop never cuts a message's work short: `run()` gives it the grace.
         """
         task = asyncio.create_task(coroutine)
         self._in_flight.add(task)
@@ -196,8 +195,10 @@ class Service:
             # again (aio-pika's robust iterator). Then cancel the consumers; messages they
             # hold but never started go back to the queue. Neither is waited for without
             # bound: a cancelled aio-pika call may wait on an RPC the broker never answers.
+            # A loop cancelled while it waits for a message forgets its iterator: taken first.
+            iterators = set(self._iterators)
             await _end(loops, f"{self.name}: a consumer loop")
-            for iterator in list(self._iterators):
+            for iterator in iterators | self._iterators:
                 with contextlib.suppress(Exception):
                     await within(iterator.close(), CONSUMER_RPC_TIMEOUT_S)
             pending = list(self._in_flight)
