@@ -75,6 +75,16 @@ CANCEL_MID_TASK = (
 )
 # The same machine over programs that fail often and name compensations on most tasks.
 SAGAS = "tests/test_properties.py::test_sagas_keep_order_under_duplicates_reordering_and_crashes"
+# A shard owner's messages side by side: each program's in delivery order.
+IN_ORDER = "tests/test_program_order.py::test_each_program_in_order_others_side_by_side"
+# A real owner holding 8 messages: programs overlap, one program never does; a stop begins
+# nothing it holds.
+WINDOW = "tests/test_owner_window.py::test_programs_overlap_and_each_keeps_its_order"
+WINDOW_STOP = "tests/test_owner_window.py::test_a_stop_begins_none_of_the_messages_it_holds"
+CANCEL_IN_ORDER = (
+    "tests/test_program_order.py::"
+    "test_a_message_cancelled_while_it_waits_never_runs_and_keeps_the_order"
+)
 
 MUTANTS = {
     "bare-counter-barrier": (
@@ -526,6 +536,36 @@ end""",
         "    items = tuple(json.loads(undo.output) for undo in group.undo)",
         "    items = tuple(json.loads(undo.output) for undo in reversed(group.undo))",
         (SAGAS,),
+    ),
+    # An owner that handles a program's next message without waiting for the one before.
+    "program-order-not-awaited": (
+        "orchestrator/ordering.py",
+        "            if before is not None:\n                await asyncio.shield(before)\n",
+        "",
+        (IN_ORDER,),
+    ),
+    # A message cancelled while it waited lets the next one of its program overtake the
+    # message still running (a hard stop, a lost channel).
+    "cancelled-wait-releases-the-next": (
+        "orchestrator/ordering.py",
+        "            if before is not None and not before.done():",
+        "            if False:",
+        (CANCEL_IN_ORDER,),
+    ),
+    # The owner runs every message at once, its program's earlier ones or not.
+    "owner-ignores-program-order": (
+        "orchestrator/owner.py",
+        "            await (order.run(decoded.wf, begin()) if decoded else begin())",
+        "            await begin()",
+        (WINDOW,),
+    ),
+    # A stop lets the messages the owner holds begin during its grace.
+    "stop-begins-held-messages": (
+        "orchestrator/owner.py",
+        "                if self._stop.is_set():  # stopping: never begun, unsettled, handed back\n"
+        "                    return\n",
+        "",
+        (WINDOW_STOP,),
     ),
 }
 
