@@ -19,6 +19,7 @@ from orchestrator.keys import Keys
 from orchestrator.paths import SAGA, live_status, parent_of, scope_of
 from orchestrator.program import MAX_BAG
 from orchestrator.store import (
+    BRIEF,
     MAX_ATTEMPTS,
     MAX_RUNS,
     MAX_SIGNAL_IDS,
@@ -753,3 +754,7 @@ class MemoryStore:
     async def state(self, wf: str) -> dict[str, str]:
         found = self.data.get(self.keys.state(wf))
         return dict(found) if isinstance(found, dict) else {}
+
+    async def brief(self, wf: str) -> dict[str, str]:
+        state = await self.state(wf)
+        return {name: state[name] for name in BRIEF if name in state}

@@ -16,6 +16,7 @@ from orchestrator.paths import scope_of
 from orchestrator.pipelining import Pipeliner
 from orchestrator.settings import Settings
 from orchestrator.store import (
+    BRIEF,
     MAX_RUNS,
     MAX_SIGNAL_IDS,
     MAX_SIGNALS_WAITING,
@@ -374,3 +375,13 @@ class RedisStore:
             return found
         state: dict[str, str] = await self.client.hgetall(self.keys.state(wf))  # type: ignore[assignment]
         return state
+
+    async def brief(self, wf: str) -> dict[str, str]:
+        key = self.keys.state(wf)
+        if self.pipeliner is not None:
+            found = await self.pipeliner.execute("HMGET", key, *BRIEF)
+        else:
+            found = await self.client.hmget(key, BRIEF)  # type: ignore[misc]
+        if found[0] is None:  # no status: no such program
+            return {}
+        return {name: value for name, value in zip(BRIEF, found, strict=True) if value is not None}

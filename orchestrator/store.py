@@ -14,6 +14,8 @@ from typing import Any, Literal, Protocol
 from orchestrator.keys import Keys
 
 TERMINAL = frozenset({"completed", "failed", "cancelled", "compensated", "compensation_failed"})
+# The state fields a sweep reads of each live program (Store.brief).
+BRIEF = ("status", "owner", "created_ms", "updated_ms")
 # Live statuses: a program in them may still move (compensating: its compensations run).
 LIVE = frozenset({"pending", "running", "compensating"})
 
@@ -297,4 +299,9 @@ class Store(Protocol):
 
     async def state(self, wf: str) -> dict[str, str]:
         """The program's state hash (empty when there is no such program)."""
+        ...
+
+    async def brief(self, wf: str) -> dict[str, str]:
+        """The state's BRIEF fields that it has (empty when there is no such program): what
+        an owner's sweep reads of every live program, cheaper than the whole hash."""
         ...

@@ -335,6 +335,9 @@ def test_the_model_and_the_lua_give_the_same_verdicts_and_state(
             state, expiring = loop.run_until_complete(dump(client, keys.prefix))
             assert state == _normal(model.data), f"after call {n} {name}{args}"
             assert expiring == set(model.ttl), f"expiry after call {n} {name}{args}"
+            for wf in WORKFLOWS:  # what a sweep reads of each program (Store.brief)
+                briefs = [loop.run_until_complete(s.brief(wf)) for s in (real, model)]
+                assert _normal({"b": briefs[0]}) == _normal({"b": briefs[1]}), f"brief {wf}"
 
     try:
         agree()
