@@ -7,10 +7,11 @@ import contextlib
 import logging
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import aio_pika
 import aiormq
+from aio_pika import RobustConnection
 from aio_pika.abc import (
     AbstractChannel,
     AbstractExchange,
@@ -20,6 +21,7 @@ from aio_pika.abc import (
     AbstractRobustConnection,
 )
 
+from orchestrator.coalescing import CoalescingConnection
 from orchestrator.keys import Names
 from orchestrator.lifecycle import within
 from orchestrator.program import MAX_PRIORITY, PARALLEL, SERIAL, is_lane
@@ -94,11 +96,20 @@ class Publisher(Protocol):
     async def publish_to_shard(self, owner: int, body: bytes, priority: int = GOING_ON) -> None: ...
 
     async def publish_all(
-        self, pool: str, bodies: list[bytes], priority: int = GOING_ON
+        self,
+        pool: str,
+        bodies: list[bytes],
+        priority: int = GOING_ON,
+        headers: dict[str, Any] | None = None,
     ) -> None: ...
 
     async def publish_later(
-        self, pool: str, body: bytes, delay_s: float, priority: int = GOING_ON
+        self,
+        pool: str,
+        body: bytes,
+        delay_s: float,
+        priority: int = GOING_ON,
+        headers: dict[str, Any] | None = None,
     ) -> None: ...
 
     async def publish_to_shard_later(self, owner: int, body: bytes, delay_s: float) -> None: ...
@@ -148,7 +159,11 @@ class Bus:
     async def connect(self) -> None:
         """Connect and declare the whole topology (idempotent; replayed after a reconnect)."""
         self._connection = await aio_pika.connect_robust(
-            self.settings.amqp_url, client_properties={"connection_name": self._name}
+            self.settings.amqp_url,
+            client_properties={"connection_name": self._name},
+            connection_class=(
+                CoalescingConnection if self.settings.amqp_coalescing else RobustConnection
+            ),
         )
         self._publisher = await self._connection.channel(
             publisher_confirms=True, on_return_raises=True
@@ -284,43 +299,77 @@ class Bus:
             raise RuntimeError("Bus.connect() was not called")
         return self._publisher
 
+    async def _send(
+        self, exchange: str, routing_key: str, message: aio_pika.Message, mandatory: bool = True
+    ) -> None:
+        """Publish on the confirming channel and wait for the broker's confirm (a returned
+        message raises PublishError, a nack DeliveryError). Through aiormq without waiting
+        for the socket's drain, so the frames of publishes made side by side go out in one
+        write (orchestrator/coalescing.py); aio-pika's `Exchange.publish` waits for it with
+        the channel's lock held, one write per publish. The confirm is what we wait for."""
+        if self._channel.is_closed:
+            raise aiormq.exceptions.ChannelInvalidStateError(f"{self._channel!r} closed")
+        # aiormq's own channel, whose publish takes `wait` (its abstract base does not say so).
+        channel = cast(aiormq.Channel, await self._channel.get_underlay_channel())
+        await channel.basic_publish(
+            message.body,
+            exchange=exchange,
+            routing_key=routing_key,
+            properties=message.properties,
+            mandatory=mandatory,
+            wait=False,
+        )
+
     async def publish_to_shard(self, owner: int, body: bytes, priority: int = GOING_ON) -> None:
         """Publish to the owner shard's queue and wait for the broker's confirm."""
-        assert self._shard_exchange is not None
-        await self._shard_exchange.publish(
-            _message(body, priority=priority), routing_key=str(owner)
+        await self._send(
+            self.names.orchestrator_exchange, str(owner), _message(body, priority=priority)
         )
 
     async def publish_task(self, pool: str, body: bytes, priority: int = GOING_ON) -> None:
         """Publish to a pool's task queue (declared first) and wait for the broker's confirm."""
         await self.publish_all(pool, [body], priority)
 
-    async def publish_all(self, pool: str, bodies: list[bytes], priority: int = GOING_ON) -> None:
+    async def publish_all(
+        self,
+        pool: str,
+        bodies: list[bytes],
+        priority: int = GOING_ON,
+        headers: dict[str, Any] | None = None,
+    ) -> None:
         """Publish many task messages to a pool (declared first); confirms awaited together."""
         await self._ensure_pool(pool)
         try:
-            await self._publish_tasks(pool, bodies, priority)
+            await self._publish_tasks(pool, bodies, priority, headers)
         except aio_pika.exceptions.PublishError:
             # Returned unroutable: the queue was deleted since it was declared. Declare it
             # again and publish once more (a duplicate is harmless, a lost task is not).
             self._pools.discard(pool)
             await self._ensure_pool(pool)
-            await self._publish_tasks(pool, bodies, priority)
+            await self._publish_tasks(pool, bodies, priority, headers)
 
-    async def _publish_tasks(self, pool: str, bodies: list[bytes], priority: int) -> None:
-        exchange, queue = self._channel.default_exchange, self.names.task_queue(pool)
+    async def _publish_tasks(
+        self, pool: str, bodies: list[bytes], priority: int, headers: dict[str, Any] | None
+    ) -> None:
+        queue = self.names.task_queue(pool)
         await asyncio.gather(
-            *(exchange.publish(_message(body, priority=priority), queue) for body in bodies)
+            *(self._send("", queue, _message(body, headers, priority)) for body in bodies)
         )
 
     async def publish_later(
-        self, pool: str, body: bytes, delay_s: float, priority: int = GOING_ON
+        self,
+        pool: str,
+        body: bytes,
+        delay_s: float,
+        priority: int = GOING_ON,
+        headers: dict[str, Any] | None = None,
     ) -> None:
         """Publish a task after `delay_s`, through a TTL queue that dead-letters to the pool
         (declared first: a dead-lettered message for a missing queue is dropped); it keeps
-        its `priority` there."""
+        its `priority` and `headers` there."""
         await self._ensure_pool(pool)
-        await self._publish_delayed(pool, "", self.names.task_queue(pool), body, delay_s, priority)
+        queue = self.names.task_queue(pool)
+        await self._publish_delayed(pool, "", queue, body, delay_s, priority, headers)
 
     async def publish_to_shard_later(self, owner: int, body: bytes, delay_s: float) -> None:
         """Publish to the owner shard after `delay_s` (a program's deadline)."""
@@ -335,6 +384,7 @@ class Bus:
         body: bytes,
         delay_s: float,
         priority: int = GOING_ON,
+        headers: dict[str, Any] | None = None,
     ) -> None:
         # One queue per delay: per-queue TTLs expire in order, per-message ones would not. The
         # delay is rounded up to a fixed ladder, so the queues are few and bounded.
@@ -350,20 +400,18 @@ class Bus:
                 arguments["x-queue-type"] = "quorum"
             await self._channel.declare_queue(name, durable=True, arguments=arguments)
             self._delay_queues.add(name)
-        message = _message(body, priority=priority)
-        await self._channel.default_exchange.publish(message, routing_key=name)
+        await self._send("", name, _message(body, headers, priority))
 
     async def reply(self, to: str, correlation_id: str | None, body: bytes) -> None:
         """Answer an RPC-style request on its reply queue (nobody listening is fine)."""
         message = aio_pika.Message(
             body, content_type="application/json", correlation_id=correlation_id
         )
-        await self._channel.default_exchange.publish(message, routing_key=to, mandatory=False)
+        await self._send("", to, message, mandatory=False)
 
     async def publish_control(self, body: bytes) -> None:
         """Tell every worker (e.g. a program was cancelled); nobody listening is fine."""
-        exchange = await self._channel.get_exchange(self.names.control_exchange, ensure=False)
-        await exchange.publish(_message(body), routing_key="", mandatory=False)
+        await self._send(self.names.control_exchange, "", _message(body), mandatory=False)
 
     async def consume_control(self) -> AbstractQueueIterator:
         """This process's own queue on the control exchange, gone when it disconnects."""
@@ -378,14 +426,13 @@ class Bus:
         self, queue: str, body: bytes, headers: dict[str, Any], priority: int | None
     ) -> None:
         """Publish a message again at the tail of `queue` (after a failure), confirmed."""
-        message = _message(body, headers=headers, priority=priority or NEW)
-        await self._channel.default_exchange.publish(message, routing_key=queue)
+        await self._send("", queue, _message(body, headers=headers, priority=priority or NEW))
 
     async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:
         """Park an unusable message with the reason in its headers."""
         log.warning("dead-lettering a message from %s: %s", source, reason)
         dead = _message(body, headers={"x-shardflow-reason": reason, "x-shardflow-from": source})
-        await self._channel.default_exchange.publish(dead, routing_key=self.names.dead_queue)
+        await self._send("", self.names.dead_queue, dead)
 
     async def peek_dead(self, limit: int) -> list[tuple[dict[str, Any], bytes]]:
         """Up to `limit` dead-lettered messages (headers, body), left in the queue."""

@@ -48,6 +48,9 @@ class Settings(BaseSettings):
     # Send the Redis commands of one event-loop turn as one pipeline (orchestrator/
     # pipelining.py); false: one round trip each. Not used with a Redis Cluster.
     redis_pipelining: bool = True
+    # Send the AMQP frames of one event-loop turn as one write (orchestrator/coalescing.py);
+    # false: one system call per frame, as aiormq does.
+    amqp_coalescing: bool = True
     # A per-key limit's slot is a lease this long, renewed every third of it while its task
     # runs: a worker that dies holding one frees it at most this long after (lua/acquire.lua).
     key_lease_s: float = Field(default=30.0, ge=0.3, le=3600)
