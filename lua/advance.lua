@@ -33,10 +33,11 @@
 --          too: [[scope, its first leaf's path, that leaf's shape], ...]
 -- When the program ends, the cursor before the last one is kept as `prior` (redrive reruns
 -- from the last cursor, whose prev is the output of `prior`).
--- KEYS[2..] the outputs of steps that other steps read, <prefix>:{<wf>}:ref:<id>, with their
---          JSON in ARGV[12..] (KEYS[n] <- ARGV[n + 10]): the steps the new cursor moved past
---          that carry a referenced id; written (latest wins) and registered only when the
---          advance applies
+-- KEYS[2..] outputs, with their JSON in ARGV[12..] (KEYS[n] <- ARGV[n + 10]), written (latest
+--          wins) and registered only when the advance applies: those of steps that other
+--          steps read, <prefix>:{<wf>}:ref:<id> (the steps the new cursor moved past that carry
+--          a referenced id), and last, for a single task whose worker left it to the owner,
+--          the finished leaf's own, <prefix>:{<wf>}:out:<ARGV[1]>: what this transition used
 -- The program's other keys are named in its registry <prefix>:{<wf>}:keys; all share the
 -- program's hash tag, so they live in KEYS[1]'s cluster slot.
 -- returns  {verdict, status, cursor, joined} where joined is "1" when a branch's end (now,

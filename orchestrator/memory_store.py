@@ -147,6 +147,7 @@ class MemoryStore:
         epoch: int | None = None,
         scope: str = "",
         opened: Sequence[tuple[str, str, str]] = (),
+        output: str | None = None,
     ) -> Verdict:
         """lua/advance.lua"""
         key = self.keys.state(wf)
@@ -238,6 +239,9 @@ class MemoryStore:
             for name, text in refs:  # the outputs of the steps it moved past, latest wins
                 self.data[self.keys.ref(wf, name)] = text
                 self._register(wf, self.keys.ref(wf, name))
+            if output is not None:  # the finished task's own, latest wins
+                self.data[self.keys.output(wf, expected)] = output
+                self._register(wf, self.keys.output(wf, expected))
             if drop:
                 for name in sorted(self._set(registry)):
                     path = name.removeprefix(base).partition(":")[2]

@@ -30,6 +30,11 @@ Path = Annotated[
 # in Redis under the program (lua/stash.lua, or where complete.lua recorded it) and read there.
 # lua/complete.lua has the same number.
 INLINE_BYTES = 65536
+# A task message's header: its owner records a single task's output with the advance that the
+# task's `next` makes (lua/advance.lua), so the worker carries the output there instead of
+# recording it first (one Redis call less a step). A header, not a field: workers from before
+# it refuse unknown fields, and record as before when it is absent.
+CARRY = "x-shardflow-carry"
 # No message is published or accepted above this: a task message's args come from a program
 # (at most 8 MiB, settings.py), and everything else large travels by reference.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024

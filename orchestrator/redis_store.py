@@ -136,6 +136,7 @@ class RedisStore:
         epoch: int | None = None,
         scope: str = "",
         opened: Sequence[tuple[str, str, str]] = (),
+        output: str | None = None,
     ) -> Verdict:
         """Compare-and-advance the cursor (see lua/advance.lua)."""
         args: list[str | int] = [expected, cursor, status, field, payload, leaf]
@@ -143,6 +144,9 @@ class RedisStore:
         args += [scope, json.dumps([list(branch) for branch in opened])]
         args += [text for _, text in refs]
         keys = [self.keys.state(wf), *(self.keys.ref(wf, name) for name, _ in refs)]
+        if output is not None:  # the finished task's own, written as the refs are
+            keys.append(self.keys.output(wf, expected))
+            args.append(output)
         reply = await self._advance(keys=keys, args=args)
         joined = len(reply) > 3 and reply[3] == "1"
         return Verdict(reply[0], reply[1], reply[2], joined)

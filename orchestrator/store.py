@@ -138,6 +138,7 @@ class Store(Protocol):
         epoch: int | None = None,
         scope: str = "",
         opened: Sequence[tuple[str, str, str]] = (),
+        output: str | None = None,
     ) -> Verdict:
         """Compare-and-advance the cursor: applied, replay, stale or missing (lua/advance.lua).
         `scope`: the parallel branch whose cursor moves ("": the program's); in a branch,
@@ -147,8 +148,10 @@ class Store(Protocol):
         `epoch`: the run the message belongs to (None: a start, any run); another is stale.
         `leaf` is the new leaf's shape (`task`, `bag:<size>`, "" at the end); `drop` a loop
         iteration whose keys go (a path prefix such as `3/iter:4/`); `refs` the outputs (id,
-        JSON) of steps that other steps read, recorded only if the advance applies. When the
-        program ends, every key it owns gets the store's retention."""
+        JSON) of steps that other steps read, recorded only if the advance applies; `output` the
+        finished single task's own output (JSON, at `out:<expected>`), recorded (latest wins)
+        only if it applies: the owner records what its transition used. When the program
+        ends, every key it owns gets the store's retention."""
         ...
 
     async def record(

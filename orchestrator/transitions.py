@@ -21,6 +21,7 @@ from orchestrator.delivery import Poison
 from orchestrator.ending import end_program
 from orchestrator.marks import Marks
 from orchestrator.messages import (
+    CARRY,
     INLINE_BYTES,
     Deadline,
     Failed,
@@ -56,6 +57,9 @@ from orchestrator.shares import share_of, share_pool
 from orchestrator.store import TERMINAL, Store
 
 log = logging.getLogger(__name__)
+# On every task message of a program's step: this owner records a single task's output with
+# its advance, so the worker need not (messages.CARRY).
+CARRYING = {CARRY: 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +119,18 @@ class Plans:
 
     def forget(self, wf: str) -> None:
         self._cache.pop(wf, None)
+
+
+def _task_output(message: Next, plan: Plan) -> str | None:
+    """The output a `next` reports for a single task of a program's step, as the owner records
+    it with its advance (the worker may have left that to it: messages.CARRY); None for any
+    other leaf (a bag's members are recorded by their workers), a compensation, or an output
+    too large to carry (its worker recorded it)."""
+    if message.stored or is_saga(message.path):
+        return None
+    if not isinstance(machine.leaf_at(plan.program, message.path), Task):
+        return None
+    return json.dumps(message.output)
 
 
 def _priority(value: Any) -> int:
@@ -322,6 +338,7 @@ class Transitions:
             return verdict
         epoch: int | None = None  # a start belongs to whatever run the program is in
         state: dict[str, str] = {}  # read by a start only (its run, and when it was created)
+        output: str | None = None  # a finished single task's, recorded with the advance
         if isinstance(message, Next | Failed) and is_saga(message.path):
             verdict = await self._compensation(message, plan, redelivered=redelivered)
             self.counts[verdict] += 1
@@ -352,6 +369,7 @@ class Transitions:
             steps = await self._refs(message.wf, plan)
             if isinstance(message, Next):
                 following = await self._following(message, plan, steps)
+                output = _task_output(message, plan)
             else:
                 following = await self._woken(message, plan, steps)
             if isinstance(following, str):  # a step long gone, a sleep not yet due, a signal
@@ -366,7 +384,7 @@ class Transitions:
                 return failure
             expected, outcome = message.path, failure
             epoch = run = message.epoch
-        verdict = await self._advance(message.wf, plan, expected, outcome, epoch)
+        verdict = await self._advance(message.wf, plan, expected, outcome, epoch, output)
         if verdict.verdict == "missing":
             raise Poison(f"{message.wf}: no such program")
         # stale: a duplicate or late message, acked and ignored
@@ -385,6 +403,8 @@ class Transitions:
         if verdict.verdict == "applied" or (
             verdict.verdict == "replay" and redelivered and not ended
         ):
+            if verdict.verdict == "replay" and isinstance(message, Next) and output is not None:
+                outcome = await self._as_recorded(message, plan, steps, output, outcome)
             if isinstance(message, Start) and plan.program.deadline_s is not None:
                 await self._publish_deadline(message.wf, plan, run, state)
             priority = NEW if expected == "" else GOING_ON
@@ -413,6 +433,24 @@ class Transitions:
             self.plans.forget(message.wf)
             await self.store.untrack(message.wf, plan.owner)
         return verdict.verdict
+
+    async def _as_recorded(
+        self,
+        message: Next,
+        plan: Plan,
+        steps: dict[str, Any],
+        output: str,
+        outcome: machine.Outcome,
+    ) -> machine.Outcome:
+        """What followed the task when its advance applied: computed from the output recorded
+        then, not this report's, which may be another run's of the same task (its worker
+        carried it: nothing recorded it before the advance that chose the winner)."""
+        read = await self.store.outputs(message.wf, message.path, None, INLINE_BYTES)
+        if not read.values or read.values[0] == output:
+            return outcome
+        recorded = message.model_copy(update={"output": json.loads(read.values[0])})
+        following = await self._following(recorded, plan, steps)
+        return outcome if isinstance(following, str) else following
 
     async def _refs(self, wf: str, plan: Plan) -> dict[str, Any]:
         """The recorded outputs of the steps the program reads by id (one read; none when it
@@ -699,8 +737,16 @@ class Transitions:
         return await asyncio.to_thread(machine.arguments, *call)
 
     async def _advance(
-        self, wf: str, plan: Plan, expected: str, outcome: machine.Outcome, epoch: int | None
+        self,
+        wf: str,
+        plan: Plan,
+        expected: str,
+        outcome: machine.Outcome,
+        epoch: int | None,
+        output: str | None = None,
     ) -> Any:
+        """Compare-and-advance from `expected` to what follows it; `output`: the finished
+        single task's, recorded (as what this transition used) only if the advance applies."""
         # The cursor that moves: the program's, or that of the branch `expected` runs in.
         scope = scope_of(expected)
         if isinstance(outcome, machine.Leaf):
@@ -716,23 +762,25 @@ class Transitions:
                 epoch=epoch,
                 scope=scope,
                 opened=outcome.opened(),
+                output=output,
             )
         if isinstance(outcome, machine.Joined):  # the branch is over: a member of its bag
-            output = json.dumps(outcome.output)
+            joined = json.dumps(outcome.output)
             return await self.store.advance(
-                wf, expected, "", "running", "", output, refs=outcome.refs, epoch=epoch,
-                scope=scope,
+                wf, expected, "", "running", "", joined, refs=outcome.refs, epoch=epoch,
+                scope=scope, output=output,
             )  # fmt: skip
         if isinstance(outcome, machine.Done):
             result = json.dumps(outcome.result)
             return await self.store.advance(
-                wf, expected, "", "completed", "result", result, epoch=epoch
+                wf, expected, "", "completed", "result", result, epoch=epoch, output=output
             )
         # A program that names compensations runs them first (see _compensate).
         status = "compensating" if plan.program.compensations else "failed"
         return await self.store.advance(
-            wf, expected, "", status, "error", outcome.error, epoch=epoch, scope=scope
-        )
+            wf, expected, "", status, "error", outcome.error, epoch=epoch, scope=scope,
+            output=output,
+        )  # fmt: skip
 
     async def _groups(self, wf: str, plan: Plan) -> list[saga.Group]:
         """The program's compensations to run (orchestrator/saga.py): one read of the outputs
@@ -889,7 +937,7 @@ class Transitions:
         await self.marks.failed(message, delay_s)
         level = task_priority(plan.priority, going_on=True)
         for pool, bodies in by_pool.items():  # one member: one pool, one message
-            await self.bus.publish_later(pool, bodies[0], delay_s, level)
+            await self.bus.publish_later(pool, bodies[0], delay_s, level, CARRYING)
         return "retried"
 
     async def _redriven(self, wf: str, plan: Plan, state: dict[str, str]) -> machine.Outcome | str:
@@ -967,7 +1015,7 @@ class Transitions:
             )
             level = task_priority(plan.priority, going_on=priority == GOING_ON)
             for pool, bodies in by_pool.items():
-                await self.bus.publish_all(pool, bodies, level)
+                await self.bus.publish_all(pool, bodies, level, CARRYING)
 
     async def _joined(self, wf: str, plan: Plan, outcome: machine.Joined, epoch: int) -> None:
         """Every member of a branch's bag finished: the owner tells itself the bag is done, as

@@ -85,6 +85,17 @@ CANCEL_IN_ORDER = (
     "tests/test_program_order.py::"
     "test_a_message_cancelled_while_it_waits_never_runs_and_keeps_the_order"
 )
+# A single task's output carried to its owner (messages.CARRY), step by step over the model.
+CARRY_OWNER = (
+    "tests/test_carry.py::test_the_owner_records_a_carried_output_with_the_advance_that_used_it"
+)
+CARRY_WORKER = (
+    "tests/test_carry.py::test_a_worker_carries_the_output_only_when_the_owner_records_it"
+)
+CARRY_KINDS = (
+    "tests/test_carry.py::"
+    "test_bag_members_undoable_tasks_and_large_outputs_are_recorded_by_the_worker"
+)
 
 MUTANTS = {
     "bare-counter-barrier": (
@@ -305,7 +316,9 @@ end""",
     "limit-runs-when-busy": (
         "worker/pool.py",
         """        if slot.verdict == "busy":
-            await self._wait_for_slot(task, pool, slot.held, slot.left_ms, priority, redelivered)
+            await self._wait_for_slot(
+                task, pool, slot.held, slot.left_ms, priority, redelivered, carry
+            )
             return []
 """,
         "",
@@ -314,10 +327,12 @@ end""",
     "limit-kept-when-the-attempt-failed": (
         "worker/pool.py",
         """        try:
-            return await self.run_tasks([task], redelivered=redelivered, lost=lost, checked=True)
+            return await self.run_tasks(
+                [task], redelivered=redelivered, lost=lost, checked=True, carry=carry
+            )
         finally:""",
         """        reports = await self.run_tasks(
-            [task], redelivered=redelivered, lost=lost, checked=True
+            [task], redelivered=redelivered, lost=lost, checked=True, carry=carry
         )
         if any(isinstance(report, Failed) for report in reports):
             done.set()
@@ -329,8 +344,8 @@ end""",
     ),
     "limit-wait-leaves-its-share": (
         "worker/pool.py",
-        "task, pool, redelivered=again, priority=delivery.priority",
-        "task, self.pool, redelivered=again, priority=delivery.priority",
+        "task, pool, redelivered=again, priority=delivery.priority, carry=carry",
+        "task, self.pool, redelivered=again, priority=delivery.priority, carry=carry",
         (MACHINE,),
     ),
     "retry-forgets-args-from": (
@@ -566,6 +581,34 @@ end""",
         "                    return\n",
         "",
         (WINDOW_STOP,),
+    ),
+    # The owner moves on from a carried output without recording it: nothing holds it.
+    "carried-output-not-recorded": (
+        "orchestrator/transitions.py",
+        "                opened=outcome.opened(),\n                output=output,\n",
+        "                opened=outcome.opened(),\n",
+        (CARRY_OWNER, MACHINE),
+    ),
+    # A redelivered copy's report republishes from its own output, not the recorded one.
+    "replay-uses-the-reports-output": (
+        "orchestrator/transitions.py",
+        "        if not read.values or read.values[0] == output:\n",
+        "        if True:\n",
+        (CARRY_OWNER,),
+    ),
+    # A worker carries the output although no owner promised to record it.
+    "carry-without-the-header": (
+        "worker/pool.py",
+        "            carry = (delivery.headers or {}).get(CARRY) == 1\n",
+        "            carry = True\n",
+        (CARRY_WORKER,),
+    ),
+    # A task of a step that names compensations is carried: its started mark stays.
+    "carry-an-undoable-task": (
+        "worker/pool.py",
+        "    if task.index is not None or task.undoable or is_saga(task.path):\n",
+        "    if task.index is not None or is_saga(task.path):\n",
+        (CARRY_KINDS, CANCEL_MID_TASK),
     ),
 }
 

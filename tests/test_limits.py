@@ -167,7 +167,7 @@ class _Bus:
         self.later: list[tuple[str, bytes, float]] = []
 
     async def publish_later(
-        self, pool: str, body: bytes, delay_s: float, priority: int = 1
+        self, pool: str, body: bytes, delay_s: float, priority: int = 1, headers: Any = None
     ) -> None:
         self.later.append((pool, body, delay_s))
 

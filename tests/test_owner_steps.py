@@ -35,14 +35,16 @@ class Recorder:
     async def publish_to_shard_later(self, owner: int, body: bytes, delay_s: float) -> None:
         self.later.append(body)
 
-    async def publish_all(self, pool: str, bodies: list[bytes], priority: int = 1) -> None:
+    async def publish_all(
+        self, pool: str, bodies: list[bytes], priority: int = 1, headers: Any = None
+    ) -> None:
         if self.crash:
             self.crash = False
             raise Crash
         self.tasks.extend(bodies)
 
     async def publish_later(
-        self, pool: str, body: bytes, delay_s: float, priority: int = 1
+        self, pool: str, body: bytes, delay_s: float, priority: int = 1, headers: Any = None
     ) -> None:
         self.tasks.append(body)
 

@@ -89,6 +89,7 @@ class Envelope:
     wf: str = ""
     timed: bool = False  # a task message with a timeout: its handler may wait real time
     pool: str = ""  # the pool (its share's queue) a task message was published to
+    headers: tuple[tuple[str, Any], ...] = ()  # a task message's (messages.CARRY)
 
 
 def _is_wake(envelope: Envelope) -> bool:
@@ -99,7 +100,7 @@ class FakeDelivery:
     def __init__(self, envelope: Envelope) -> None:
         self.body = envelope.body
         self.redelivered = envelope.redelivered
-        self.headers: dict[str, Any] = {}
+        self.headers: dict[str, Any] = dict(envelope.headers)
         self.priority = None
         self.acked = False
         self.nacked = False
@@ -131,11 +132,14 @@ class Transport:
                 raise Crash
             self.crash_after -= 1
 
-    def _task(self, body: bytes, *, retry: bool, pool: str) -> Envelope:
+    def _task(
+        self, body: bytes, *, retry: bool, pool: str, headers: dict[str, Any] | None
+    ) -> Envelope:
         task = decode_task(body)
         self._on_task(task, retry=retry, pool=pool)
         timed = any(t.timeout_s is not None for t in task.split())
-        return Envelope("task", body, wf=task.wf, timed=timed, pool=pool)
+        kept = tuple(sorted((headers or {}).items()))
+        return Envelope("task", body, wf=task.wf, timed=timed, pool=pool, headers=kept)
 
     def _keep(self, envelope: Envelope, *, delayed: bool = False) -> None:
         (self.later if delayed else self.in_flight).append(envelope)
@@ -145,17 +149,19 @@ class Transport:
         self._count()
         self._keep(Envelope("shard", body, shard=owner, wf=json.loads(body)["wf"]))
 
-    async def publish_all(self, pool: str, bodies: list[bytes], priority: int = 1) -> None:
+    async def publish_all(
+        self, pool: str, bodies: list[bytes], priority: int = 1, headers: Any = None
+    ) -> None:
         for body in bodies:
             self._count()
-            self._keep(self._task(body, retry=False, pool=pool))
+            self._keep(self._task(body, retry=False, pool=pool, headers=headers))
 
     async def publish_later(
-        self, pool: str, body: bytes, delay_s: float, priority: int = 1
+        self, pool: str, body: bytes, delay_s: float, priority: int = 1, headers: Any = None
     ) -> None:
         assert delay_s >= 0, delay_s
         self._count()
-        self._keep(self._task(body, retry=True, pool=pool), delayed=True)
+        self._keep(self._task(body, retry=True, pool=pool, headers=headers), delayed=True)
 
     async def publish_to_shard_later(self, owner: int, body: bytes, delay_s: float) -> None:
         assert delay_s > 0, delay_s
@@ -325,6 +331,8 @@ class RecordingStore:
         self, wf: str, expected: str, cursor: str, status: str, *args: str, **kwargs: str
     ) -> Verdict:
         verdict = await self.inner.advance(wf, expected, cursor, status, *args, **kwargs)
+        if verdict.verdict == "applied" and kwargs.get("output") is not None:
+            self.recorded[(wf, expected)].add(0)  # a single task's output, carried to its owner
         if verdict.verdict == "applied" and status in TERMINAL:
             await self._ended(wf)
         scope = str(kwargs.get("scope", ""))
@@ -853,18 +861,22 @@ class Cluster(RuleBasedStateMachine):
             self.transport.in_flight.append(replace(envelope, redelivered=True))
 
     @precondition(lambda self: 0 < len(self.transport.in_flight) < MAX_IN_FLIGHT)
-    @rule(data=st.data())
-    def duplicate(self, data: st.DataObject) -> None:
-        """A publisher retried after a lost confirm: the same message twice."""
+    @rule(data=st.data(), older=st.booleans())
+    def duplicate(self, data: st.DataObject, older: bool) -> None:
+        """A publisher retried after a lost confirm: the same message twice. `older`: the copy
+        is handled as by a worker from before messages.CARRY (it records the output itself),
+        so both ways of reporting a task meet in one program."""
         original = self.transport.in_flight[self._pick(data, self.transport.in_flight)]
-        self.transport.in_flight.append(replace(original, redelivered=False))
+        copy = replace(original, redelivered=False)
+        self.transport.in_flight.append(replace(copy, headers=()) if older else copy)
 
     @precondition(lambda self: self.history and len(self.transport.in_flight) < MAX_IN_FLIGHT)
-    @rule(data=st.data(), redelivered=st.booleans())
-    def stale(self, data: st.DataObject, redelivered: bool) -> None:
-        """An old message, already handled (from an earlier step or iteration), comes back."""
-        old = self.history[self._pick(data, self.history)]
-        self.transport.in_flight.append(replace(old, redelivered=redelivered))
+    @rule(data=st.data(), redelivered=st.booleans(), older=st.booleans())
+    def stale(self, data: st.DataObject, redelivered: bool, older: bool) -> None:
+        """An old message, already handled (from an earlier step or iteration), comes back
+        (`older`: to a worker from before messages.CARRY)."""
+        old = replace(self.history[self._pick(data, self.history)], redelivered=redelivered)
+        self.transport.in_flight.append(replace(old, headers=()) if older else old)
 
     @precondition(lambda self: self.transport.later)
     @rule(data=st.data())
@@ -1002,13 +1014,14 @@ class Cluster(RuleBasedStateMachine):
         return [i for i, e in enumerate(in_flight) if e.kind == "task" and not e.timed]
 
     @precondition(lambda self: self.interleavings_left > 0 and self._untimed_tasks())
-    @rule(data=st.data(), race=st.booleans())
-    def interleave(self, data: st.DataObject, race: bool) -> None:
+    @rule(data=st.data(), race=st.booleans(), older=st.booleans())
+    def interleave(self, data: st.DataObject, race: bool, older: bool) -> None:
         """Workers and owners run side by side: while a task's handlers run, one to three
         other messages are handled, each perhaps one the one before published (a bag member
         fails, its report fails the program, the start of its compensations). With `race`, a
         second worker runs a copy of the same task (a publisher's retry) and its report moves
-        the program on before the first one records."""
+        the program on before the first one records (`older`: the second worker is from
+        before messages.CARRY, so one records the output and the other carries it)."""
         self.interleavings_left -= 1
         in_flight = self.transport.in_flight
         candidates = self._untimed_tasks()
@@ -1032,7 +1045,8 @@ class Cluster(RuleBasedStateMachine):
                 await self._handle(in_flight.pop(pick % len(in_flight)))
             if race:
                 mark = len(self.transport.published)
-                await self._handle(replace(envelope, redelivered=False))
+                copy = replace(envelope, redelivered=False)
+                await self._handle(replace(copy, headers=()) if older else copy)
                 for report in self.transport.published[mark:]:
                     if report.kind == "shard" and report in in_flight:
                         in_flight.remove(report)

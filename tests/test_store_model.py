@@ -90,7 +90,7 @@ def calls(cursors: dict[str, list[str]]) -> st.SearchStrategy[Call]:
             st.sampled_from(["", "", "saga:0", "saga:1"]), st.just("saga")
         )
         return st.builds(
-            lambda scoped, cursor, status, payload, leaf, drop, refs, epoch, opened: (
+            lambda scoped, cursor, status, payload, leaf, drop, refs, epoch, opened, output: (
                 "advance",
                 (
                     wf,
@@ -104,6 +104,7 @@ def calls(cursors: dict[str, list[str]]) -> st.SearchStrategy[Call]:
                     epoch,
                     *scoped[1:],
                     opened,
+                    output,
                 ),
             ),
             scoped,
@@ -120,6 +121,8 @@ def calls(cursors: dict[str, list[str]]) -> st.SearchStrategy[Call]:
             st.sampled_from([(), (), (("a", '{"v": 1}'),), (("a", '"x"'), ("b2", "[1, 2]"))]),
             st.none() | EPOCHS,  # None: a start, whatever the run
             st.sampled_from(OPENED),
+            # the finished task's output, carried by its worker: recorded only when it applies
+            st.sampled_from([None, None, '{"o": 1}', '"o2"']),
         )
 
     def per_workflow(wf: str) -> st.SearchStrategy[Call]:
@@ -237,6 +240,8 @@ def again(call: Call) -> Call:
     if name == "record":
         wf, path, size, outputs, epoch = args
         return name, (wf, path, size, {index: '"rerun"' for index in outputs}, epoch)
+    if name == "advance" and len(args) == 13 and args[-1] is not None:
+        return name, (*args[:-1], '"rerun"')  # a carried output, from a task run again
     return call
 
 

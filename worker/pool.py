@@ -20,6 +20,8 @@ from orchestrator.delivery import UNREACHABLE, Delivery, Poison, process, redeli
 from orchestrator.lifecycle import Service, format_counts
 from orchestrator.marks import Marks
 from orchestrator.messages import (
+    CARRY,
+    INLINE_BYTES,
     MAX_ERROR,
     Cancelled,
     Failed,
@@ -150,6 +152,8 @@ class Worker(Service):
             if is_lane(self.pool):
                 await self.marks.lane(task.wf, task.path, task.task, self.pool)
             again = redelivered(delivery)
+            # Its owner records a single task's output with its advance (messages.CARRY).
+            carry = (delivery.headers or {}).get(CARRY) == 1
             if task.limit is not None:  # never batched: one task, one slot
                 # Back to the queue it came from when it waits: its share of the pool.
                 tasks_prefix = self.bus.names.task_queue("")
@@ -159,10 +163,10 @@ class Worker(Service):
                     else self.pool
                 )
                 reports = await self._limited(
-                    task, pool, redelivered=again, priority=delivery.priority
+                    task, pool, redelivered=again, priority=delivery.priority, carry=carry
                 )
             else:
-                reports = await self.run_tasks(task.split(), redelivered=again)
+                reports = await self.run_tasks(task.split(), redelivered=again, carry=carry)
             for report in reports:
                 await self.bus.publish_to_shard(task.owner, encode(report))
 
@@ -206,7 +210,13 @@ class Worker(Service):
         return []
 
     async def _limited(
-        self, task: TaskMessage, pool: str, *, redelivered: bool, priority: int | None = None
+        self,
+        task: TaskMessage,
+        pool: str,
+        *,
+        redelivered: bool,
+        priority: int | None = None,
+        carry: bool = False,
     ) -> list[Report]:
         """Run a task with a per-key limit while holding a slot of its key. No free slot: the
         message goes back to its pool through the delay ladder (doubling waits) and this
@@ -222,14 +232,18 @@ class Worker(Service):
         holder = limits.holder(task.wf, task.path, task.index)
         slot = await self.store.acquire(limit.key, holder, limit.max, self.lease_ms)
         if slot.verdict == "busy":
-            await self._wait_for_slot(task, pool, slot.held, slot.left_ms, priority, redelivered)
+            await self._wait_for_slot(
+                task, pool, slot.held, slot.left_ms, priority, redelivered, carry
+            )
             return []
         if limit.waits:
             await self.marks.slot_taken(task.wf, task.path, task.index)
         lost, done = asyncio.Event(), asyncio.Event()
         renewing = asyncio.create_task(self._renew(limit.key, holder, lost, done))
         try:
-            return await self.run_tasks([task], redelivered=redelivered, lost=lost, checked=True)
+            return await self.run_tasks(
+                [task], redelivered=redelivered, lost=lost, checked=True, carry=carry
+            )
         finally:
             # Stopped between two renewals, never inside one: a Redis call cut short could
             # leave its connection mid-reply.
@@ -248,6 +262,7 @@ class Worker(Service):
         left_ms: int | None,
         priority: int | None,
         redelivered: bool,
+        carry: bool = False,
     ) -> None:
         """Send the task back to its pool after a backoff (never past the first lease's end,
         so a dead holder's slot is taken up soon after it runs out). A redelivered task stays
@@ -262,7 +277,8 @@ class Worker(Service):
         body = encode(task.model_copy(update={"limit": later}))
         # It keeps its priority (the program's level) while it waits.
         level = GOING_ON if priority is None else priority
-        await self.bus.publish_later(pool, body, limits.backoff_s(waits, left_s), level)
+        headers = {CARRY: 1} if carry else None  # what its owner promised, kept
+        await self.bus.publish_later(pool, body, limits.backoff_s(waits, left_s), level, headers)
         await self.marks.slot_wait(task.wf, task.path, task.index, task.limit, held)
         self.counts["waited for a slot"] += 1
         metrics.SLOT_WAITS.labels(metrics.pool_label(self.pool)).inc()
@@ -292,10 +308,13 @@ class Worker(Service):
         redelivered: bool,
         lost: asyncio.Event | None = None,
         checked: bool = False,
+        carry: bool = False,
     ) -> list[Report]:
         """Run one message's tasks side by side and record their outputs in one call; the
         reports for the owner: failures, and `next` when this completed the step. `lost`: set
-        when the slot a limited task holds is lost; `checked`: the step is known current."""
+        when the slot a limited task holds is lost; `checked`: the step is known current;
+        `carry`: the owner records a single task's output with its advance (messages.CARRY),
+        so it goes in `next` unrecorded."""
         if not checked:
             tasks = await self._current(tasks, redelivered=redelivered)
             if not tasks:
@@ -312,6 +331,11 @@ class Worker(Service):
         if not outputs:
             return reports
         task = tasks[0]  # a message's tasks share program, step and bag
+        if carry and _carried(task, outputs):
+            self.counts["carried"] += len(outputs)
+            output = json.loads(outputs[None])
+            reports.append(Next(wf=task.wf, path=task.path, output=output, epoch=task.epoch))
+            return reports
         completion = await self.store.record(task.wf, task.path, task.size, outputs, task.epoch)
         if completion.verdict in ("missing", "invalid"):
             raise Poison(f"{task.wf}: {', '.join(completion.outputs) or 'no such program'}")
@@ -444,6 +468,15 @@ async def _guarded(run: Coroutine[Any, Any, Any]) -> Any:
         raise
     except BaseException as exc:
         raise _TaskError(f"{type(exc).__name__}: {exc}") from None
+
+
+def _carried(task: TaskMessage, outputs: dict[int | None, str]) -> bool:
+    """Whether a task's output may go to its owner unrecorded (when the owner records it): a
+    single task of a program's step, not one whose step names compensations (its start was
+    noted: complete.lua takes the note out), and small enough to carry."""
+    if task.index is not None or task.undoable or is_saga(task.path):
+        return False
+    return None in outputs and len(outputs[None]) <= INLINE_BYTES
 
 
 def _cut(error: str) -> str:
