@@ -1,13 +1,16 @@
-"""The shard owner's window: messages of different programs handled side by side (up to
-`SHARDFLOW_PREFETCH` a shard) against one at a time, shardflow alone, in one run: for each
-setting, alternating, the fleet of bench/compare.py (2 orchestrators over 4 shards, 2 workers
-of 16) runs shape A (no chunk: the default) at M programs, shape B (a 20-task chain) at M=200,
-and shape B at M=1 ten times (per-step latency).
+"""Settings against each other in one run, alternating, shardflow alone: for each round and
+each value, bench/compare.py's fleet (2 orchestrators over 4 shards, 2 workers of 16) runs
+shape A at M programs (no chunk: the default, unless --chunk), shape B (a 20-task chain) at
+M=200, and shape B at M=1 ten times (per-step latency). Medians over the rounds at the end.
 
-    .venv/bin/python bench/window.py [--prefetch 1,16] [--rounds 2] [--programs 400]
+    .venv/bin/python bench/ab.py --set SHARDFLOW_PREFETCH=1,16 [--rounds 3] [--programs 400]
+    .venv/bin/python bench/ab.py --set SHARDFLOW_AMQP_COALESCING=false,true --chunk 1
 
-Prints, per run, tasks/s, CPU-seconds per 1,000 tasks (every process) with the orchestrators'
-share, p50 latency and the machine's busy cores; writes bench/results/window-<date>.json.
+Every value is a whole configuration: the other `--set`s keep their first value, and a
+`--set` of several names (`--set A,B=1:2,3:4`) moves them together. This machine's speed
+moves between runs (bench/README.md), so only figures of one run are compared; read and write
+system calls per task (/proc/<pid>/io) move much less than CPU seconds. Writes
+bench/results/ab-<stamp>.json.
 """
 
 from __future__ import annotations
@@ -17,55 +20,103 @@ import asyncio
 import datetime
 import json
 import os
+import statistics
 import subprocess
 from typing import Any
 
-from bench.compare import ROOT, SHAPE_A, SHAPE_B, Shardflow, _per_step, check_a, check_b
+from bench.compare import ROOT, SHAPE_B, Shardflow, _per_step, check_a, check_b, shape_a
 
 
 def _line(name: str, r: dict[str, Any]) -> str:
     by = r["cpu_s_per_1000_tasks_by_group"]
+    calls = r["syscalls_per_task_by_group"]
     return (
-        f"{name:16} tasks/s {r['tasks_per_s']:7.1f}  CPU-s/1000 {r['cpu_s_per_1000_tasks']:.2f} "
-        f"(orchestrators {by['orchestrators']:.2f})  p50 {r['latency_p50_ms']:7.0f} ms  "
-        f"machine {r['machine_cores']} cores"
+        f"{name:10} tasks/s {r['tasks_per_s']:7.1f}  CPU-s/1000 {r['cpu_s_per_1000_tasks']:.2f} "
+        f"(orch {by['orchestrators']:.2f}, workers {by['workers']:.2f}, rabbit "
+        f"{by['rabbitmq']:.2f})  syscalls/task orch {calls['orchestrators']:.2f} workers "
+        f"{calls['workers']:.2f}  p50 {r['latency_p50_ms']:6.0f} ms  machine "
+        f"{r['machine_cores']}"
     )
+
+
+def _configurations(sets: list[str]) -> list[dict[str, str]]:
+    """The configurations to alternate: the values of one `--set` each, the others first."""
+    parsed = []
+    for item in sets:
+        names, _, values = item.partition("=")
+        keys = names.split(",")
+        options = [dict(zip(keys, v.split(":"), strict=True)) for v in values.split(",")]
+        parsed.append(options)
+    base: dict[str, str] = {k: v for options in parsed for k, v in options[0].items()}
+    found = [base]
+    for options in parsed:
+        found += [{**base, **option} for option in options[1:]]
+    return found
+
+
+def _median(runs: list[dict[str, Any]], *path: str) -> float:
+    values = []
+    for run in runs:
+        value: Any = run
+        for key in path:
+            value = value[key]
+        values.append(value)
+    return round(statistics.median(values), 3)
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prefetch", default="1,16", help="settings to alternate")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--set", action="append", required=True, help="NAME=V1,V2[,...]")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--programs", type=int, default=400, help="M of shape A")
+    parser.add_argument("--chunk", type=int, default=None, help="shape A's chunk")
+    parser.add_argument("--no-chains", action="store_true", help="shape A only")
+    parser.add_argument("--stamp", default=datetime.date.today().isoformat())
     args = parser.parse_args()
-    settings = [int(p) for p in args.prefetch.split(",")]
+    configurations = _configurations(args.set)
     logs = ROOT / "bench" / "results" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
     for round_ in range(args.rounds):
-        for prefetch in settings:
+        for configuration in configurations:
             await asyncio.to_thread(
                 subprocess.run, ["redis-cli", "-n", "2", "flushdb"], check=True, capture_output=True
             )
-            os.environ["SHARDFLOW_PREFETCH"] = str(prefetch)  # the fleet inherits it
+            os.environ.update(configuration)  # the fleet inherits it
             sf = Shardflow(logs)
             sf.start(orchestrators=2)
+            run: dict[str, Any] = {"round": round_ + 1, "set": configuration}
             try:
-                a = await sf.run(SHAPE_A, args.programs, 12, check_a)
-                b = await sf.run(SHAPE_B, 200, 20, check_b)
-                steps = _per_step([await sf.run(SHAPE_B, 1, 20, check_b) for _ in range(10)])
+                run["A"] = await sf.run(shape_a(args.chunk), args.programs, 12, check_a)
+                if not args.no_chains:
+                    run["B_M200"] = await sf.run(SHAPE_B, 200, 20, check_b)
+                    b1 = [await sf.run(SHAPE_B, 1, 20, check_b) for _ in range(10)]
+                    run["B_M1"] = _per_step(b1)
             finally:
                 sf.stop()
-            print(f"round {round_ + 1}, prefetch {prefetch}:", flush=True)
-            print("  " + _line(f"A M={args.programs}", a), flush=True)
-            print("  " + _line("B M=200", b), flush=True)
-            print(f"  B M=1 step p50 {steps['step_p50_ms']} ms", flush=True)
-            runs.append({"round": round_ + 1, "prefetch": prefetch, "A": a, "B_M200": b,
-                         "B_M1": steps})  # fmt: skip
-    stamp = datetime.date.today().isoformat()
-    path = ROOT / "bench" / "results" / f"window-{stamp}.json"
-    path.write_text(json.dumps({"command": "bench/window.py", "args": vars(args),
-                                "runs": runs}, indent=1))  # fmt: skip
+            print(f"round {round_ + 1}, {configuration}:", flush=True)
+            print("  " + _line(f"A M={args.programs}", run["A"]), flush=True)
+            if not args.no_chains:
+                print("  " + _line("B M=200", run["B_M200"]), flush=True)
+                print(f"  B M=1 step p50 {run['B_M1']['step_p50_ms']} ms", flush=True)
+            runs.append(run)
+    medians = []
+    for configuration in configurations:
+        mine = [run for run in runs if run["set"] == configuration]
+        row: dict[str, Any] = {"set": configuration}
+        for part in ("A", "B_M200") if not args.no_chains else ("A",):
+            row[part] = {
+                "tasks_per_s": _median(mine, part, "tasks_per_s"),
+                "cpu_s_per_1000_tasks": _median(mine, part, "cpu_s_per_1000_tasks"),
+                "latency_p50_ms": _median(mine, part, "latency_p50_ms"),
+            }
+        if not args.no_chains:
+            row["B_M1_step_p50_ms"] = _median(mine, "B_M1", "step_p50_ms")
+        medians.append(row)
+        print(f"median of {args.rounds}, {configuration}: {json.dumps(row)}", flush=True)
+    path = ROOT / "bench" / "results" / f"ab-{args.stamp}.json"
+    found = {"command": "bench/ab.py", "args": vars(args), "medians": medians, "runs": runs}
+    path.write_text(json.dumps(found, indent=1))
     print(f"wrote {path}")
 
 

@@ -112,6 +112,7 @@ def figures(m: int, tasks_per_program: int, started: float, submits: list[float]
 def cost(meter: Meter, started: float, tasks: int) -> dict[str, Any]:
     """What a run cost: CPU seconds per 1,000 tasks (in all, and by group), cores used."""
     used, wall = meter.used(), time.monotonic() - started
+    calls = meter.calls()
     total = sum(used.values())
     return {
         "cpu_s_per_1000_tasks": round(total * 1000 / tasks, 3),
@@ -119,6 +120,8 @@ def cost(meter: Meter, started: float, tasks: int) -> dict[str, Any]:
         # the whole machine, to see what the groups above leave out (kernel, other processes)
         "machine_cores": round(meter.machine_s / wall, 2),
         "cpu_s_per_1000_tasks_by_group": {k: round(v * 1000 / tasks, 3) for k, v in used.items()},
+        # read and write system calls per task (/proc/<pid>/io), by group
+        "syscalls_per_task_by_group": {k: round(v / tasks, 2) for k, v in calls.items()},
     }
 
 
