@@ -5,12 +5,16 @@ M=200, and shape B at M=1 ten times (per-step latency). Medians over the rounds 
 
     .venv/bin/python bench/ab.py --set SHARDFLOW_PREFETCH=1,16 [--rounds 3] [--programs 400]
     .venv/bin/python bench/ab.py --set SHARDFLOW_AMQP_COALESCING=false,true --chunk 1
+    .venv/bin/python bench/ab.py --ref HEAD~3 [--set ...]    # that commit's code against this
 
 Every value is a whole configuration: the other `--set`s keep their first value, and a
-`--set` of several names (`--set A,B=1:2,3:4`) moves them together. This machine's speed
-moves between runs (bench/README.md), so only figures of one run are compared; read and write
-system calls per task (/proc/<pid>/io) move much less than CPU seconds. Writes
-bench/results/ab-<stamp>.json.
+`--set` of several names (`--set A,B=1:2,3:4`) moves them together. `--ref REF` runs each
+configuration twice, the fleet on REF's code (a git worktree under /tmp) and on this
+checkout's; the client is this checkout's either way (the wire format is the same).
+
+This machine's speed moves between runs (bench/README.md), so only figures of one run are
+compared; read and write system calls per task (/proc/<pid>/io) move much less than CPU
+seconds. Writes bench/results/ab-<stamp>.json.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import json
 import os
 import statistics
 import subprocess
+from pathlib import Path
 from typing import Any
 
 from bench.compare import ROOT, SHAPE_B, Shardflow, _per_step, check_a, check_b, shape_a
@@ -54,6 +59,21 @@ def _configurations(sets: list[str]) -> list[dict[str, str]]:
     return found
 
 
+def _worktree(ref: str) -> Path:
+    """A checkout of `ref` beside this one (made once, kept for the next run)."""
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", ref],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()  # fmt: skip
+    path = Path("/tmp") / f"shardflow-ab-{commit}"
+    if not path.exists():
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), commit],
+            check=True, capture_output=True,
+        )  # fmt: skip
+    return path
+
+
 def _median(runs: list[dict[str, Any]], *path: str) -> float:
     values = []
     for run in runs:
@@ -66,14 +86,18 @@ def _median(runs: list[dict[str, Any]], *path: str) -> float:
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--set", action="append", required=True, help="NAME=V1,V2[,...]")
+    parser.add_argument("--set", action="append", default=[], help="NAME=V1,V2[,...]")
+    parser.add_argument("--ref", help="also run each configuration on this commit's code")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--programs", type=int, default=400, help="M of shape A")
     parser.add_argument("--chunk", type=int, default=None, help="shape A's chunk")
     parser.add_argument("--no-chains", action="store_true", help="shape A only")
     parser.add_argument("--stamp", default=datetime.date.today().isoformat())
     args = parser.parse_args()
-    configurations = _configurations(args.set)
+    configurations = _configurations(args.set) if args.set else [{}]
+    if args.ref:  # the baseline first: the commit's code, then this checkout's
+        tree = str(_worktree(args.ref))
+        configurations = [c for base in configurations for c in ({**base, "tree": tree}, base)]
     logs = ROOT / "bench" / "results" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
@@ -82,8 +106,9 @@ async def main() -> None:
             await asyncio.to_thread(
                 subprocess.run, ["redis-cli", "-n", "2", "flushdb"], check=True, capture_output=True
             )
-            os.environ.update(configuration)  # the fleet inherits it
-            sf = Shardflow(logs)
+            settings = {k: v for k, v in configuration.items() if k != "tree"}
+            os.environ.update(settings)  # the fleet inherits it
+            sf = Shardflow(logs, Path(configuration.get("tree", ROOT)))
             sf.start(orchestrators=2)
             run: dict[str, Any] = {"round": round_ + 1, "set": configuration}
             try:

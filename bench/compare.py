@@ -73,9 +73,12 @@ SHARDS = 4
 COUNTED = 50  # programs in each run that counts broker messages (not a timed run)
 
 
-def spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+def spawn(
+    args: list[str], env: dict[str, str], log: Path, root: Path = ROOT
+) -> subprocess.Popen[bytes]:
+    """Start a process in `root` (a checkout: `python -m shardflow` runs its code)."""
     with log.open("ab") as out:
-        return subprocess.Popen(args, cwd=ROOT, env={**os.environ, **env}, stdout=out, stderr=out)
+        return subprocess.Popen(args, cwd=root, env={**os.environ, **env}, stdout=out, stderr=out)
 
 
 def stop(processes: list[subprocess.Popen[bytes]]) -> None:
@@ -169,8 +172,9 @@ async def count_messages(name: str, run: Awaitable[object], tasks: int) -> dict[
 class Shardflow:
     """Orchestrator and worker processes, driven through the Python API."""
 
-    def __init__(self, logs: Path) -> None:
+    def __init__(self, logs: Path, root: Path = ROOT) -> None:
         self.logs = logs
+        self.root = root  # the checkout whose code the fleet runs (bench/ab.py --ref)
         self.settings = Settings(
             amqp_url=vhost("shardflow-bench"),
             redis_url="redis://127.0.0.1:6379/2",
@@ -193,12 +197,13 @@ class Shardflow:
         cli = [sys.executable, "-m", "shardflow"]
         self.orchestrators = [
             spawn([*cli, "orchestrator", "--shards", ",".join(map(str, group))], self.env,
-                  self.logs / "orchestrator.log")
+                  self.logs / "orchestrator.log", self.root)
             for group in self.shards
         ]  # fmt: skip
         self.processes = self.orchestrators + [
             spawn([*cli, "worker", "--pool", "parallel", "--app", "bench.tasks",
-                   "--concurrency", str(worker_concurrency)], self.env, self.logs / "worker.log")
+                   "--concurrency", str(worker_concurrency)], self.env, self.logs / "worker.log",
+                  self.root)
             for _ in range(workers)
         ]  # fmt: skip
         time.sleep(2.5)  # imports and connections
