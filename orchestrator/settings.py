@@ -27,7 +27,10 @@ class Settings(BaseSettings):
     # A message that fails this often (a lost connection aside) is dead-lettered, on every
     # queue type; quorum queues also count redeliveries after a crash against it.
     delivery_limit: int = Field(default=20, ge=1)
-    prefetch: int = Field(default=1, ge=1, le=1000)
+    # Messages of each shard an orchestrator holds and handles at once: different programs'
+    # side by side, each program's one at a time in delivery order (ordering.py); 1: strictly
+    # one at a time.
+    prefetch: int = Field(default=16, ge=1, le=1000)
     serial_concurrency: Literal[1] = 1
     parallel_concurrency: int = Field(default=16, ge=1, le=1000)
     # The most of a worker's slots one kind of program (one of a pool's shares, shares.py) may
