@@ -1,6 +1,6 @@
 """Where a chain step's time goes: a timeline of one step across the owner and the worker.
 
-    .venv/bin/python bench/timeline.py [--chains 10] [--steps 20]
+    .venv/bin/python bench/timeline.py [--chains 10] [--steps 20] [--stamp NAME]
 
 Runs one orchestrator process (every shard) and one parallel worker process, each started
 through this file with probes around the calls a step makes (wall clock, one host, so the two
@@ -105,8 +105,12 @@ def parts(stamps: list[tuple[str, int, int, str]], steps: int) -> dict[str, list
         records = sorted(by.get(("record", here), []))
         reports = sorted(by.get(("worker publish", here), []))
         nexts = sorted(by.get(("owner", here), []))
-        rows = (turns, advances, publishes, taken, checks, runs, records, reports, nexts)
-        for turn, adv, pub, got, chk, run, rec, rep, nxt in zip(*rows, strict=False):
+        rows = (turns, advances, publishes, taken, checks, runs, reports, nexts)
+        # A single task's output travels with its report (docs/architecture.md): a worker
+        # records it first only where its owner does not (then the step has a record).
+        records += [None] * (len(runs) - len(records))  # type: ignore[list-item]
+        for row in zip(*rows, records, strict=False):
+            turn, adv, pub, got, chk, run, rep, nxt, rec = row
             add("owner: got report .. advance", adv[0] - turn[0])
             add("owner: advance (Redis)", adv[1] - adv[0])
             add("owner: advance .. publish", pub[0] - adv[1])
@@ -116,9 +120,12 @@ def parts(stamps: list[tuple[str, int, int, str]], steps: int) -> dict[str, list
             add("worker: current? (Redis)", chk[1] - chk[0])
             add("worker: current? .. handler", run[0] - chk[1])
             add("worker: handler", run[1] - run[0])
-            add("worker: handler .. record", rec[0] - run[1])
-            add("worker: record (Redis)", rec[1] - rec[0])
-            add("worker: record .. publish", rep[0] - rec[1])
+            if rec is None:
+                add("worker: handler .. publish (the output carried)", rep[0] - run[1])
+            else:
+                add("worker: handler .. record", rec[0] - run[1])
+                add("worker: record (Redis)", rec[1] - rec[0])
+                add("worker: record .. publish", rep[0] - rec[1])
             add("broker: worker's publish .. owner got report", nxt[0] - rep[0])
             add("worker: publish .. confirmed", rep[1] - rep[0])
             add("step: owner got report k-1 .. owner got report k", nxt[0] - turn[0])
@@ -151,6 +158,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chains", type=int, default=10)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--stamp", default=date.today().isoformat(), help="results' file name")
     args = parser.parse_args()
     settings = Settings(
         amqp_url=vhost("shardflow-timeline"),
@@ -206,7 +214,7 @@ def main() -> None:
         "steps": args.steps,
         **results,
     }
-    out = ROOT / "bench" / "results" / f"timeline-{report['date']}.json"
+    out = ROOT / "bench" / "results" / f"timeline-{args.stamp}.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"per step, median of {args.chains} chains: {results['step_ms_plain']} ms without "
           f"probes, {results['step_ms_probed']} ms with them")  # fmt: skip
