@@ -106,11 +106,10 @@ def parts(stamps: list[tuple[str, int, int, str]], steps: int) -> dict[str, list
         reports = sorted(by.get(("worker publish", here), []))
         nexts = sorted(by.get(("owner", here), []))
         rows = (turns, advances, publishes, taken, checks, runs, reports, nexts)
-        # A single task's output travels with its report (docs/architecture.md): a worker
-        # records it first only where its owner does not (then the step has a record).
-        records += [None] * (len(runs) - len(records))  # type: ignore[list-item]
-        for row in zip(*rows, records, strict=False):
-            turn, adv, pub, got, chk, run, rep, nxt, rec = row
+        for turn, adv, pub, got, chk, run, rep, nxt in zip(*rows, strict=False):
+            # A single task's output travels with its report (docs/architecture.md): a
+            # worker records it first only where its owner does not (an output over 64 KiB).
+            rec = next((r for r in records if run[1] <= r[0] <= rep[0]), None)
             add("owner: got report .. advance", adv[0] - turn[0])
             add("owner: advance (Redis)", adv[1] - adv[0])
             add("owner: advance .. publish", pub[0] - adv[1])

@@ -54,6 +54,10 @@ CONSUME_ATTEMPTS = 5
 CONSUME_BACKOFF_S = 0.5
 RECONNECT_WAIT_S = 60.0
 CLOSE_TIMEOUT_S = 10.0  # closing a consumer's channel, which a lost connection may not answer
+# Publishes waiting for their confirms at once, at most: the frames of a publish are handed on
+# without waiting for the socket (orchestrator/coalescing.py), so while the broker reads
+# nothing (a memory or disk alarm) this, not the socket, bounds what a process holds.
+MAX_UNCONFIRMED = 1024
 # A lost connection (INTERNAL_ERROR, a ConnectionInternalError, is one) or a closed channel.
 _CONSUME_RACE = (aiormq.exceptions.AMQPConnectionError, aiormq.exceptions.ChannelInvalidStateError)
 
@@ -155,6 +159,7 @@ class Bus:
         self._pools: set[str] = set()  # task queues declared on this connection
         self._consumer_channels: dict[AbstractQueueIterator, AbstractChannel] = {}
         self._task_arguments: dict[str, dict[str, Any]] = {}  # by task queue, once checked
+        self._unconfirmed = asyncio.Semaphore(MAX_UNCONFIRMED)
 
     async def connect(self) -> None:
         """Connect and declare the whole topology (idempotent; replayed after a reconnect)."""
@@ -306,19 +311,21 @@ class Bus:
         message raises PublishError, a nack DeliveryError). Through aiormq without waiting
         for the socket's drain, so the frames of publishes made side by side go out in one
         write (orchestrator/coalescing.py); aio-pika's `Exchange.publish` waits for it with
-        the channel's lock held, one write per publish. The confirm is what we wait for."""
+        the channel's lock held, one write per publish. The confirm is what we wait for, and
+        at most MAX_UNCONFIRMED publishes wait for theirs at once."""
         if self._channel.is_closed:
             raise aiormq.exceptions.ChannelInvalidStateError(f"{self._channel!r} closed")
         # aiormq's own channel, whose publish takes `wait` (its abstract base does not say so).
         channel = cast(aiormq.Channel, await self._channel.get_underlay_channel())
-        await channel.basic_publish(
-            message.body,
-            exchange=exchange,
-            routing_key=routing_key,
-            properties=message.properties,
-            mandatory=mandatory,
-            wait=False,
-        )
+        async with self._unconfirmed:
+            await channel.basic_publish(
+                message.body,
+                exchange=exchange,
+                routing_key=routing_key,
+                properties=message.properties,
+                mandatory=mandatory,
+                wait=False,
+            )
 
     async def publish_to_shard(self, owner: int, body: bytes, priority: int = GOING_ON) -> None:
         """Publish to the owner shard's queue and wait for the broker's confirm."""

@@ -761,4 +761,6 @@ class MemoryStore:
 
     async def brief(self, wf: str) -> dict[str, str]:
         state = await self.state(wf)
+        if "status" not in state:  # as RedisStore's: no status, no such program
+            return {}
         return {name: state[name] for name in BRIEF if name in state}

@@ -14,7 +14,7 @@ from aio_pika.abc import AbstractIncomingMessage, AbstractQueueIterator
 from orchestrator import logs, metrics
 from orchestrator.backlog import Backlog
 from orchestrator.bus import NEW, Bus, Publisher
-from orchestrator.delivery import UNREACHABLE, Delivery, process, redelivered
+from orchestrator.delivery import UNREACHABLE, Delivery, process, redelivered, settle
 from orchestrator.lifecycle import Service, format_counts, raise_if_cancelled
 from orchestrator.machine import PathError
 from orchestrator.marks import Marks
@@ -237,7 +237,8 @@ class Orchestrator(Service):
 
         async def handle(message: AbstractIncomingMessage, decoded: ShardMessage | None) -> None:
             async def begin() -> None:
-                if self._stop.is_set():  # stopping: never begun, unsettled, handed back
+                if self._stop.is_set():  # stopping: never begun, handed back now, in order
+                    await settle(message, ok=False)
                     return
                 await handle_shard_message(
                     message, self.transitions, self.bus, shard, queue, self.limit, decoded

@@ -443,13 +443,17 @@ class Transitions:
         outcome: machine.Outcome,
     ) -> machine.Outcome:
         """What followed the task when its advance applied: computed from the output recorded
-        then, not this report's, which may be another run's of the same task (its worker
-        carried it: nothing recorded it before the advance that chose the winner)."""
-        read = await self.store.outputs(message.wf, message.path, None, INLINE_BYTES)
-        if not read.values or read.values[0] == output:
+        then (of any size: a run that recorded it itself may have stored a large one), not
+        this report's, which may be another run's of the same task (its worker carried it:
+        nothing recorded it before the advance that chose the winner). Nothing recorded (an
+        owner from before messages.CARRY applied it): this report's is all there is."""
+        read = await self.store.outputs(message.wf, message.path, None, self.max_join_bytes)
+        if read.values is None and not read.total:
             return outcome
-        recorded = message.model_copy(update={"output": json.loads(read.values[0])})
-        following = await self._following(recorded, plan, steps)
+        if read.values is not None and read.values[0] == output:
+            return outcome
+        stored = Next(wf=message.wf, path=message.path, stored=True, epoch=message.epoch)
+        following = await self._following(stored, plan, steps)  # reads it, within the limit
         return outcome if isinstance(following, str) else following
 
     async def _refs(self, wf: str, plan: Plan) -> dict[str, Any]:

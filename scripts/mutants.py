@@ -577,8 +577,17 @@ end""",
     # A stop lets the messages the owner holds begin during its grace.
     "stop-begins-held-messages": (
         "orchestrator/owner.py",
-        "                if self._stop.is_set():  # stopping: never begun, unsettled, handed back\n"
+        "                if self._stop.is_set():  # stopping: never begun, handed back now, "
+        "in order\n"
+        "                    await settle(message, ok=False)\n"
         "                    return\n",
+        "",
+        (WINDOW_STOP,),
+    ),
+    # A stop keeps the messages it never began until its connection closes: a standby waits.
+    "stop-keeps-held-messages": (
+        "orchestrator/owner.py",
+        "                    await settle(message, ok=False)\n",
         "",
         (WINDOW_STOP,),
     ),
@@ -592,7 +601,7 @@ end""",
     # A redelivered copy's report republishes from its own output, not the recorded one.
     "replay-uses-the-reports-output": (
         "orchestrator/transitions.py",
-        "        if not read.values or read.values[0] == output:\n",
+        "        if read.values is not None and read.values[0] == output:\n",
         "        if True:\n",
         (CARRY_OWNER,),
     ),

@@ -111,6 +111,22 @@ async def test_the_owner_records_a_carried_output_with_the_advance_that_used_it(
     assert len(bus.tasks) == 3 and decode_task(bus.tasks[-1]).prev == {"n": 1}
 
 
+async def test_a_replay_follows_a_large_recorded_output_not_a_carried_copy() -> None:
+    """One run of the task recorded an output over 64 KiB itself (stored); another run's
+    small output was carried. Redelivered, the carried report republishes from the stored."""
+    store, bus, transitions, owner = await _started("carry-large")
+    wf = decode_task(bus.tasks[0]).wf
+    large = "x" * INLINE_BYTES
+    assert (await store.record(wf, "0", 1, {None: json.dumps(large)})).verdict == "fire"
+    stored = Next(wf=wf, path="0", stored=True)
+    assert await transitions.apply(stored, redelivered=False, shard=owner) == "applied"
+    assert decode_task(bus.tasks[-1]).prev_ref  # too large to carry: read where it is kept
+    carried = Next(wf=wf, path="0", output="small")
+    assert await transitions.apply(carried, redelivered=True, shard=owner) == "replay"
+    again = decode_task(bus.tasks[-1])
+    assert len(bus.tasks) == 3 and again.prev_ref and again.prev is None
+
+
 async def test_a_worker_carries_the_output_only_when_the_owner_records_it() -> None:
     store, bus, _, _ = await _started("carry-worker")
     body = bus.tasks[0]

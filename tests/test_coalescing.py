@@ -106,6 +106,21 @@ async def test_a_bus_publishes_side_by_side_in_few_writes_and_every_message_arri
         await bus.close()
 
 
+async def test_publishes_waiting_for_their_confirms_are_bounded(settings: Settings) -> None:
+    """While the broker confirms nothing (an alarm), what a process holds is bounded by the
+    publishes waiting at once, not by the socket: here one, so each goes alone."""
+    bus = Bus(settings)
+    await bus.connect()
+    try:
+        bus._unconfirmed = asyncio.Semaphore(1)
+        transport = bus._connection.kwargs["transport_factory"].last  # type: ignore[union-attr]
+        writes = transport.writes
+        await bus.publish_all("parallel", [b"{}"] * 20)
+        assert transport.writes - writes >= 20  # one at a time: each waited for the one before
+    finally:
+        await bus.close()
+
+
 async def test_coalescing_can_be_turned_off(settings: Settings) -> None:
     bus = Bus(settings.model_copy(update={"amqp_coalescing": False}))
     await bus.connect()

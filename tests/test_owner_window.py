@@ -1,6 +1,7 @@
 """A shard owner that holds several messages at once (SHARDFLOW_PREFETCH > 1), on a real
 cluster: different programs' transitions overlap, one program's never do and its leaves run in
-order, and a stop begins none of the messages it still holds (orchestrator/owner.py)."""
+order, and a stop begins none of the messages it still holds but hands them back
+(orchestrator/owner.py)."""
 
 import asyncio
 from collections.abc import Awaitable, Callable
@@ -120,8 +121,9 @@ async def test_a_stop_begins_none_of_the_messages_it_holds(
         await running
         assert watch.after_stop == 0, "a message held at the stop was begun after it"
         assert watch.overlapped == []
-    # Nothing lost: the two it never began are back in the queue once its channel closed.
-    async with connected(settings, "window-check") as (store, bus):
+        # Nothing lost, nothing kept: the two it never began are back in the queue at once
+        # (after their program's message before them), for a standby to take, while this
+        # process's connection is still open.
         await until(lambda: _ready(bus), lambda found: found["ready"] == 2)
         for wf in ids:
             assert (await store.state(wf))["status"] == "running", wf
