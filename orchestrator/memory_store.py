@@ -747,6 +747,15 @@ class MemoryStore:
             yield wf
         self._drop_if_empty(self.keys.live(shard))
 
+    async def live_page(self, shard: int, cursor: str, count: int) -> tuple[str, list[str]]:
+        """As SSCAN: the cursor is the last id returned (ids in order), "0" at either end."""
+        after = cursor.removeprefix("after:") if cursor != "0" else None
+        ids = sorted(self._set(self.keys.live(shard)))
+        self._drop_if_empty(self.keys.live(shard))
+        page = [wf for wf in ids if after is None or wf > after][: max(1, count)]
+        done = not page or page[-1] == ids[-1]
+        return ("0" if done else f"after:{page[-1]}"), page
+
     async def shards_used(self) -> set[int]:
         used = self.data.get(self.keys.shards_used)
         return {int(shard) for shard in used} if isinstance(used, set) else set()

@@ -35,6 +35,10 @@ from orchestrator.transitions import Plans, Transitions
 log = logging.getLogger(__name__)
 # Live programs whose states a sweep reads side by side.
 SWEEP_PAGE = 256
+# Live programs a sweep reads per shard, at most: it goes on where the last one stopped, so its
+# cost is a constant whatever the number of live programs (0.08 ms of CPU each here: a
+# shard with a million live programs is swept whole every 245 sweeps, about 2 hours).
+SWEEP_BUDGET = 4096
 
 # Retrying cannot help these (nor a MessageError): the plan or the path a message names is bad.
 SHARD_POISON = (ProgramError, PathError)
@@ -95,7 +99,11 @@ class Orchestrator(Service):
         self.bus = bus
         self.drain = drain
         self.limit = settings.delivery_limit
-        self._unrecorded: set[str] = set()
+        # Ids in a shard's live set without a state, seen in the last whole scan of it and in
+        # this one so far: seen in two scans, they are no submit between its two writes.
+        self._unrecorded: dict[int, set[str]] = {}
+        self._unrecorded_now: dict[int, set[str]] = {}
+        self._cursors: dict[int, str] = {}  # where each shard's scan goes on
         self.marks = Marks(store)  # for `list` and `explain` only
         plans = Plans(store, settings.plan_cache_size)
         self.backlog = Backlog(
@@ -159,12 +167,12 @@ class Orchestrator(Service):
     async def sweep(self) -> int:
         """Start the programs of the owned shards that were recorded but never started (their
         client or router died in between) once their shard's queue is empty, and stop
-        counting ids that were never recorded (seen twice: a submit may be between its two
-        writes). Idempotent: starting twice is a stale compare-and-advance. Returns how many
-        it started."""
+        counting ids that were never recorded (seen in two scans of the shard: a submit may
+        be between its two writes). Reads at most SWEEP_BUDGET live programs per shard, from
+        where the last sweep stopped. Idempotent: starting twice is a stale
+        compare-and-advance. Returns how many it started."""
         started = 0
         old_ms = (time.time() - self.settings.sweep_s) * 1000
-        unrecorded: set[str] = set()
         indexed: dict[str, int] = {}  # repairs the creation index (router/listing.py)
         for shard in self.owned:
             # A pending program's start may still wait in a busy queue: under a backlog, a
@@ -178,10 +186,10 @@ class Orchestrator(Service):
                     await self.marks.index(indexed)
                     indexed = {}
                 if not state:
-                    if wf in self._unrecorded:
+                    if wf in self._unrecorded.get(shard, ()):
                         await self.store.untrack(wf, shard)
                     else:
-                        unrecorded.add(wf)
+                        self._unrecorded_now.setdefault(shard, set()).add(wf)
                 elif state["status"] in TERMINAL or int(state["owner"]) != shard:
                     await self.store.untrack(wf, shard)
                 elif waiting:
@@ -193,24 +201,28 @@ class Orchestrator(Service):
                 ):
                     await self.bus.publish_to_shard(shard, encode(Start(wf=wf)), NEW)
                     started += 1
-        self._unrecorded = unrecorded
         await self.marks.index(indexed)
         await self.marks.prune_index()
         return started
 
     async def _states(self, shard: int) -> AsyncIterator[tuple[str, dict[str, str]]]:
-        """The live programs of a shard with their brief states, read a page at a time side by side
-        (pipelined: orchestrator/pipelining.py): one read after another cost 0.3 ms of CPU per
-        live program every sweep (bench/growth.py)."""
-        page: list[str] = []
-        async for wf in self.store.live(shard):
-            page.append(wf)
-            if len(page) >= SWEEP_PAGE:
-                for found in zip(page, await self._read(page), strict=True):
-                    yield found
-                page = []
-        for found in zip(page, await self._read(page), strict=True):
-            yield found
+        """Up to SWEEP_BUDGET live programs of a shard, from where the last sweep stopped, with
+        their brief states, read a page at a time side by side (pipelined:
+        orchestrator/pipelining.py): one read after another cost 0.3 ms of CPU per live
+        program every sweep (bench/growth.py). A scan that reaches the end of the live set
+        starts the next one over."""
+        cursor, seen = self._cursors.get(shard, "0"), 0
+        while True:  # at most SWEEP_BUDGET / SWEEP_PAGE + 1 pages
+            cursor, page = await self.store.live_page(shard, cursor, SWEEP_PAGE)
+            for found in zip(page, await self._read(page), strict=True):
+                yield found
+            seen += len(page)
+            if cursor == "0":  # the whole set seen: what was unrecorded in it is now "before"
+                self._unrecorded[shard] = self._unrecorded_now.pop(shard, set())
+                break
+            if seen >= SWEEP_BUDGET:
+                break
+        self._cursors[shard] = cursor
 
     async def _read(self, page: list[str]) -> list[dict[str, str]]:
         return list(await asyncio.gather(*(self.store.brief(wf) for wf in page)))

@@ -364,6 +364,10 @@ class RedisStore:
         async for wf in self.client.sscan_iter(self.keys.live(shard), count=500):
             yield wf
 
+    async def live_page(self, shard: int, cursor: str, count: int) -> tuple[str, list[str]]:
+        found, wfs = await self.client.sscan(self.keys.live(shard), int(cursor), count=count)  # type: ignore[misc]
+        return str(found), [wf if isinstance(wf, str) else wf.decode() for wf in wfs]
+
     async def shards_used(self) -> set[int]:
         return {int(s) for s in await self.client.smembers(self.keys.shards_used)}  # type: ignore[misc]
 

@@ -294,6 +294,11 @@ class Store(Protocol):
         """The ids of the programs counted in flight on a shard, in batches (SSCAN)."""
         ...
 
+    async def live_page(self, shard: int, cursor: str, count: int) -> tuple[str, list[str]]:
+        """One step of a scan of those ids (SSCAN): about `count` of them, and the cursor to go
+        on from ("0" starts a scan, and ends it: the ids present all along were all seen)."""
+        ...
+
     async def shards_used(self) -> set[int]: ...
 
     async def plan(self, wf: str) -> dict[str, Any] | None:

@@ -96,6 +96,10 @@ CARRY_KINDS = (
     "tests/test_carry.py::"
     "test_bag_members_undoable_tasks_and_large_outputs_are_recorded_by_the_worker"
 )
+# The owner's sweep, bounded per pass and going on where it stopped.
+SWEEP_BOUND = (
+    "tests/test_sweep.py::test_each_sweep_reads_a_bounded_share_and_the_whole_set_is_still_swept"
+)
 
 MUTANTS = {
     "bare-counter-barrier": (
@@ -590,6 +594,20 @@ end""",
         "                    await settle(message, ok=False)\n",
         "",
         (WINDOW_STOP,),
+    ),
+    # A sweep reads every live program each time: its cost grows with them.
+    "sweep-ignores-its-budget": (
+        "orchestrator/owner.py",
+        "            if seen >= SWEEP_BUDGET:\n                break\n",
+        "",
+        (SWEEP_BOUND,),
+    ),
+    # Each sweep starts its scan over: programs past the first budget are never swept.
+    "sweep-forgets-where-it-stopped": (
+        "orchestrator/owner.py",
+        '        cursor, seen = self._cursors.get(shard, "0"), 0\n',
+        '        cursor, seen = "0", 0\n',
+        (SWEEP_BOUND,),
     ),
     # The owner moves on from a carried output without recording it: nothing holds it.
     "carried-output-not-recorded": (
