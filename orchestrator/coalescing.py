@@ -3,7 +3,7 @@
 aiormq writes every frame on its own: a publish, then an ack, then the next publish, each a
 `send` on the socket. On loopback a send costs 10-30 us of CPU (the kernel delivers the
 segment to the receiver in the sender's time), so an owner or a worker that handles many
-messages at once spent a quarter of its CPU in them (bench/README.md, "Write coalescing").
+messages at once spent a quarter of its CPU in them (bench/README.md, "Latest").
 Here the frames of one turn are kept and sent together at the turn's end, through aiormq's own
 seam for it (`TransportFactory`), which a connection class of aio-pika's hands down.
 
