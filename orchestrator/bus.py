@@ -14,7 +14,6 @@ import aiormq
 from aio_pika import RobustConnection
 from aio_pika.abc import (
     AbstractChannel,
-    AbstractExchange,
     AbstractIncomingMessage,
     AbstractQueue,
     AbstractQueueIterator,
@@ -154,7 +153,6 @@ class Bus:
         self._name = name
         self._connection: AbstractRobustConnection | None = None
         self._publisher: AbstractChannel | None = None
-        self._shard_exchange: AbstractExchange | None = None
         self._delay_queues: set[str] = set()
         self._pools: set[str] = set()  # task queues declared on this connection
         self._consumer_channels: dict[AbstractQueueIterator, AbstractChannel] = {}
@@ -174,7 +172,7 @@ class Bus:
             publisher_confirms=True, on_return_raises=True
         )
         try:
-            self._shard_exchange = await self.declare(self._publisher)
+            await self.declare(self._publisher)
         except aio_pika.exceptions.ChannelPreconditionFailed as exc:
             raise TopologyError(
                 f"{exc}: a queue exists with other arguments (an older shardflow, or another "
@@ -191,7 +189,7 @@ class Bus:
             await self._connection.close()
             self._connection = None
 
-    async def declare(self, channel: AbstractChannel) -> AbstractExchange:
+    async def declare(self, channel: AbstractChannel) -> None:
         """Every exchange and queue, with the same arguments wherever it is declared."""
         names = self.names
         dead = await channel.declare_exchange(
@@ -201,7 +199,7 @@ class Bus:
             names.dead_queue, durable=True, arguments=self._queue_arguments(dead_letter=False)
         )
         await dead_queue.bind(dead)
-        shards = await channel.declare_exchange(
+        await channel.declare_exchange(
             names.orchestrator_exchange, aio_pika.ExchangeType.DIRECT, durable=True
         )
         for shard in range(self.settings.shards):
@@ -214,7 +212,6 @@ class Bus:
         )
         for pool in POOLS:
             await self._declare_pool(channel, pool)
-        return shards
 
     async def _declare_pool(self, channel: AbstractChannel, pool: str) -> AbstractQueue:
         """A pool's task queue: a serial lane's has a single active consumer, any other many."""

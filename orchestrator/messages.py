@@ -35,6 +35,7 @@ INLINE_BYTES = 65536
 # recording it first (one Redis call less a step). A header, not a field: workers from before
 # it refuse unknown fields, and record as before when it is absent.
 CARRY = "x-shardflow-carry"
+CARRYING = {CARRY: 1}  # the header as a task message carries it
 # No message is published or accepted above this: a task message's args come from a program
 # (at most 8 MiB, settings.py), and everything else large travels by reference.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024

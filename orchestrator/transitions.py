@@ -21,7 +21,7 @@ from orchestrator.delivery import Poison
 from orchestrator.ending import end_program
 from orchestrator.marks import Marks
 from orchestrator.messages import (
-    CARRY,
+    CARRYING,
     INLINE_BYTES,
     Deadline,
     Failed,
@@ -57,9 +57,6 @@ from orchestrator.shares import share_of, share_pool
 from orchestrator.store import TERMINAL, Store
 
 log = logging.getLogger(__name__)
-# On every task message of a program's step: this owner records a single task's output with
-# its advance, so the worker need not (messages.CARRY).
-CARRYING = {CARRY: 1}
 
 
 @dataclass(frozen=True, slots=True)

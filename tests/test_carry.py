@@ -11,6 +11,7 @@ from orchestrator.keys import Keys
 from orchestrator.memory_store import MemoryStore
 from orchestrator.messages import (
     CARRY,
+    CARRYING,
     INLINE_BYTES,
     KeyLimit,
     Next,
@@ -18,7 +19,7 @@ from orchestrator.messages import (
     decode_task,
 )
 from orchestrator.settings import Settings
-from orchestrator.transitions import CARRYING, Plans, Transitions
+from orchestrator.transitions import Plans, Transitions
 from router.client import Router
 from tests.test_owner_steps import Recorder
 from worker.pool import Worker

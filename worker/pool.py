@@ -21,6 +21,7 @@ from orchestrator.lifecycle import Service, format_counts
 from orchestrator.marks import Marks
 from orchestrator.messages import (
     CARRY,
+    CARRYING,
     INLINE_BYTES,
     MAX_ERROR,
     Cancelled,
@@ -277,7 +278,7 @@ class Worker(Service):
         body = encode(task.model_copy(update={"limit": later}))
         # It keeps its priority (the program's level) while it waits.
         level = GOING_ON if priority is None else priority
-        headers = {CARRY: 1} if carry else None  # what its owner promised, kept
+        headers = CARRYING if carry else None  # what its owner promised, kept
         await self.bus.publish_later(pool, body, limits.backoff_s(waits, left_s), level, headers)
         await self.marks.slot_wait(task.wf, task.path, task.index, task.limit, held)
         self.counts["waited for a slot"] += 1
