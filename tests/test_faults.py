@@ -1067,9 +1067,11 @@ async def test_compensations_cut_by_kill_9_run_again_and_every_saga_ends_in_orde
 
 def late_program(k: int) -> dict[str, Any]:
     """A bag whose member 0 is slow and names a compensation, and whose member 1 always fails:
-    the program compensates while member 0 still runs, which must end and be undone."""
+    the program compensates while member 0 still runs, which must end and be undone. Slow
+    enough that the test sees them compensating before they end: with the owner's window all
+    eight start at once, so the moment is one member's run for all of them."""
     undo = {"task": "fault.step", "args": {"n": 100 + k}, "pool": "parallel"}
-    slow = {"task": "fault.step", "args": {"n": k, "sleep_s": 1.0}, "compensate": undo}
+    slow = {"task": "fault.step", "args": {"n": k, "sleep_s": 3.0}, "compensate": undo}
     return {"name": f"late-{k}", "steps": [{"bag": [slow, {"task": "boom"}]}]}
 
 
