@@ -27,10 +27,11 @@ from orchestrator.messages import (
 )
 from orchestrator.ordering import ProgramOrder
 from orchestrator.paths import SAGA
+from orchestrator.plans import Plans
 from orchestrator.program import ProgramError
 from orchestrator.settings import Settings
 from orchestrator.store import TERMINAL, Store
-from orchestrator.transitions import Plans, Transitions
+from orchestrator.transitions import Transitions
 
 log = logging.getLogger(__name__)
 # Live programs whose states a sweep reads side by side.

@@ -1,6 +1,7 @@
 """What an orchestrator does with one shard message: decide, compare-and-advance, publish.
 
-No program state is kept here between messages: plans are immutable and only cached.
+No program state is kept here between messages: plans are immutable and only cached
+(orchestrator/plans.py).
 """
 
 from __future__ import annotations
@@ -9,9 +10,9 @@ import asyncio
 import json
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from orchestrator import limits, machine, metrics, saga
@@ -35,87 +36,24 @@ from orchestrator.messages import (
     encode,
 )
 from orchestrator.paths import SAGA, is_saga, parent_of, scope_of
+from orchestrator.plans import Plan, Plans
 from orchestrator.program import (
-    MAX_PRIORITY,
     MAX_PROGRAM_BRANCHES,
     Bag,
     Branch,
-    Choice,
     Compensate,
     Map,
     Member,
-    Program,
     Retry,
     Signal,
     Sleep,
     Task,
-    Untiloop,
-    parse_program,
     pool_of,
 )
-from orchestrator.shares import share_of, share_pool
+from orchestrator.shares import share_pool
 from orchestrator.store import TERMINAL, Store
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """A recorded program with its input and owner: immutable once submitted."""
-
-    program: Program
-    input: Any
-    owner: int
-    # The input as JSON when it is too large to carry in task messages (they refer to it).
-    big_input: str | None = None
-    # Whether moving on may evaluate CEL (an until or a map): then it waits in a thread.
-    evaluates: bool = False
-    # Which of a pool's task queues its tasks go to (fair share: orchestrator/shares.py).
-    share: int = 0
-    # The program's priority (0..MAX_PRIORITY, given at submit): its tasks' head start.
-    priority: int = 0
-
-    @property
-    def undoable(self) -> frozenset[str]:
-        """The paths of the top-level steps that name compensations (lua/begin.lua)."""
-        return frozenset(str(n) for n, _ in self.program.compensations)
-
-
-class Plans:
-    """A bounded cache of plans, so a transition costs one Redis call, not two."""
-
-    def __init__(self, store: Store, size: int) -> None:
-        self._store = store
-        self._size = size
-        self._cache: OrderedDict[str, Plan] = OrderedDict()
-
-    async def get(self, wf: str) -> Plan | None:
-        plan = self._cache.get(wf)
-        if plan is not None:
-            self._cache.move_to_end(wf)
-            return plan
-        raw = await self._store.plan(wf)
-        if raw is None:
-            return None
-        program = parse_program(raw["program"], max_bytes=1 << 30)
-        text = json.dumps(raw["input"])
-        big = text if len(text) > INLINE_BYTES else None
-        plan = Plan(
-            program,
-            raw["input"],
-            raw["owner"],
-            big,
-            _evaluates(program.steps),
-            share_of(program),
-            _priority(raw.get("priority")),
-        )
-        self._cache[wf] = plan
-        if len(self._cache) > self._size:
-            self._cache.popitem(last=False)
-        return plan
-
-    def forget(self, wf: str) -> None:
-        self._cache.pop(wf, None)
 
 
 def _task_output(message: Next, plan: Plan) -> str | None:
@@ -128,33 +66,6 @@ def _task_output(message: Next, plan: Plan) -> str | None:
     if not isinstance(machine.leaf_at(plan.program, message.path), Task):
         return None
     return json.dumps(message.output)
-
-
-def _priority(value: Any) -> int:
-    """A recorded priority (absent before priorities existed: 0); anything else is no level."""
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_PRIORITY:
-        return value
-    return 0
-
-
-def _evaluates(steps: list[machine.Step]) -> bool:
-    """Whether any step is an untiloop, a map or a choice (any deeper down is inside one up
-    here), or computes arguments (`args_from`), here or in a bag's branch: moving on may then
-    evaluate CEL, and waits in a thread."""
-    return any(
-        isinstance(step, Map | Untiloop | Choice)
-        or (isinstance(step, Task) and bool(step.args_from or step.limit))
-        or (
-            isinstance(step, Bag)
-            and any(
-                _evaluates(member.steps)
-                if isinstance(member, Branch)
-                else member.args_from or member.limit
-                for member in step.bag
-            )
-        )
-        for step in steps
-    )
 
 
 def task_messages(

@@ -96,6 +96,12 @@ CARRY_KINDS = (
     "tests/test_carry.py::"
     "test_bag_members_undoable_tasks_and_large_outputs_are_recorded_by_the_worker"
 )
+# The owner's plan cache: one parse per program, however many plans record it.
+PLANS_SHARE = "tests/test_plans.py::test_plans_of_one_program_share_its_parse_and_keep_their_inputs"
+PLANS_SAME = (
+    "tests/test_plans.py::test_a_program_with_its_keys_in_another_order_is_the_same_program"
+)
+PLANS_BOUND = "tests/test_plans.py::test_distinct_programs_kept_parsed_are_bounded"
 # The owner's sweep, bounded per pass and going on where it stopped.
 SWEEP_BOUND = (
     "tests/test_sweep.py::test_each_sweep_reads_a_bounded_share_and_the_whole_set_is_still_swept"
@@ -636,6 +642,27 @@ end""",
         "    if task.index is not None or task.undoable or is_saga(task.path):\n",
         "    if task.index is not None or is_saga(task.path):\n",
         (CARRY_KINDS, CANCEL_MID_TASK),
+    ),
+    # A plan-cache miss parses its program again, however many plans share it.
+    "plans-parse-every-miss": (
+        "orchestrator/plans.py",
+        "        parsed = self._programs.get(key)\n",
+        "        parsed = None\n",
+        (PLANS_SHARE,),
+    ),
+    # Programs are told apart by their name only: two unnamed programs run each other's steps.
+    "plans-share-by-name": (
+        "orchestrator/plans.py",
+        "        key = json.dumps(source, sort_keys=True)",
+        '        key = json.dumps(source.get("name"))',
+        (PLANS_SAME, MACHINE),
+    ),
+    # Every distinct program stays parsed: the owner's memory grows with the programs it saw.
+    "plans-unbounded": (
+        "orchestrator/plans.py",
+        "        if len(self._programs) > MAX_PROGRAMS:\n",
+        "        if False:\n",
+        (PLANS_BOUND,),
     ),
 }
 

@@ -18,8 +18,9 @@ from orchestrator.messages import (
     decode_shard_message,
     decode_task,
 )
+from orchestrator.plans import Plans
 from orchestrator.settings import Settings
-from orchestrator.transitions import Plans, Transitions
+from orchestrator.transitions import Transitions
 from router.client import Router
 from tests.test_owner_steps import Recorder
 from worker.pool import Worker

@@ -13,6 +13,7 @@ from orchestrator.keys import Keys
 from orchestrator.machine import Failed, Leaf, first
 from orchestrator.memory_store import MemoryStore
 from orchestrator.messages import KeyLimit, TaskMessage, decode_task, encode
+from orchestrator.plans import Plan
 from orchestrator.program import (
     MAX_LIMIT,
     MAX_LIMIT_KEY_CHARS,
@@ -21,7 +22,7 @@ from orchestrator.program import (
     program_schema,
 )
 from orchestrator.settings import Settings
-from orchestrator.transitions import Plan, task_messages
+from orchestrator.transitions import task_messages
 from worker.pool import Worker
 from worker.registry import Registry
 

@@ -11,8 +11,9 @@ from orchestrator.delivery import Poison
 from orchestrator.keys import Keys
 from orchestrator.memory_store import MemoryStore
 from orchestrator.messages import Failed, Next, Start, Wake, decode_shard_message, decode_task
+from orchestrator.plans import Plans
 from orchestrator.settings import Settings
-from orchestrator.transitions import Plans, Transitions
+from orchestrator.transitions import Transitions
 from router.client import Router
 
 

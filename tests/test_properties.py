@@ -46,12 +46,13 @@ from orchestrator.memory_store import MemoryStore
 from orchestrator.messages import Cancelled, Start, TaskMessage, decode_task
 from orchestrator.owner import handle_shard_message
 from orchestrator.paths import is_saga, live_status, parent_of
+from orchestrator.plans import Plans
 from orchestrator.program import Program, parse_program, pool_of
 from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
 from orchestrator.shares import share_of, share_pool
 from orchestrator.store import TERMINAL, Completion, Ended, Slot, Store, Verdict
-from orchestrator.transitions import Plans, Transitions
+from orchestrator.transitions import Transitions
 from router.client import Router
 from router.redriving import RedriveError
 from tests.model import (

@@ -22,11 +22,12 @@ from orchestrator.machine import (
 )
 from orchestrator.memory_store import MemoryStore
 from orchestrator.messages import Next, Start, decode_task
+from orchestrator.plans import Plans
 from orchestrator.program import ProgramError, parse_program, program_schema
 from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
 from orchestrator.store import Store
-from orchestrator.transitions import Plans, Transitions
+from orchestrator.transitions import Transitions
 from router.client import Router
 from tests.test_owner_steps import Recorder
 

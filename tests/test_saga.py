@@ -21,9 +21,10 @@ from orchestrator.messages import (
     decode_shard_message,
     decode_task,
 )
+from orchestrator.plans import Plans
 from orchestrator.program import ProgramError, parse_program, program_schema
 from orchestrator.settings import Settings
-from orchestrator.transitions import Plans, Transitions
+from orchestrator.transitions import Transitions
 from router.client import Router
 from router.redriving import RedriveError
 from tests.test_owner_steps import Recorder

@@ -15,8 +15,9 @@ from orchestrator.messages import (
     decode_task,
     encode,
 )
+from orchestrator.plans import Plan
 from orchestrator.program import parse_program
-from orchestrator.transitions import Plan, task_messages
+from orchestrator.transitions import task_messages
 from router.hashing import shard_for
 
 VECTORS = json.loads((Path(__file__).parent.parent / "docs" / "shard-vectors.json").read_text())
