@@ -4,16 +4,17 @@ A plan is immutable once submitted, so it is only ever cached, never kept as sta
 program is shared by every plan recorded with the same program text: a program submitted
 many times with different inputs (the common case) is parsed once, and a plan missed by the
 cache, as it is when more programs are live than the cache holds, costs a read, not a parse.
+The text, not a normal form: key order inside `args` is the user's, and a handler sees it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator import machine
 from orchestrator.messages import INLINE_BYTES
 from orchestrator.program import (
     MAX_PRIORITY,
@@ -22,6 +23,7 @@ from orchestrator.program import (
     Choice,
     Map,
     Program,
+    Step,
     Task,
     Untiloop,
     parse_program,
@@ -29,8 +31,8 @@ from orchestrator.program import (
 from orchestrator.shares import share_of
 from orchestrator.store import Store
 
-# Distinct programs kept parsed (deployments run tens of kinds). A constant, not the plan
-# cache's size: each may be up to a program's limit, and is kept once however many plans use it.
+# Distinct programs kept parsed besides those of the cached plans (deployments run tens of
+# kinds). A constant, not the plan cache's size: each may be up to a program's limit.
 MAX_PROGRAMS = 256
 
 
@@ -66,14 +68,15 @@ class _Parsed:
 
 
 class Plans:
-    """A bounded cache of plans, so a transition costs one Redis call, not two."""
+    """A bounded cache of plans, so a transition costs one Redis call, not two; and of parsed
+    programs by their text's digest, so a plan's miss costs a read, not a parse."""
 
     def __init__(self, store: Store, size: int) -> None:
         self._store = store
         self._size = size
         self._cache: OrderedDict[str, Plan] = OrderedDict()
-        self._programs: OrderedDict[str, _Parsed] = OrderedDict()  # by the program's JSON
-        self.parses = 0  # programs parsed (a figure for tests and benchmarks)
+        self._programs: OrderedDict[bytes, _Parsed] = OrderedDict()  # by the text's digest
+        self.parses = 0  # programs parsed (tests/test_plans.py)
 
     async def get(self, wf: str) -> Plan | None:
         plan = self._cache.get(wf)
@@ -105,18 +108,23 @@ class Plans:
 
     def _parsed(self, source: Any) -> _Parsed:
         """The program recorded as `source`, parsed once for every plan that records it."""
-        key = json.dumps(source, sort_keys=True)  # a tenth of a parse's cost (bench/README)
+        try:  # a tenth of a parse's cost (bench/README); a digest keeps the table small
+            key = hashlib.blake2b(json.dumps(source).encode(), digest_size=32).digest()
+        except (RecursionError, ValueError):  # not a program: parse_program names the fault
+            return self._parse(source)
         parsed = self._programs.get(key)
         if parsed is not None:
             self._programs.move_to_end(key)
             return parsed
-        program = parse_program(source, max_bytes=1 << 30)
-        self.parses += 1
-        parsed = _Parsed(program, _evaluates(program.steps), share_of(program))
-        self._programs[key] = parsed
+        parsed = self._programs[key] = self._parse(source)
         if len(self._programs) > MAX_PROGRAMS:
             self._programs.popitem(last=False)
         return parsed
+
+    def _parse(self, source: Any) -> _Parsed:
+        program = parse_program(source, max_bytes=1 << 30)
+        self.parses += 1
+        return _Parsed(program, _evaluates(program.steps), share_of(program))
 
 
 def _priority(value: Any) -> int:
@@ -126,7 +134,7 @@ def _priority(value: Any) -> int:
     return 0
 
 
-def _evaluates(steps: list[machine.Step]) -> bool:
+def _evaluates(steps: list[Step]) -> bool:
     """Whether any step is an untiloop, a map or a choice (any deeper down is inside one up
     here), or computes arguments (`args_from`), here or in a bag's branch: moving on may then
     evaluate CEL, and waits in a thread."""

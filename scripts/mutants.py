@@ -99,7 +99,7 @@ CARRY_KINDS = (
 # The owner's plan cache: one parse per program, however many plans record it.
 PLANS_SHARE = "tests/test_plans.py::test_plans_of_one_program_share_its_parse_and_keep_their_inputs"
 PLANS_SAME = (
-    "tests/test_plans.py::test_a_program_with_its_keys_in_another_order_is_the_same_program"
+    "tests/test_plans.py::test_a_program_is_its_recorded_text_and_its_args_keep_their_order"
 )
 PLANS_BOUND = "tests/test_plans.py::test_distinct_programs_kept_parsed_are_bounded"
 # The owner's sweep, bounded per pass and going on where it stopped.
@@ -653,9 +653,24 @@ end""",
     # Programs are told apart by their name only: two unnamed programs run each other's steps.
     "plans-share-by-name": (
         "orchestrator/plans.py",
-        "        key = json.dumps(source, sort_keys=True)",
-        '        key = json.dumps(source.get("name"))',
+        "            key = hashlib.blake2b(json.dumps(source).encode(), digest_size=32).digest()\n",
+        '            key = json.dumps(source.get("name")).encode()\n',
         (PLANS_SAME, MACHINE),
+    ),
+    # The key is a normal form of the program: programs whose args differ only in key order
+    # share one parse, and one of them runs with the other's order.
+    "plans-sorted-key": (
+        "orchestrator/plans.py",
+        "json.dumps(source).encode()",
+        "json.dumps(source, sort_keys=True).encode()",
+        (PLANS_SAME,),
+    ),
+    # A program used again is not moved up: the one used most is let go first.
+    "plans-not-lru": (
+        "orchestrator/plans.py",
+        "            self._programs.move_to_end(key)\n",
+        "            pass\n",
+        (PLANS_BOUND,),
     ),
     # Every distinct program stays parsed: the owner's memory grows with the programs it saw.
     "plans-unbounded": (

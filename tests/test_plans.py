@@ -41,21 +41,27 @@ async def test_plans_of_one_program_share_its_parse_and_keep_their_inputs(
     assert len(plans._cache) == 2
 
 
-async def test_a_program_with_its_keys_in_another_order_is_the_same_program(
+async def test_a_program_is_its_recorded_text_and_its_args_keep_their_order(
     settings: Settings, store: RedisStore
 ) -> None:
+    """The router records a program's fields in the model's order (one parse for both ways of
+    writing BAG), but args as the user wrote them: those are other programs, each run with its
+    own order, as a handler sees it."""
     reordered = {
         "steps": [{"task": "a"}, {"bag": [{"task": "b"}, {"pool": "parallel", "task": "c"}]}]
     }
-    other = {"steps": [{"task": "a"}, {"task": "b"}]}
-    ids = await _submit(settings, store, BAG, [1]) + await _submit(settings, store, reordered, [2])
-    ids += await _submit(settings, store, other, [3])
+    ab = {"steps": [{"task": "a", "args": {"x": 1, "y": 2}}]}
+    ba = {"steps": [{"task": "a", "args": {"y": 2, "x": 1}}]}
+    ids = []
+    for program in (BAG, reordered, ab, ba):
+        ids += await _submit(settings, store, program, [None])
     plans = Plans(store, size=8)
     got = [await plans.get(wf) for wf in ids]
     assert all(got)
-    assert plans.parses == 2
-    assert got[0].program is got[1].program and got[2].program is not got[0].program  # type: ignore[union-attr]
-    assert got[2].program.steps[1].task == "b"  # type: ignore[union-attr]
+    assert plans.parses == 3
+    assert got[0].program is got[1].program  # type: ignore[union-attr]
+    args = [list(plan.program.steps[0].args) for plan in got[2:]]  # type: ignore[union-attr]
+    assert args == [["x", "y"], ["y", "x"]]
 
 
 async def test_distinct_programs_kept_parsed_are_bounded(
@@ -72,3 +78,10 @@ async def test_distinct_programs_kept_parsed_are_bounded(
     assert plans.parses == 5
     await plans.get(ids[3])  # still kept: a read, no parse
     assert plans.parses == 5
+    await plans.get(ids[2])  # used last: kept
+    await plans.get(ids[1])  # parsed again, lets go of the least recently used (ids[0])
+    assert plans.parses == 6
+    await plans.get(ids[0])  # and again, lets go of ids[3]
+    assert plans.parses == 7
+    await plans.get(ids[2])  # used since ids[3]: still kept
+    assert plans.parses == 7
