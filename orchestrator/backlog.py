@@ -1,7 +1,10 @@
 """How many task messages wait in each pool's queue, sampled now and then, and what that means
 for a bag or map that names no `chunk`: one member per message while the pool keeps up (so
 members spread over the workers), several per message while messages wait anyway (fewer
-messages, less CPU per task, when throughput matters)."""
+messages, less CPU per task, when throughput matters). The messages waiting in the owner's own
+shard queues count too: they are work on its way to the pools. Without them a burst of
+submits went out one member per message until it had filled a pool's queue, and so did every
+bag published while that queue drained for a moment between waves (bench/README.md)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +25,8 @@ SAMPLE_EVERY_S = 0.25
 STALE_S = 5.0
 # Pools remembered; names come from programs, so the table is bounded, not grown by input.
 MAX_POOLS = 256
+# Shard queues sampled at most (an owner of many shards sums a few: a sign of load, not a count).
+MAX_UPSTREAM = 8
 
 Sampler = Callable[[str], Awaitable[tuple[int, int] | None]]
 
@@ -32,41 +37,56 @@ def auto_chunk(ready: int, limit: int) -> int:
 
 
 class Backlog:
-    """The ready messages of each pool's queue, from `sample(pool)` -> (ready, consumers)."""
+    """The ready messages of queues, from `sample(queue)` -> (ready, consumers): each pool's
+    (`queue_of(pool)` names it) and the `upstream` ones (the owner's shard queues)."""
 
-    def __init__(self, sample: Sampler, limit: int, *, every_s: float = SAMPLE_EVERY_S) -> None:
+    def __init__(
+        self,
+        sample: Sampler,
+        limit: int,
+        *,
+        queue_of: Callable[[str], str] = str,
+        upstream: Sequence[str] = (),
+        every_s: float = SAMPLE_EVERY_S,
+    ) -> None:
         self._sample = sample
         self.limit = limit
+        self._queue_of = queue_of
+        self._upstream = tuple(upstream)[:MAX_UPSTREAM]
         self._every_s = every_s
-        self._seen: OrderedDict[str, tuple[int, float]] = OrderedDict()  # pool -> (ready, at)
+        self._seen: OrderedDict[str, tuple[int, float]] = OrderedDict()  # queue -> (ready, at)
         self._sampling: dict[str, asyncio.Task[None]] = {}
 
     def chunk(self, pool: str) -> int:
         """Members per message for a bag or map of `pool` that names no chunk, from the last
-        sample; a stale or missing sample asks for a new one (and counts as no backlog)."""
+        samples; a stale or missing sample asks for a new one (and counts as no backlog)."""
         if self.limit <= 1:
             return 1
-        return auto_chunk(self.ready(pool), self.limit)
+        waiting = self.ready(pool) + sum(self._ready(queue) for queue in self._upstream)
+        return auto_chunk(waiting, self.limit)
 
     def ready(self, pool: str) -> int:
-        """The last sampled ready messages of `pool` (0 when unknown or stale)."""
-        ready, at = self._seen.get(pool, (0, 0.0))
+        """The last sampled ready messages of `pool`'s queue (0 when unknown or stale)."""
+        return self._ready(self._queue_of(pool))
+
+    def _ready(self, queue: str) -> int:
+        ready, at = self._seen.get(queue, (0, 0.0))
         age = time.monotonic() - at
-        if age >= self._every_s and pool not in self._sampling:
-            self._sampling[pool] = asyncio.get_running_loop().create_task(self._refresh(pool))
+        if age >= self._every_s and queue not in self._sampling:
+            self._sampling[queue] = asyncio.get_running_loop().create_task(self._refresh(queue))
         return ready if age < STALE_S else 0
 
-    async def _refresh(self, pool: str) -> None:
+    async def _refresh(self, queue: str) -> None:
         try:
-            state = await self._sample(pool)
+            state = await self._sample(queue)
         except Exception as exc:  # a lost connection: no backlog known; try again later
-            log.debug("could not sample pool %s: %s", pool, exc)
+            log.debug("could not sample queue %s: %s", queue, exc)
             state = None
         finally:
-            self._sampling.pop(pool, None)
-        self._seen[pool] = (state[0] if state else 0, time.monotonic())
-        self._seen.move_to_end(pool)
-        if len(self._seen) > MAX_POOLS:
+            self._sampling.pop(queue, None)
+        self._seen[queue] = (state[0] if state else 0, time.monotonic())
+        self._seen.move_to_end(queue)
+        if len(self._seen) > MAX_POOLS + len(self._upstream):
             self._seen.popitem(last=False)
 
     async def close(self) -> None:

@@ -108,7 +108,10 @@ class Orchestrator(Service):
         self.marks = Marks(store)  # for `list` and `explain` only
         plans = Plans(store, settings.plan_cache_size)
         self.backlog = Backlog(
-            lambda pool: bus.queue_state(bus.names.task_queue(pool)), settings.auto_chunk
+            bus.queue_state,
+            settings.auto_chunk,
+            queue_of=bus.names.task_queue,
+            upstream=[bus.names.shard_queue(shard) for shard in self.owned],
         )
         self.transitions = Transitions(
             store, bus, plans, settings.max_join_bytes, backlog=self.backlog

@@ -48,7 +48,8 @@ MAX_PRIORITY = 4
 MAX_SLEEP_S = 30 * 86400
 CHUNK = (
     "members per task message, run side by side by one worker; unset: one per message "
-    "while the pool keeps up, up to SHARDFLOW_AUTO_CHUNK while its queue has a backlog"
+    "while the pool keeps up, up to SHARDFLOW_AUTO_CHUNK while its queue or the owner's "
+    "shard queues have a backlog"
 )
 # A pool names a task queue (`<prefix>.tasks.<pool>`) and its retry queues
 # (`<prefix>.delay.<pool>.<ms>`); `shard<N>` is taken by a shard's delayed messages there.
@@ -264,7 +265,7 @@ class Bag(_Model):
     pool: BagPool = PARALLEL
     # Members per task message. Above 1, one worker runs a chunk's members side by side:
     # fewer messages for bags of short tasks, less spreading for long ones. None: adaptive
-    # (orchestrator/backlog.py), one per message unless the pool has a backlog.
+    # (orchestrator/backlog.py), one per message unless the pool or the owner has a backlog.
     chunk: int | None = Field(default=None, ge=1, le=MAX_BAG, description=CHUNK)
 
     @field_validator("bag")

@@ -45,7 +45,8 @@ class Settings(BaseSettings):
     # How long an ended program's keys stay in Redis (0: forever); `shardflow purge` for now.
     retention_s: float = Field(default=7 * 86400, ge=0, le=10 * 365 * 86400)
     # Members per task message, at most, of a bag or map that names no chunk while its pool's
-    # queue has a backlog (orchestrator/backlog.py); 1: always one member per message.
+    # queue or the owner's shard queues have a backlog (orchestrator/backlog.py); 1: always
+    # one member per message.
     auto_chunk: int = Field(default=10, ge=1, le=100)
     plan_cache_size: int = Field(default=1024, ge=1)
     # Send the Redis commands of one event-loop turn as one pipeline (orchestrator/

@@ -106,6 +106,9 @@ PLANS_BOUND = "tests/test_plans.py::test_distinct_programs_kept_parsed_are_bound
 SWEEP_BOUND = (
     "tests/test_sweep.py::test_each_sweep_reads_a_bounded_share_and_the_whole_set_is_still_swept"
 )
+# Adaptive chunks: the owner's shard queues count as a backlog, a few of them at most.
+BACKLOG_UPSTREAM = "tests/test_backlog.py::test_programs_waiting_for_their_owner_go_out_in_chunks"
+BACKLOG_PURE = "tests/test_backlog.py::test_messages_waiting_for_the_owner_count_as_a_backlog"
 
 MUTANTS = {
     "bare-counter-barrier": (
@@ -678,6 +681,21 @@ end""",
         "        if len(self._programs) > MAX_PROGRAMS:\n",
         "        if False:\n",
         (PLANS_BOUND,),
+    ),
+    # Only the pool's own queue counts: a burst waiting for its owner goes out unchunked.
+    "backlog-ignores-upstream": (
+        "orchestrator/backlog.py",
+        "        waiting = self.ready(pool) + sum(self._ready(queue) for queue in self._upstream)"
+        "\n",
+        "        waiting = self.ready(pool)\n",
+        (BACKLOG_UPSTREAM, BACKLOG_PURE),
+    ),
+    # Every shard an owner holds is sampled, however many: a sample per shard per interval.
+    "backlog-samples-every-shard": (
+        "orchestrator/backlog.py",
+        "        self._upstream = tuple(upstream)[:MAX_UPSTREAM]\n",
+        "        self._upstream = tuple(upstream)\n",
+        (BACKLOG_PURE,),
     ),
 }
 

@@ -1,5 +1,6 @@
 """Adaptive chunks: a bag or map that names no chunk goes out one member per message while its
-pool keeps up, and several per message while the pool's queue has a backlog."""
+pool keeps up, and several per message while the pool's queue, or the owner's own shard
+queues, have a backlog."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 
 import pytest
 
-from orchestrator.backlog import AUTO_STEP, Backlog, auto_chunk
+from orchestrator.backlog import AUTO_STEP, MAX_UPSTREAM, Backlog, auto_chunk
 from orchestrator.connections import connected
 from orchestrator.owner import Orchestrator
 from orchestrator.program import parse_program
@@ -52,12 +53,38 @@ async def test_samples_are_taken_in_the_background_and_go_stale() -> None:
     await backlog.close()
 
 
+async def test_messages_waiting_for_the_owner_count_as_a_backlog() -> None:
+    """Work on its way (the owner's shard queues) counts with the pool's own queue; each
+    queue is sampled once per interval, and at most MAX_UPSTREAM shard queues."""
+    depth = {"tasks.parallel": 0, "shard.0": 20, "shard.1": 20, "shard.2": 0}
+    asked: list[str] = []
+
+    async def sample(queue: str) -> tuple[int, int] | None:
+        asked.append(queue)
+        return depth.get(queue, 0), 1
+
+    shards = [f"shard.{n}" for n in range(MAX_UPSTREAM + 5)]
+    backlog = Backlog(sample, 10, queue_of=lambda pool: f"tasks.{pool}", upstream=shards)
+    await until(lambda: _answer(backlog.chunk("parallel")), lambda found: found["chunk"] == 10)
+    assert backlog.ready("parallel") == 0  # the pool itself keeps up
+    assert sorted(set(asked)) == sorted(["tasks.parallel", *shards[:MAX_UPSTREAM]])
+    depth.update({"shard.0": 0, "shard.1": 4})  # the owner caught up: spread again
+    await until(lambda: _answer(backlog.chunk("parallel")), lambda found: found["chunk"] == 2)
+    quiet = Backlog(sample, 10, queue_of=lambda pool: f"tasks.{pool}", upstream=["shard.2"])
+    await until(lambda: _answer(len(asked)), lambda found: found["chunk"] > 0)
+    for _ in range(3):
+        assert quiet.chunk("parallel") == 1
+        await asyncio.sleep(0.01)
+    await backlog.close()
+    await quiet.close()
+
+
 async def _answer(chunk: int) -> dict[str, int]:
     return {"chunk": chunk}
 
 
-def _bag(name: str, chunk: int | None = None) -> dict[str, object]:
-    bag: dict[str, object] = {"bag": [{"task": "add", "args": {"n": i}} for i in range(100)]}
+def _bag(name: str, chunk: int | None = None, size: int = 100) -> dict[str, object]:
+    bag: dict[str, object] = {"bag": [{"task": "add", "args": {"n": i}} for i in range(size)]}
     if chunk is not None:
         bag["chunk"] = chunk
     return {"name": name, "steps": [bag]}
@@ -105,3 +132,49 @@ async def test_a_backlog_sends_bags_in_chunks_unless_they_name_theirs(
 async def _depth(bus: object, queue: str) -> dict[str, int] | None:
     state = await bus.queue_state(queue)  # type: ignore[attr-defined]
     return None if state is None else {"ready": state[0]}
+
+
+async def test_programs_waiting_for_their_owner_go_out_in_chunks(
+    settings: Settings, registry: Registry
+) -> None:
+    """Programs submitted before their owner runs wait in its shard queue; the pool's queue is
+    empty, yet the owner sees the backlog and sends each bag of 10 as one message (with the
+    pool's queue alone it sent the first one member per message). A worker then runs them all
+    to the right results."""
+    settings = settings.model_copy(update={"shards": 1})
+    program = _bag("waiting", size=10)
+    pool = share_pool("parallel", share_of(parse_program(program)))
+    queue = f"{settings.prefix}.tasks.{pool}"
+    async with connected(settings) as (store, bus):
+        orchestrator = Orchestrator(settings, [0], store=store, bus=bus)
+        router = Router(settings, store=store, bus=bus)
+        # 80: with 16 in the owner's hands, 64 or more wait in the shard or the pool: chunk 10.
+        ids = [(await router.submit(program)).workflow_id for _ in range(80)]
+        await until(
+            lambda: _answer(orchestrator.backlog.chunk(pool)),
+            lambda found: found["chunk"] == 10,
+        )
+        assert orchestrator.backlog.ready(pool) == 0
+        running = asyncio.create_task(orchestrator.run())
+        try:
+            await until(lambda: _running(router, ids), lambda found: found["running"] == 80)
+            await until(lambda: _depth(bus, queue), lambda found: found["ready"] >= 80)
+            await asyncio.sleep(0.2)  # any more would have been sent by now
+            assert await _depth(bus, queue) == {"ready": 80}  # one message a bag
+            worker = Worker(settings, registry, pool="parallel", store=store, bus=bus)
+            working = asyncio.create_task(worker.run())
+            try:
+                statuses = [await router.wait(wf, timeout_s=60) for wf in ids]
+            finally:
+                worker.shutdown()
+                await working
+        finally:
+            orchestrator.shutdown()
+            await running
+    assert [s["status"] for s in statuses] == ["completed"] * 80
+    assert all(s["result"] == list(range(10)) for s in statuses)
+
+
+async def _running(router: Router, ids: list[str]) -> dict[str, int]:
+    states = [await router.store.state(wf) for wf in ids]
+    return {"running": sum(state.get("status") == "running" for state in states)}
