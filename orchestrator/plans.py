@@ -12,8 +12,9 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from orchestrator.messages import INLINE_BYTES
 from orchestrator.program import (
@@ -34,6 +35,8 @@ from orchestrator.store import Store
 # Distinct programs kept parsed besides those of the cached plans (deployments run tens of
 # kinds). A constant, not the plan cache's size: each may be up to a program's limit.
 MAX_PROGRAMS = 256
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +78,7 @@ class Plans:
         self._store = store
         self._size = size
         self._cache: OrderedDict[str, Plan] = OrderedDict()
-        self._programs: OrderedDict[bytes, _Parsed] = OrderedDict()  # by the text's digest
-        self.parses = 0  # programs parsed (tests/test_plans.py)
+        self._programs = ByText(self._parse)
 
     async def get(self, wf: str) -> Plan | None:
         plan = self._cache.get(wf)
@@ -86,7 +88,7 @@ class Plans:
         raw = await self._store.plan(wf)
         if raw is None:
             return None
-        parsed = self._parsed(raw["program"])
+        parsed = self._programs.get(raw["program"])
         text = json.dumps(raw["input"])
         big = text if len(text) > INLINE_BYTES else None
         plan = Plan(
@@ -106,25 +108,61 @@ class Plans:
     def forget(self, wf: str) -> None:
         self._cache.pop(wf, None)
 
-    def _parsed(self, source: Any) -> _Parsed:
-        """The program recorded as `source`, parsed once for every plan that records it."""
+    @property
+    def parses(self) -> int:
+        """Programs parsed so far (tests/test_plans.py)."""
+        return self._programs.made
+
+    @staticmethod
+    def _parse(source: Any) -> _Parsed:
+        program = parse_program(source, max_bytes=1 << 30)
+        return _Parsed(program, _evaluates(program.steps), share_of(program))
+
+
+class ByText(Generic[T]):
+    """`make(source)` once per distinct JSON text of `source` (a value, or the text itself),
+    the MAX_PROGRAMS used last kept: for what is made of a program, by the owner and the
+    router alike. The text, not a normal form: key order inside `args` is the user's, and a
+    handler sees it. `exact`: sources may be a caller's values, which `json` may write as the
+    text of another (an int key as a string, a tuple as a list): a hit must also equal the
+    value its text reads back as, else it is made anew (and `make` names the fault)."""
+
+    def __init__(self, make: Callable[[Any], T], *, exact: bool = False) -> None:
+        self._make = make
+        self._exact = exact
+        self._programs: OrderedDict[bytes, tuple[Any, T]] = OrderedDict()  # by the digest
+        self.made = 0
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+    def get(self, source: Any) -> T:
         try:  # a tenth of a parse's cost (bench/README); a digest keeps the table small
-            key = hashlib.blake2b(json.dumps(source).encode(), digest_size=32).digest()
-        except (RecursionError, ValueError):  # not a program: parse_program names the fault
-            return self._parse(source)
-        parsed = self._programs.get(key)
-        if parsed is not None:
+            text = _text(source)
+            key = hashlib.blake2b(text, digest_size=32).digest()
+        except (RecursionError, TypeError, ValueError):  # not JSON: `make` names the fault
+            return self._made(source)
+        exact = self._exact and not isinstance(source, str | bytes)
+        found = self._programs.get(key)
+        if found is not None and (not exact or found[0] == source):
             self._programs.move_to_end(key)
-            return parsed
-        parsed = self._programs[key] = self._parse(source)
+            return found[1]
+        parsed = self._made(source)
+        self._programs[key] = (json.loads(text) if exact else None, parsed)
         if len(self._programs) > MAX_PROGRAMS:
             self._programs.popitem(last=False)
         return parsed
 
-    def _parse(self, source: Any) -> _Parsed:
-        program = parse_program(source, max_bytes=1 << 30)
-        self.parses += 1
-        return _Parsed(program, _evaluates(program.steps), share_of(program))
+    def _made(self, source: Any) -> T:
+        made = self._make(source)
+        self.made += 1
+        return made
+
+
+def _text(source: Any) -> bytes:
+    if isinstance(source, bytes):
+        return source
+    return (source if isinstance(source, str) else json.dumps(source)).encode()
 
 
 def _priority(value: Any) -> int:

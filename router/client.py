@@ -18,6 +18,7 @@ from orchestrator.ending import end_program
 from orchestrator.keys import check_workflow_id
 from orchestrator.marks import Marks, now_ms
 from orchestrator.messages import Signalled, Start, encode
+from orchestrator.plans import ByText
 from orchestrator.program import (
     MAX_PRIORITY,
     MAX_SIGNAL_BYTES,
@@ -73,14 +74,29 @@ class Router:
         self.known_tasks = known_tasks
         self._marks = Marks(store)
         self._plans: dict[str, Any] = {}  # immutable once recorded: read once per program
+        # A program submitted again (the common case) is validated once: it, and its JSON.
+        self._validated = ByText(self._validate, exact=True)
 
     def validate(self, program: Program | str | bytes | dict[str, Any]) -> Program:
-        """The program, validated; raises ProgramError naming each fault's path."""
+        """The program, validated; raises ProgramError naming each fault's path. The same
+        program given again is the same (frozen) Program."""
+        return self._checked(program)[0]
+
+    def _checked(
+        self, program: Program | str | bytes | dict[str, Any]
+    ) -> tuple[Program, dict[str, Any]]:
+        """The program validated, and as it is recorded."""
         if isinstance(program, Program):
-            return program
-        return parse_program(
-            program, max_bytes=self.settings.max_program_bytes, known_tasks=self.known_tasks
+            return program, program.model_dump(mode="json", exclude_defaults=True)
+        if isinstance(program, str | bytes) and len(program) > self.settings.max_program_bytes:
+            return self._validate(program)  # over the limit: said without reading it all
+        return self._validated.get(program)
+
+    def _validate(self, source: Any) -> tuple[Program, dict[str, Any]]:
+        program = parse_program(
+            source, max_bytes=self.settings.max_program_bytes, known_tasks=self.known_tasks
         )
+        return program, program.model_dump(mode="json", exclude_defaults=True)
 
     async def submit(
         self,
@@ -99,7 +115,7 @@ class Router:
             or not (0 <= priority <= MAX_PRIORITY)
         ):
             raise ProgramError([f"priority: {priority!r} is not a whole number 0-{MAX_PRIORITY}"])
-        checked = self.validate(program)
+        checked, program_json = self._checked(program)
         try:
             wf = check_workflow_id(workflow_id) if workflow_id is not None else uuid.uuid4().hex
         except ValueError as exc:
@@ -107,7 +123,6 @@ class Router:
         check_input(input, max_bytes=self.settings.max_program_bytes)
         owner = shard_for(wf, self.settings.shards)
         try:
-            program_json = checked.model_dump(mode="json", exclude_defaults=True)
             recorded = {"program": program_json, "input": input, "owner": owner}
             if priority:  # absent: 0, as before priorities existed
                 recorded["priority"] = priority

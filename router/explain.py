@@ -18,6 +18,7 @@ from orchestrator import saga
 from orchestrator.bus import Bus, ladder_ms
 from orchestrator.marks import attempt_field, redis_of
 from orchestrator.paths import SAGA, is_saga
+from orchestrator.plans import ByText
 from orchestrator.program import (
     MAX_BRANCH_DEPTH,
     SERIAL,
@@ -42,12 +43,15 @@ from orchestrator.store import TERMINAL, Store
 from router import redriving
 from router.listing import as_int, clean
 
+# Recorded programs, parsed once per text: `status` and `explain` read the same ones again.
+_RECORDED: ByText[Program] = ByText(lambda source: parse_program(source, max_bytes=1 << 30))
+
 
 def _plan_program(raw: Any) -> Program | None:
     if not isinstance(raw, dict):
         return None
     try:
-        return parse_program(raw.get("program"), max_bytes=1 << 30)  # type: ignore[arg-type]
+        return _RECORDED.get(raw.get("program"))
     except (ProgramError, TypeError, ValueError):
         return None
 

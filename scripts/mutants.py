@@ -102,6 +102,8 @@ PLANS_SAME = (
     "tests/test_plans.py::test_a_program_is_its_recorded_text_and_its_args_keep_their_order"
 )
 PLANS_BOUND = "tests/test_plans.py::test_distinct_programs_kept_parsed_are_bounded"
+STATUS_ONCE = "tests/test_plans.py::test_status_parses_a_recorded_program_once"
+ROUTER_ONCE = "tests/test_plans.py::test_a_router_validates_a_program_given_again_once_and_exactly"
 # The owner's sweep, bounded per pass and going on where it stopped.
 SWEEP_BOUND = (
     "tests/test_sweep.py::test_each_sweep_reads_a_bounded_share_and_the_whole_set_is_still_swept"
@@ -649,14 +651,14 @@ end""",
     # A plan-cache miss parses its program again, however many plans share it.
     "plans-parse-every-miss": (
         "orchestrator/plans.py",
-        "        parsed = self._programs.get(key)\n",
-        "        parsed = None\n",
+        "        found = self._programs.get(key)\n",
+        "        found = None\n",
         (PLANS_SHARE,),
     ),
     # Programs are told apart by their name only: two unnamed programs run each other's steps.
     "plans-share-by-name": (
         "orchestrator/plans.py",
-        "            key = hashlib.blake2b(json.dumps(source).encode(), digest_size=32).digest()\n",
+        "            key = hashlib.blake2b(text, digest_size=32).digest()\n",
         '            key = json.dumps(source.get("name")).encode()\n',
         (PLANS_SAME, MACHINE),
     ),
@@ -664,8 +666,8 @@ end""",
     # share one parse, and one of them runs with the other's order.
     "plans-sorted-key": (
         "orchestrator/plans.py",
-        "json.dumps(source).encode()",
-        "json.dumps(source, sort_keys=True).encode()",
+        "json.dumps(source)).encode()",
+        "json.dumps(source, sort_keys=True)).encode()",
         (PLANS_SAME,),
     ),
     # A program used again is not moved up: the one used most is let go first.
@@ -674,6 +676,28 @@ end""",
         "            self._programs.move_to_end(key)\n",
         "            pass\n",
         (PLANS_BOUND,),
+    ),
+    # The router takes a value json writes as another's text for that one: a dict with an int
+    # key passes as the program with that key as a string once that one was checked.
+    "router-validates-inexactly": (
+        "orchestrator/plans.py",
+        "        if found is not None and (not exact or found[0] == source):\n",
+        "        if found is not None:\n",
+        (ROUTER_ONCE,),
+    ),
+    # The router checks every program it is given, however often it saw it.
+    "router-validates-every-time": (
+        "router/client.py",
+        "        return self._validated.get(program)\n",
+        "        return self._validate(program)\n",
+        (ROUTER_ONCE,),
+    ),
+    # `status` parses the recorded program each time it is asked.
+    "status-parses-every-time": (
+        "router/explain.py",
+        '        return _RECORDED.get(raw.get("program"))\n',
+        '        return parse_program(raw.get("program"), max_bytes=1 << 30)\n',
+        (STATUS_ONCE,),
     ),
     # Every distinct program stays parsed: the owner's memory grows with the programs it saw.
     "plans-unbounded": (

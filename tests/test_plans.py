@@ -4,14 +4,17 @@ within their bounds."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
 from orchestrator import plans as plans_module
 from orchestrator.plans import Plans
+from orchestrator.program import ProgramError
 from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
+from router import explain as explain_module
 from router.client import Router
 from tests.test_owner_steps import Recorder
 
@@ -85,3 +88,38 @@ async def test_distinct_programs_kept_parsed_are_bounded(
     assert plans.parses == 7
     await plans.get(ids[2])  # used since ids[3]: still kept
     assert plans.parses == 7
+
+
+async def test_a_router_validates_a_program_given_again_once_and_exactly(
+    settings: Settings, store: RedisStore
+) -> None:
+    """The router checks a program it is given again once (the same frozen Program), from a
+    dict or its text; a value `json` writes as another's text is still checked on its own."""
+    router = Router(settings, store=store, bus=Recorder())
+    first = router.validate(BAG)
+    assert router.validate(json.loads(json.dumps(BAG))) is first
+    text = json.dumps(BAG)  # the dict's own text
+    assert router.validate(text) is router.validate(text.encode()) is first
+    spaced = json.dumps(BAG, indent=1)
+    assert router.validate(spaced) is router.validate(spaced.encode()) is not first
+    assert router._validated.made == 2
+    named = {"steps": [{"task": "a", "args": {"1": "x"}}]}
+    router.validate(named)
+    with pytest.raises(ProgramError, match="args"):  # an int key: json writes it as "1"
+        router.validate({"steps": [{"task": "a", "args": {1: "x"}}]})
+    with pytest.raises(ProgramError, match="args"):  # and so after the same check, cold
+        Router(settings, store=store).validate({"steps": [{"task": "a", "args": {1: "x"}}]})
+    ids = await _submit(settings, store, BAG, [1, 2])  # its own router: one check for both
+    assert [(await store.plan(wf))["program"] for wf in ids] == [
+        first.model_dump(mode="json", exclude_defaults=True)
+    ] * 2
+
+
+async def test_status_parses_a_recorded_program_once(settings: Settings, store: RedisStore) -> None:
+    program = {"name": "status-once", "steps": [{"task": "a"}]}
+    ids = await _submit(settings, store, program, [1, 2, 3])
+    router = Router(settings, store=store)
+    before = explain_module._RECORDED.made
+    statuses = [await router.status(wf) for wf in ids]
+    assert [status and status["steps"] for status in statuses] == [1, 1, 1]
+    assert explain_module._RECORDED.made == before + 1
