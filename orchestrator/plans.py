@@ -35,7 +35,15 @@ from orchestrator.store import Store
 # Distinct programs kept parsed besides those of the cached plans (deployments run tens of
 # kinds). A constant, not the plan cache's size: each may be up to a program's limit.
 MAX_PROGRAMS = 256
+# What each cache may hold, in bytes of the JSON text it was made of (parsed, a few times
+# that): a count alone let 1,024 plans of 256 KiB inputs outgrow the chart's 256 MiB limit.
+MAX_PLAN_BYTES = 16 << 20
+MAX_PROGRAM_BYTES = 8 << 20
+# What a plan costs besides its input's text: its key, the Plan and the table's entry
+# (215 bytes measured with tracemalloc, and a 32-character id).
+PLAN_OVERHEAD = 300
 
+K = TypeVar("K")
 T = TypeVar("T")
 
 
@@ -76,14 +84,12 @@ class Plans:
 
     def __init__(self, store: Store, size: int) -> None:
         self._store = store
-        self._size = size
-        self._cache: OrderedDict[str, Plan] = OrderedDict()
+        self._cache: Lru[str, Plan] = Lru(size, MAX_PLAN_BYTES)
         self._programs = ByText(self._parse)
 
     async def get(self, wf: str) -> Plan | None:
         plan = self._cache.get(wf)
         if plan is not None:
-            self._cache.move_to_end(wf)
             return plan
         raw = await self._store.plan(wf)
         if raw is None:
@@ -100,13 +106,11 @@ class Plans:
             parsed.share,
             _priority(raw.get("priority")),
         )
-        self._cache[wf] = plan
-        if len(self._cache) > self._size:
-            self._cache.popitem(last=False)
+        self._cache.put(wf, plan, PLAN_OVERHEAD + len(text) * (2 if big else 1))
         return plan
 
     def forget(self, wf: str) -> None:
-        self._cache.pop(wf, None)
+        self._cache.pop(wf)
 
     @property
     def parses(self) -> int:
@@ -130,7 +134,8 @@ class ByText(Generic[T]):
     def __init__(self, make: Callable[[Any], T], *, exact: bool = False) -> None:
         self._make = make
         self._exact = exact
-        self._programs: OrderedDict[bytes, tuple[Any, T]] = OrderedDict()  # by the digest
+        # By the text's digest: what its text reads back as (when exact), and what was made.
+        self._programs: Lru[bytes, tuple[Any, T]] = Lru(MAX_PROGRAMS, MAX_PROGRAM_BYTES)
         self.made = 0
 
     def __len__(self) -> int:
@@ -145,18 +150,50 @@ class ByText(Generic[T]):
         exact = self._exact and not isinstance(source, str | bytes)
         found = self._programs.get(key)
         if found is not None and (not exact or found[0] == source):
-            self._programs.move_to_end(key)
             return found[1]
         parsed = self._made(source)
-        self._programs[key] = (json.loads(text) if exact else None, parsed)
-        if len(self._programs) > MAX_PROGRAMS:
-            self._programs.popitem(last=False)
+        self._programs.put(key, (json.loads(text) if exact else None, parsed), len(text))
         return parsed
 
     def _made(self, source: Any) -> T:
         made = self._make(source)
         self.made += 1
         return made
+
+
+class Lru(Generic[K, T]):
+    """The values used last, at most `size` of them and `max_bytes` of their costs (the one
+    put last is kept whatever its cost)."""
+
+    def __init__(self, size: int, max_bytes: int) -> None:
+        self._size = size
+        self._max_bytes = max_bytes
+        self._values: OrderedDict[K, tuple[T, int]] = OrderedDict()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def get(self, key: K) -> T | None:
+        found = self._values.get(key)
+        if found is None:
+            return None
+        self._values.move_to_end(key)
+        return found[0]
+
+    def put(self, key: K, value: T, cost: int) -> None:
+        self.pop(key)
+        self._values[key] = (value, cost)
+        self.bytes += cost
+        while len(self._values) > 1 and (
+            len(self._values) > self._size or self.bytes > self._max_bytes
+        ):
+            self.bytes -= self._values.popitem(last=False)[1][1]
+
+    def pop(self, key: K) -> None:
+        found = self._values.pop(key, None)
+        if found is not None:
+            self.bytes -= found[1]
 
 
 def _text(source: Any) -> bytes:

@@ -48,7 +48,8 @@ class Settings(BaseSettings):
     # queue or the owner's shard queues have a backlog (orchestrator/backlog.py); 1: always
     # one member per message.
     auto_chunk: int = Field(default=10, ge=1, le=100)
-    plan_cache_size: int = Field(default=1024, ge=1)
+    # Plans each owner keeps parsed (orchestrator/plans.py; also at most 16 MiB of inputs).
+    plan_cache_size: int = Field(default=16384, ge=1)
     # Send the Redis commands of one event-loop turn as one pipeline (orchestrator/
     # pipelining.py); false: one round trip each. Not used with a Redis Cluster.
     redis_pipelining: bool = True

@@ -102,6 +102,7 @@ PLANS_SAME = (
     "tests/test_plans.py::test_a_program_is_its_recorded_text_and_its_args_keep_their_order"
 )
 PLANS_BOUND = "tests/test_plans.py::test_distinct_programs_kept_parsed_are_bounded"
+PLANS_BYTES = "tests/test_plans.py::test_both_caches_hold_a_bounded_number_of_bytes"
 STATUS_ONCE = "tests/test_plans.py::test_status_parses_a_recorded_program_once"
 ROUTER_ONCE = "tests/test_plans.py::test_a_router_validates_a_program_given_again_once_and_exactly"
 # The owner's sweep, bounded per pass and going on where it stopped.
@@ -673,8 +674,8 @@ end""",
     # A program used again is not moved up: the one used most is let go first.
     "plans-not-lru": (
         "orchestrator/plans.py",
-        "            self._programs.move_to_end(key)\n",
-        "            pass\n",
+        "        self._values.move_to_end(key)\n",
+        "        pass\n",
         (PLANS_BOUND,),
     ),
     # The router takes a value json writes as another's text for that one: a dict with an int
@@ -702,9 +703,16 @@ end""",
     # Every distinct program stays parsed: the owner's memory grows with the programs it saw.
     "plans-unbounded": (
         "orchestrator/plans.py",
-        "        if len(self._programs) > MAX_PROGRAMS:\n",
-        "        if False:\n",
+        "            len(self._values) > self._size or self.bytes > self._max_bytes\n",
+        "            self.bytes > self._max_bytes\n",
         (PLANS_BOUND,),
+    ),
+    # The caches count entries only: 1,024 plans of large inputs outgrow the pod's memory.
+    "plans-bytes-unbounded": (
+        "orchestrator/plans.py",
+        "            len(self._values) > self._size or self.bytes > self._max_bytes\n",
+        "            len(self._values) > self._size\n",
+        (PLANS_BYTES,),
     ),
     # Only the pool's own queue counts: a burst waiting for its owner goes out unchunked.
     "backlog-ignores-upstream": (

@@ -90,6 +90,32 @@ async def test_distinct_programs_kept_parsed_are_bounded(
     assert plans.parses == 7
 
 
+async def test_both_caches_hold_a_bounded_number_of_bytes(
+    settings: Settings, store: RedisStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """However few entries: plans by their inputs' text, programs by theirs; the one put last
+    is kept even when it alone is over the budget."""
+    monkeypatch.setattr(plans_module, "MAX_PLAN_BYTES", 2500 + 3 * plans_module.PLAN_OVERHEAD)
+    program = {"name": "bytes", "steps": [{"task": "a"}]}
+    ids = await _submit(settings, store, program, ["x" * 1000 for _ in range(4)])
+    plans = Plans(store, size=100)
+    for wf in ids:
+        assert await plans.get(wf) is not None
+    each = plans_module.PLAN_OVERHEAD + 1002  # the text has its quotes
+    assert len(plans._cache) == 2 and plans._cache.bytes == 2 * each
+    plans.forget(ids[3])
+    assert len(plans._cache) == 1 and plans._cache.bytes == each
+    wide = [
+        {"name": f"w{k}", "steps": [{"task": "a", "args": {"pad": "y" * 500}}]} for k in range(3)
+    ]
+    monkeypatch.setattr(plans_module, "MAX_PROGRAM_BYTES", 1200)  # two of these texts
+    texts = plans_module.ByText(lambda source: source["name"])
+    assert [texts.get(w) for w in wide] == ["w0", "w1", "w2"]
+    assert len(texts) == 2 and texts.get(wide[0]) == "w0" and texts.made == 4
+    huge = plans_module.ByText(lambda source: len(source))
+    assert huge.get("z" * 5000) == 5000 and len(huge) == 1  # alone over it: kept
+
+
 async def test_a_router_validates_a_program_given_again_once_and_exactly(
     settings: Settings, store: RedisStore
 ) -> None:
