@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.bus import NEW, Bus, Publisher
+from orchestrator.caches import ByText
 from orchestrator.documents import check_input, check_value
 from orchestrator.ending import end_program
 from orchestrator.keys import check_workflow_id
 from orchestrator.marks import Marks, now_ms
 from orchestrator.messages import Signalled, Start, encode
-from orchestrator.plans import ByText
 from orchestrator.program import (
     MAX_PRIORITY,
     MAX_SIGNAL_BYTES,

@@ -16,9 +16,9 @@ from typing import Any
 
 from orchestrator import saga
 from orchestrator.bus import Bus, ladder_ms
+from orchestrator.caches import ByText
 from orchestrator.marks import attempt_field, redis_of
 from orchestrator.paths import SAGA, is_saga
-from orchestrator.plans import ByText
 from orchestrator.program import (
     MAX_BRANCH_DEPTH,
     SERIAL,

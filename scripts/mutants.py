@@ -651,14 +651,14 @@ end""",
     ),
     # A plan-cache miss parses its program again, however many plans share it.
     "plans-parse-every-miss": (
-        "orchestrator/plans.py",
+        "orchestrator/caches.py",
         "        found = self._programs.get(key)\n",
         "        found = None\n",
         (PLANS_SHARE,),
     ),
     # Programs are told apart by their name only: two unnamed programs run each other's steps.
     "plans-share-by-name": (
-        "orchestrator/plans.py",
+        "orchestrator/caches.py",
         "            key = hashlib.blake2b(text, digest_size=32).digest()\n",
         '            key = json.dumps(source.get("name")).encode()\n',
         (PLANS_SAME, MACHINE),
@@ -666,14 +666,14 @@ end""",
     # The key is a normal form of the program: programs whose args differ only in key order
     # share one parse, and one of them runs with the other's order.
     "plans-sorted-key": (
-        "orchestrator/plans.py",
+        "orchestrator/caches.py",
         "json.dumps(source)).encode()",
         "json.dumps(source, sort_keys=True)).encode()",
         (PLANS_SAME,),
     ),
     # A program used again is not moved up: the one used most is let go first.
     "plans-not-lru": (
-        "orchestrator/plans.py",
+        "orchestrator/caches.py",
         "        self._values.move_to_end(key)\n",
         "        pass\n",
         (PLANS_BOUND,),
@@ -681,7 +681,7 @@ end""",
     # The router takes a value json writes as another's text for that one: a dict with an int
     # key passes as the program with that key as a string once that one was checked.
     "router-validates-inexactly": (
-        "orchestrator/plans.py",
+        "orchestrator/caches.py",
         "        if found is not None and (not exact or found[0] == source):\n",
         "        if found is not None:\n",
         (ROUTER_ONCE,),
@@ -702,14 +702,14 @@ end""",
     ),
     # Every distinct program stays parsed: the owner's memory grows with the programs it saw.
     "plans-unbounded": (
-        "orchestrator/plans.py",
+        "orchestrator/caches.py",
         "            len(self._values) > self._size or self.bytes > self._max_bytes\n",
         "            self.bytes > self._max_bytes\n",
         (PLANS_BOUND,),
     ),
     # The caches count entries only: 1,024 plans of large inputs outgrow the pod's memory.
     "plans-bytes-unbounded": (
-        "orchestrator/plans.py",
+        "orchestrator/caches.py",
         "            len(self._values) > self._size or self.bytes > self._max_bytes\n",
         "            len(self._values) > self._size\n",
         (PLANS_BYTES,),

@@ -13,7 +13,13 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("shardflow", "orchestrator", "router", "worker")
 # The engine: how the owner shard decides. The router and the workers use the core (transport,
 # store, messages, program format) but never these.
-ENGINE = ("orchestrator.transitions", "orchestrator.machine", "orchestrator.owner")
+ENGINE = (
+    "orchestrator.transitions",
+    "orchestrator.machine",
+    "orchestrator.owner",
+    "orchestrator.ordering",
+    "orchestrator.plans",
+)  # docs/layers.json's Engine, the whiteboard this guards
 # package -> what it may never import
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "orchestrator": ("shardflow", "router", "worker"),

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from orchestrator import caches as caches_module
 from orchestrator import plans as plans_module
 from orchestrator.plans import Plans
 from orchestrator.program import ProgramError
@@ -70,7 +71,7 @@ async def test_a_program_is_its_recorded_text_and_its_args_keep_their_order(
 async def test_distinct_programs_kept_parsed_are_bounded(
     settings: Settings, store: RedisStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(plans_module, "MAX_PROGRAMS", 3)
+    monkeypatch.setattr(caches_module, "MAX_PROGRAMS", 3)
     programs = [{"name": f"p{k}", "steps": [{"task": "a"}]} for k in range(4)]
     ids = [(await _submit(settings, store, program, [None]))[0] for program in programs]
     plans = Plans(store, size=1)
@@ -108,11 +109,11 @@ async def test_both_caches_hold_a_bounded_number_of_bytes(
     wide = [
         {"name": f"w{k}", "steps": [{"task": "a", "args": {"pad": "y" * 500}}]} for k in range(3)
     ]
-    monkeypatch.setattr(plans_module, "MAX_PROGRAM_BYTES", 1200)  # two of these texts
-    texts = plans_module.ByText(lambda source: source["name"])
+    monkeypatch.setattr(caches_module, "MAX_PROGRAM_BYTES", 1200)  # two of these texts
+    texts = caches_module.ByText(lambda source: source["name"])
     assert [texts.get(w) for w in wide] == ["w0", "w1", "w2"]
     assert len(texts) == 2 and texts.get(wide[0]) == "w0" and texts.made == 4
-    huge = plans_module.ByText(lambda source: len(source))
+    huge = caches_module.ByText(lambda source: len(source))
     assert huge.get("z" * 5000) == 5000 and len(huge) == 1  # alone over it: kept
 
 
