@@ -828,7 +828,9 @@ def main() -> None:
         for name in names:
             copy = Path(scratch) / name
             # Without .hypothesis: failures saved by earlier runs must not hand over the answer.
-            ignore = shutil.ignore_patterns(".venv", ".git", "*cache*", ".tools", ".hypothesis")
+            ignore = shutil.ignore_patterns(
+                ".venv", ".git", "__pycache__", ".*_cache", ".tools", ".hypothesis"
+            )
             shutil.copytree(ROOT, copy, ignore=ignore)
             print(run(name, copy), flush=True)
 
