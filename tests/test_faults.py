@@ -1069,10 +1069,12 @@ def late_program(k: int) -> dict[str, Any]:
     """A bag whose member 0 is slow and names a compensation, and whose member 1 always fails:
     the program compensates while member 0 still runs, which must end and be undone. Slow
     enough that the test sees them compensating before they end: with the owner's window all
-    eight start at once, so the moment is one member's run for all of them."""
+    eight start at once, so the moment is one member's run for all of them. One member per
+    message: eight submits waiting for their owner are a backlog, and in one chunk the
+    failure would be reported only once the slow member ended."""
     undo = {"task": "fault.step", "args": {"n": 100 + k}, "pool": "parallel"}
     slow = {"task": "fault.step", "args": {"n": k, "sleep_s": 3.0}, "compensate": undo}
-    return {"name": f"late-{k}", "steps": [{"bag": [slow, {"task": "boom"}]}]}
+    return {"name": f"late-{k}", "steps": [{"bag": [slow, {"task": "boom"}], "chunk": 1}]}
 
 
 @pytest.mark.fault
@@ -1083,7 +1085,9 @@ async def test_a_task_still_running_when_its_program_fails_survives_kill_9_and_i
     the redelivered members run again (lua/begin.lua), their outputs are recorded late, and
     only then do the compensations start; every program ends compensated, each member undone
     once, after its last run ended."""
-    fleet, log, store = small_fleet(settings, tmp_path, ("orcha",), 8)
+    # 16 slots a worker: its 16 messages fit in either, so no failing member waits for a slot
+    # behind the slow ones (its program would then compensate only once they ended).
+    fleet, log, store = small_fleet(settings, tmp_path, ("orcha",), 16)
     from orchestrator.bus import Bus
 
     bus = Bus(settings)
