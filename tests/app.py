@@ -189,6 +189,25 @@ async def fault_step(ctx: TaskContext) -> Any:
     return output
 
 
+@task(name="fault.boom_after")
+async def fault_boom_after(ctx: TaskContext) -> None:
+    """Fails once its program's bag member `args.after` has started (the execution log says
+    so; at most 10 s): a failure that lands while that member runs, however the two race."""
+    where = ctx.input["exec_log"]
+    client = _client(where["url"])
+    for _ in range(500):
+        for raw in client.lrange(where["key"], 0, -1):
+            event = json.loads(raw)
+            if (event["event"], event["wf"], event["index"]) == (
+                "start",
+                ctx.workflow_id,
+                ctx.args["after"],
+            ):
+                raise RuntimeError("boom")
+        await asyncio.sleep(0.02)
+    raise RuntimeError("boom, and the member it waited for never started")
+
+
 @task()
 async def shaky(ctx: TaskContext) -> dict[str, Any]:
     """Fails its first attempt; then returns its args and attempt (a retry's args are the

@@ -1069,12 +1069,14 @@ def late_program(k: int) -> dict[str, Any]:
     """A bag whose member 0 is slow and names a compensation, and whose member 1 always fails:
     the program compensates while member 0 still runs, which must end and be undone. Slow
     enough that the test sees them compensating before they end: with the owner's window all
-    eight start at once, so the moment is one member's run for all of them. One member per
-    message: eight submits waiting for their owner are a backlog, and in one chunk the
-    failure would be reported only once the slow member ended."""
+    eight start at once, so the moment is one member's run for all of them. Member 1 fails
+    only once member 0 started (else the program may fail first, and member 0, never started,
+    is rightly never run: nothing to kill), and each goes in a message of its own: in one
+    chunk the failure would be reported only once member 0 ended."""
     undo = {"task": "fault.step", "args": {"n": 100 + k}, "pool": "parallel"}
     slow = {"task": "fault.step", "args": {"n": k, "sleep_s": 3.0}, "compensate": undo}
-    return {"name": f"late-{k}", "steps": [{"bag": [slow, {"task": "boom"}], "chunk": 1}]}
+    boom = {"task": "fault.boom_after", "args": {"after": 0}}
+    return {"name": f"late-{k}", "steps": [{"bag": [slow, boom], "chunk": 1}]}
 
 
 @pytest.mark.fault
@@ -1112,8 +1114,9 @@ async def test_a_task_still_running_when_its_program_fails_survives_kill_9_and_i
             await asyncio.sleep(0.05)
         pids = Counter(e["pid"] for e in compensating)
         [victim] = [n for n, p in fleet.processes.items() if p.pid == pids.most_common(1)[0][0]]
-        fleet.kill(victim)
+        # Marked first: the other worker may start the redelivered members before kill returns.
         log.mark("kill", victim=victim)
+        fleet.kill(victim)
         fleet.start(victim)
         statuses = await _wait_all(store, ids, timeout_s=60)
     finally:
