@@ -40,14 +40,16 @@
 --          the finished leaf's own, <prefix>:{<wf>}:out:<ARGV[1]>: what this transition used
 -- The program's other keys are named in its registry <prefix>:{<wf>}:keys; all share the
 -- program's hash tag, so they live in KEYS[1]'s cluster slot.
--- returns  {verdict, status, cursor, joined} where joined is "1" when a branch's end (now,
---          or before: a replay) found every member of its bag finished, and verdict is
+-- returns  {verdict, status, cursor, joined, elapsed} where joined is "1" when a branch's end
+--          (now, or before: a replay) found every member of its bag finished, elapsed (applied
+--          only) the ms since the moving cursor reached ARGV[1] (its updated_ms; "" if none:
+--          the owner's step timings, on Redis's clock), and verdict is
 --   applied  the transition happened now: publish what it produces
 --   replay   it already happened (cursor moved from ARGV[1]): a redelivery publishes again
 --   stale    the message is older than the program's state: ignore it
 --   missing  no such program
-local s = redis.call("HMGET", KEYS[1], "status", "cursor", "from", "epoch")
-local status, cursor, from = s[1], s[2], s[3]
+local s = redis.call("HMGET", KEYS[1], "status", "cursor", "from", "epoch", "updated_ms")
+local status, cursor, from, since = s[1], s[2], s[3], s[5]
 if not status then
   return {"missing", "", ""}
 end
@@ -63,12 +65,12 @@ local bag, member, barrier, size, inside = "", "", "", 0, true
 local saga = scope == "saga"
 if saga then
   here = base .. "cur:saga"
-  local b = redis.call("HMGET", here, "cursor", "from")
-  cursor, from = b[1] or "", b[2]
+  local b = redis.call("HMGET", here, "cursor", "from", "updated_ms")
+  cursor, from, since = b[1] or "", b[2], b[3]
 elseif scope ~= "" then
   here = base .. "cur:" .. scope
-  local b = redis.call("HMGET", here, "cursor", "from")
-  cursor, from = b[1], b[2]
+  local b = redis.call("HMGET", here, "cursor", "from", "updated_ms")
+  cursor, from, since = b[1], b[2], b[3]
   if not cursor then
     return {"stale", status, ""}  -- no such branch was opened
   end
@@ -102,7 +104,12 @@ if live and cursor == ARGV[1] then
     return {"stale", status, cursor}
   end
   local t = redis.call("TIME")
-  local now = string.format("%d", t[1] * 1000 + math.floor(t[2] / 1000))
+  local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+  local now = string.format("%d", now_ms)
+  local elapsed = ""
+  if tonumber(since or "") then
+    elapsed = string.format("%d", math.max(now_ms - tonumber(since), 0))
+  end
   redis.call("HSET", here, "cursor", ARGV[2], "from", ARGV[1], "leaf", ARGV[6],
     "updated_ms", now)
   if saga then
@@ -175,7 +182,7 @@ if live and cursor == ARGV[1] then
     redis.call("PEXPIRE", base .. "plan", keep_ms)
     redis.call("PEXPIRE", KEYS[1], keep_ms)
   end
-  return {"applied", ARGV[3], ARGV[2], joined()}
+  return {"applied", ARGV[3], ARGV[2], joined(), elapsed}
 end
 if from == ARGV[1] then
   return {"replay", status, cursor, joined()}

@@ -47,7 +47,7 @@ async def end_program(
         await store.untrack(wf, ended.owner)
     if ended.now and ended.status in TERMINAL:
         log.info("%s: ended %s: %s", wf, ended.status, reason)
-        metrics.program_ended(wf, ended.status)
+        metrics.program_ended(ended.status)
     elif ended.now:
         log.info("%s: %s, compensating: %s", wf, status, reason)
     # Told again on a redelivery too: a crash may have cut the first notice short.

@@ -151,8 +151,8 @@ class MemoryStore:
     ) -> Verdict:
         """lua/advance.lua"""
         key = self.keys.state(wf)
-        now_status, now_cursor, came_from, run = self._hmget(
-            key, "status", "cursor", "from", "epoch"
+        now_status, now_cursor, came_from, run, since = self._hmget(
+            key, "status", "cursor", "from", "epoch", "updated_ms"
         )
         if now_status is None:
             return Verdict("missing", "", "")
@@ -164,11 +164,11 @@ class MemoryStore:
         saga = scope == SAGA
         if saga:  # the compensations' cursor: "" until they start
             here = self.keys.branch(wf, scope)
-            found_cursor, came_from = self._hmget(here, "cursor", "from")
+            found_cursor, came_from, since = self._hmget(here, "cursor", "from", "updated_ms")
             now_cursor = found_cursor or ""
         elif scope:
             here = self.keys.branch(wf, scope)
-            now_cursor, came_from = self._hmget(here, "cursor", "from")
+            now_cursor, came_from, since = self._hmget(here, "cursor", "from", "updated_ms")
             if now_cursor is None:
                 return Verdict("stale", now_status, "")  # no such branch was opened
             parent = parent_of(scope)
@@ -197,6 +197,7 @@ class MemoryStore:
             if not inside:  # the bag was left (a stray `next`): its branches move no more
                 return Verdict("stale", now_status, now_cursor or "")
             now = self._clock()
+            elapsed = max(int(now) - int(since), 0) if since else None
             self._hash(here).update(cursor=cursor, leaf=leaf, updated_ms=now)
             self._hash(here)["from"] = expected
             state = self._hash(key)
@@ -256,7 +257,7 @@ class MemoryStore:
                     self._drop_if_empty(base + "attempts")
             if ending:
                 self._expire_all(wf)
-            return Verdict("applied", status, cursor, joined())
+            return Verdict("applied", status, cursor, joined(), elapsed)
         if came_from == expected:
             return Verdict("replay", now_status, now_cursor or "", joined())
         return Verdict("stale", now_status, now_cursor or "")

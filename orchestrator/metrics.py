@@ -13,14 +13,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Container, Iterable
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
 
 from orchestrator.lifecycle import raise_if_cancelled
-from orchestrator.store import TERMINAL, Store
+from orchestrator.store import TERMINAL, Store, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +32,6 @@ DURATION_BUCKETS = (
 )  # fmt: skip
 # How often an owner counts its shards' programs in flight (one SCARD per shard).
 IN_FLIGHT_EVERY_S = 5.0
-# Steps dispatched whose end this process waits to time; the oldest are forgotten past this.
-MAX_OPEN_STEPS = 100_000
 
 PROGRAMS_STARTED = Counter(
     "shardflow_programs_started_total", "Programs whose first step was dispatched by an owner."
@@ -120,35 +117,25 @@ def pool_label(pool: str) -> str:
     return pool if pool in _pool_labels else "other"
 
 
-# wf -> (path of the step dispatched, its pool, its kind, when) for the owner's step timings.
-_open_steps: OrderedDict[str, tuple[str, str, str, float]] = OrderedDict()
-
-
 def advanced(
-    wf: str,
     expected: str,
-    dispatched: tuple[str, str, str] | None,
-    verdict: str,
-    status: str,
+    step: tuple[str, str] | None,
+    verdict: Verdict,
     *,
     redelivered: bool,
 ) -> None:
-    """Record what one compare-and-advance of the owner did (see Transitions.apply);
-    `dispatched` is the next leaf's (path, pool, "task" | "bag"), None when the program ends."""
-    if verdict == "applied":
-        now = time.monotonic()
+    """Record what one compare-and-advance of the owner did (see Transitions.apply); `step`
+    is the finished leaf's (pool, "task" | "bag" | ...), timed by `verdict.elapsed_ms`: from
+    its cursor reaching it to now, on Redis's clock, so no table of open steps is held here
+    and a step that outlives a failover is timed too."""
+    if verdict.verdict == "applied":
         if expected == "":
             PROGRAMS_STARTED.inc()
-        step = _open_steps.pop(wf, None)
-        if step is not None and step[0] == expected:
-            STEP_DURATION.labels(pool_label(step[1]), step[2]).observe(now - step[3])
-        if dispatched is not None:
-            _open_steps[wf] = (*dispatched, now)
-            if len(_open_steps) > MAX_OPEN_STEPS:
-                _open_steps.popitem(last=False)
-        if status in TERMINAL:
-            PROGRAMS_ENDED.labels(status).inc()
-    elif verdict == "replay" and redelivered:
+        elif step is not None and verdict.elapsed_ms is not None:
+            STEP_DURATION.labels(pool_label(step[0]), step[1]).observe(verdict.elapsed_ms / 1000)
+        if verdict.status in TERMINAL:
+            PROGRAMS_ENDED.labels(verdict.status).inc()
+    elif verdict.verdict == "replay" and redelivered:
         REPUBLISHED.inc()
     else:
         DUPLICATES.labels("orchestrator").inc()
@@ -162,9 +149,8 @@ def failure_verdict(verdict: str) -> None:
         DUPLICATES.labels("orchestrator").inc()
 
 
-def program_ended(wf: str, status: str) -> None:
+def program_ended(status: str) -> None:
     """A program ended from outside its step order (a cancel or a deadline)."""
-    _open_steps.pop(wf, None)
     PROGRAMS_ENDED.labels(status).inc()
 
 

@@ -149,7 +149,8 @@ class RedisStore:
             args.append(output)
         reply = await self._advance(keys=keys, args=args)
         joined = len(reply) > 3 and reply[3] == "1"
-        return Verdict(reply[0], reply[1], reply[2], joined)
+        elapsed = int(reply[4]) if len(reply) > 4 and reply[4] else None
+        return Verdict(reply[0], reply[1], reply[2], joined, elapsed)
 
     async def at(self, wf: str, path: str) -> dict[str, str]:
         """The state as the leaf at `path` sees it (its branch's cursor, in a branch)."""

@@ -29,6 +29,8 @@ class Verdict:
     cursor: str
     # A branch's end (now, or before: a replay) found every member of its bag finished.
     joined: bool = False
+    # An applied advance: ms since the moving cursor reached the leaf it left (Redis's clock).
+    elapsed_ms: int | None = None
 
 
 # A report may name at most this many attempts (lua/fail.lua has the same bound).

@@ -156,14 +156,19 @@ def task_messages(
     return messages
 
 
-def _dispatched(outcome: machine.Outcome) -> tuple[str, str, str] | None:
-    """The next leaf's path, pool and kind, for the step timings (a bag: the bag's pool)."""
-    if not isinstance(outcome, machine.Leaf):
+def _timed(plan: Plan, path: str) -> tuple[str, str] | None:
+    """The pool and kind of the leaf at `path`, for the step timings (a bag: the bag's pool);
+    None for a start ("") or a path that is no leaf of the program."""
+    if path == "":
         return None
-    kind = type(outcome.step).__name__.lower()
-    if isinstance(outcome.step, Sleep | Signal):
-        return outcome.path, "timer", kind
-    return outcome.path, pool_of(outcome.step), kind
+    try:
+        step = machine.leaf_at(plan.program, path)
+    except machine.PathError:
+        return None
+    kind = type(step).__name__.lower()
+    if isinstance(step, Sleep | Signal):
+        return "timer", kind
+    return pool_of(step), kind
 
 
 def _group_leaf(group: saga.Group) -> machine.Leaf:
@@ -297,14 +302,7 @@ class Transitions:
             raise Poison(f"{message.wf}: no such program")
         # stale: a duplicate or late message, acked and ignored
         self.counts[verdict.verdict] += 1
-        metrics.advanced(
-            message.wf,
-            expected,
-            _dispatched(outcome),
-            verdict.verdict,
-            verdict.status,
-            redelivered=redelivered,
-        )
+        metrics.advanced(expected, _timed(plan, expected), verdict, redelivered=redelivered)
         ended = verdict.status in TERMINAL
         # A redelivered message may be the one whose publishing a crash cut short; once the
         # program ended (a cancel answers `replay` to its cursor's report) nothing is owed.
@@ -766,7 +764,7 @@ class Transitions:
             log.info("%s: compensation %r -> %r (%s)", wf, expected, cursor, verdict.status)
         if ended:
             if verdict.verdict == "applied":
-                metrics.program_ended(wf, verdict.status)
+                metrics.program_ended(verdict.status)
             self.plans.forget(wf)
             await self.store.untrack(wf, plan.owner)
         return verdict.verdict

@@ -106,6 +106,9 @@ PLANS_BYTES = "tests/test_plans.py::test_both_caches_hold_a_bounded_number_of_by
 STATUS_ONCE = "tests/test_plans.py::test_status_parses_a_recorded_program_once"
 ROUTER_ONCE = "tests/test_plans.py::test_a_router_validates_a_program_given_again_once_and_exactly"
 # The owner's sweep, bounded per pass and going on where it stopped.
+BRANCH_REPLAY = "tests/test_lua.py::test_a_branch_advance_again_is_a_replay_by_the_branch_own_from"
+STEP_TIMES = "tests/test_lua.py::test_an_applied_advance_times_the_step_it_leaves_on_redis_clock"
+STEP_METRICS = "tests/test_metrics.py::test_a_running_cluster_exports_what_it_did_over_http"
 SWEEP_BOUND = (
     "tests/test_sweep.py::test_each_sweep_reads_a_bounded_share_and_the_whole_set_is_still_swept"
 )
@@ -148,6 +151,20 @@ end""",
         "if live and cursor == ARGV[1] then",
         "if live then",
         (MACHINE, DIFFERENTIAL),
+    ),
+    # A step's time is not read from its cursor: every step looks instant.
+    "step-timed-from-now": (
+        "lua/advance.lua",
+        'elapsed = string.format("%d", math.max(now_ms - tonumber(since), 0))',
+        'elapsed = "0"',
+        (STEP_TIMES, STEP_METRICS),
+    ),
+    # A branch's step is timed from the program's cursor (the bag's start), not its own.
+    "branch-step-timed-by-the-program": (
+        "lua/advance.lua",
+        "  cursor, from, since = b[1], b[2], b[3]\n  if not cursor then",
+        "  cursor, from = b[1], b[2]\n  if not cursor then",
+        (STEP_TIMES,),
     ),
     # Only the model beside the Lua can see this one: a duplicate report overwrites the error.
     "fail-overwrites-first-error": (
@@ -396,9 +413,9 @@ end""",
     # taken for stale, and what the crash cut short is never published.
     "branch-replay-by-the-program-from": (
         "lua/advance.lua",
-        "  cursor, from = b[1], b[2]",
-        "  cursor = b[1]",
-        (BRANCHES, DIFFERENTIAL),
+        "  cursor, from, since = b[1], b[2], b[3]",
+        "  cursor, since = b[1], b[3]",
+        (BRANCH_REPLAY, BRANCHES, DIFFERENTIAL),
     ),
     # A branch's end fills its bag's barrier one member early: the bag moves on before its
     # last member finished.

@@ -1,5 +1,6 @@
 """Each Lua transition against a real Redis: duplicates and stale messages change nothing."""
 
+import asyncio
 import json
 
 from redis.crc import key_slot
@@ -58,6 +59,49 @@ async def test_advance_ends_a_program_once(store: RedisStore) -> None:
     state = await store.state(wf)
     assert state["status"] == "completed" and state["result"] == '{"x": 1}'
     assert "error" not in state and int(state["ended_ms"]) >= int(state["started_ms"])
+
+
+async def test_an_applied_advance_times_the_step_it_leaves_on_redis_clock(
+    store: RedisStore,
+) -> None:
+    await store.submit("wf-t", PLAN, 1, "demo", "d")
+    start = await store.advance("wf-t", "", "1", "running", leaf="bag:2", opened=[
+        ("1/branch:0", "1/branch:0/0", "task"), ("1/branch:1", "1/branch:1/0", "task"),
+    ])  # fmt: skip
+    assert start.elapsed_ms is None  # a start leaves no step
+    await asyncio.sleep(0.5)
+    first = await store.advance(
+        "wf-t", "1/branch:0/0", "1/branch:0/1", "running", scope="1/branch:0"
+    )
+    # A branch's step is timed by its own cursor, which moved just now, not the program's.
+    second = await store.advance("wf-t", "1/branch:0/1", "", "running", scope="1/branch:0")
+    other = await store.advance("wf-t", "1/branch:1/0", "", "running", scope="1/branch:1")
+    done = await store.advance("wf-t", "1", "", "completed", "result", "1")
+    assert [v.verdict for v in (first, second, other, done)] == ["applied"] * 4
+    assert 500 <= (first.elapsed_ms or 0) < 5000 and second.elapsed_ms is not None
+    assert second.elapsed_ms < 400
+    assert 500 <= (other.elapsed_ms or 0) < 5000 and 500 <= (done.elapsed_ms or 0) < 5000
+    replay = await store.advance("wf-t", "1", "", "completed", "result", "1")
+    assert (replay.verdict, replay.elapsed_ms) == ("replay", None)  # timed once
+
+
+async def test_a_branch_advance_again_is_a_replay_by_the_branch_own_from(store: RedisStore) -> None:
+    await store.submit("wf-r", PLAN, 1, "demo", "d")
+    opened = [("1/branch:0", "1/branch:0/0", "task"), ("1/branch:1", "1/branch:1/0", "task")]
+    await store.advance("wf-r", "", "1", "running", leaf="bag:2", opened=opened)
+    moved = await store.advance(
+        "wf-r", "1/branch:1/0", "1/branch:1/1", "running", scope="1/branch:1"
+    )
+    again = await store.advance(
+        "wf-r", "1/branch:1/0", "1/branch:1/1", "running", scope="1/branch:1"
+    )
+    # The program's own `from` is the start's (""): a redelivery is known by the branch's.
+    assert (moved.verdict, again.verdict, again.cursor) == ("applied", "replay", "1/branch:1/1")
+    ended = await store.advance("wf-r", "1/branch:1/1", "", "running", scope="1/branch:1")
+    late = await store.advance(
+        "wf-r", "1/branch:1/0", "1/branch:1/1", "running", scope="1/branch:1"
+    )
+    assert (ended.verdict, late.verdict) == ("applied", "stale")
 
 
 async def test_advance_of_an_unknown_program_is_missing(store: RedisStore) -> None:

@@ -139,12 +139,15 @@ async def test_a_running_cluster_exports_what_it_did_over_http(
         {"steps": [{"task": "boom"}]},
         {"steps": [{"task": "no.such.task"}]},  # the worker fails it: label "unknown"
         {"steps": [{"task": "metrics.logs", "args": {"name": "cat.jpg"}}]},
+        {"steps": [{"task": "item", "pool": "parallel", "args": {"sleep_s": 2.6}}]},
     ]
     async with connected(settings, "test-metrics") as (store, bus):
         router = Router(settings, store=store, bus=bus)
         submitted = [await router.submit(program) for program in programs]
         ended = [await router.wait(s.workflow_id, timeout_s=60) for s in submitted]
-        assert [e["status"] for e in ended] == ["completed"] * 3 + ["failed"] * 2 + ["completed"]
+        assert [e["status"] for e in ended] == ["completed"] * 3 + ["failed"] * 2 + [
+            "completed"
+        ] * 2
         # A message no one can read, and two duplicates of a start: one as it is, one as
         # the delivery policy requeues a message after a failure (counted as redelivered).
         await bus.publish_to_shard(0, b"not json")
@@ -172,8 +175,8 @@ async def test_a_running_cluster_exports_what_it_did_over_http(
         return samples if done else None
 
     samples = wait_until(settled, 60, "the counters of the last messages")
-    assert value(samples, "shardflow_programs_started_total") == 6
-    assert value(samples, "shardflow_programs_ended_total", status="completed") == 4
+    assert value(samples, "shardflow_programs_started_total") == 7
+    assert value(samples, "shardflow_programs_ended_total", status="completed") == 5
     assert value(samples, "shardflow_programs_ended_total", status="failed") == 2
     assert value(samples, "shardflow_retries_total") == 1
     assert value(samples, "shardflow_duplicates_ignored_total", part="orchestrator") == 2
@@ -195,8 +198,13 @@ async def test_a_running_cluster_exports_what_it_did_over_http(
     assert inf == 6
 
     steps = "shardflow_step_duration_seconds_count"
-    # Every step that ended through its owner: 2 + 1 + 1 + 1 + 1 single tasks, 2 bags.
+    # Every step that ended through its owner: 2 + 1 + 1 + 1 + 1 serial tasks, 2 bags, and
+    # the sleeping task, timed on Redis's clock from its dispatch to its owner's advance.
     assert value(samples, steps, pool="serial", kind="task") == 6
+    assert value(samples, steps, pool="parallel", kind="task") == 1
+    slow = {"pool": "parallel", "kind": "task"}
+    assert value(samples, "shardflow_step_duration_seconds_bucket", **slow, le="2.5") == 0
+    assert 2.6 <= value(samples, "shardflow_step_duration_seconds_sum", **slow) < 60
     assert value(samples, steps, pool="parallel", kind="bag") == 2
     for pool in ("serial", "parallel"):
         assert value(samples, "shardflow_tasks_running", pool=pool) == 0
