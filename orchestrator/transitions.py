@@ -302,7 +302,9 @@ class Transitions:
             raise Poison(f"{message.wf}: no such program")
         # stale: a duplicate or late message, acked and ignored
         self.counts[verdict.verdict] += 1
-        metrics.advanced(expected, _timed(plan, expected), verdict, redelivered=redelivered)
+        # The step's pool and kind are looked up only for a step that was timed (applied).
+        timed = _timed(plan, expected) if verdict.elapsed_ms is not None else None
+        metrics.advanced(expected, timed, verdict, redelivered=redelivered)
         ended = verdict.status in TERMINAL
         # A redelivered message may be the one whose publishing a crash cut short; once the
         # program ended (a cancel answers `replay` to its cursor's report) nothing is owed.
