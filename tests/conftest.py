@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Iterator
 import aio_pika
 import pytest
 import redis
-from hypothesis import HealthCheck
+from hypothesis import HealthCheck, Phase
 from hypothesis import settings as hypothesis_settings
 from redis.asyncio import Redis
 
@@ -41,6 +41,12 @@ RUN_ID = uuid.uuid4().hex[:8]
 _PROFILE = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
 hypothesis_settings.register_profile("default", max_examples=60, stateful_step_count=40, **_PROFILE)
 hypothesis_settings.register_profile("long", max_examples=1000, stateful_step_count=100, **_PROFILE)
+# scripts/mutants.py: the default's search without shrinking, which only shortens what was found.
+hypothesis_settings.register_profile(
+    "catch",
+    hypothesis_settings.get_profile("default"),
+    phases=(Phase.explicit, Phase.reuse, Phase.generate),
+)
 hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 

@@ -132,3 +132,32 @@ async def test_a_signal_stays_for_the_later_step_when_the_branch_that_waited_was
     assert await transitions.apply(done, redelivered=False, shard=owner) == "applied"
     state = await store.state("abandoned")
     assert (state["status"], state["result"]) == ("completed", '"for step 1"')
+
+
+async def test_a_replayed_advance_into_a_bag_republishes_only_branches_still_at_their_start() -> (
+    None
+):
+    """A start delivered again after one branch of its bag moved on: the replay republishes
+    the bag's own member and the branch still at its first leaf, not the one that moved (its
+    later leaf is already out; the old first leaf would run again, only to be refused)."""
+    store = MemoryStore(Keys("rebag"))
+    bus = Recorder()
+    transitions = Transitions(store, bus, Plans(store, 8))
+    router = Router(Settings(prefix="rebag"), store=store, bus=bus)
+    two = {"steps": [{"task": "work"}, {"task": "work"}]}
+    program = {"steps": [{"bag": [two, {"steps": [{"task": "work"}]}, {"task": "work"}]}]}
+    owner = (await router.submit(program, None, "rebag")).shard
+    start = decode_shard_message(bus.shard.pop())
+    assert await transitions.apply(start, redelivered=False, shard=owner) == "applied"
+
+    def sent() -> set[tuple[str, int | None]]:
+        found = {(task.path, task.index) for task in map(decode_task, bus.tasks)}
+        bus.tasks.clear()
+        return found
+
+    assert sent() == {("0/branch:0/0", None), ("0/branch:1/0", None), ("0", 2)}
+    moved = Next(wf="rebag", path="0/branch:0/0", output="a")
+    assert await transitions.apply(moved, redelivered=False, shard=owner) == "applied"
+    assert sent() == {("0/branch:0/1", None)}
+    assert await transitions.apply(start, redelivered=True, shard=owner) == "replay"
+    assert sent() == {("0/branch:1/0", None), ("0", 2)}

@@ -394,12 +394,69 @@ def test_the_model_can_stand_in_for_redis_in_a_whole_run() -> None:
     asyncio.run(run())
 
 
+async def test_a_redrive_takes_out_the_keys_of_the_steps_it_reruns_and_keeps_the_rest(
+    keyspace: tuple[str, str],
+) -> None:
+    """A bag that failed with one member done runs again from nothing after a redrive: its
+    barrier and outputs go, so the rerun waits for every member, while the step before it keeps
+    its output (the rerun's prev). The model and the real Lua, call by call."""
+    redis_url, base = keyspace
+    client = Redis.from_url(redis_url, decode_responses=True)
+    keys = Keys(f"{base}-redrive")
+    real: Store = RedisStore(client, keys, RETENTION_MS)
+    model = MemoryStore(keys, retention_ms=RETENTION_MS)
+
+    def moves(start: str, to: str, status: str, *payload: str, epoch: int = 0) -> Call:
+        field, text = payload or ("", "")
+        return "advance", (
+            "r",
+            start,
+            to,
+            status,
+            field,
+            text,
+            "bag:2" if to else "",
+            "",
+            (),
+            epoch,
+        )
+
+    script: list[tuple[Call, str]] = [
+        (("submit", ("r", PLANS[0], 1, "x", "d1")), "created"),
+        (moves("", "0", "running"), "applied"),
+        (("record", ("r", "0", 2, {0: '"a"', 1: '"b"'})), "fire"),
+        (moves("0", "1", "running"), "applied"),
+        (("record", ("r", "1", 2, {0: '"c"'})), "wait"),
+        (moves("1", "", "failed", "error", "boom"), "applied"),
+        (("redrive", ("r", 0, "1", "0", "failed\t\t\t0\tboom", ["1"])), "applied"),
+        (moves("", "1", "running", epoch=1), "applied"),
+        # Member 0's output of the failed run is gone: member 1 alone does not fill the bag.
+        (("record", ("r", "1", 2, {1: '"d"'}, 1)), "wait"),
+        (("record", ("r", "1", 2, {0: '"e"'}, 1)), "fire"),
+    ]
+    try:
+        for n, ((name, args), verdict) in enumerate(script):
+            expected = await getattr(model, name)(*args)
+            got = await getattr(real, name)(*args)
+            got, expected = _timeless(got), _timeless(expected)
+            assert got == expected, f"call {n} {name}{args}: lua {got} != model {expected}"
+            found = "created" if getattr(got, "created", False) else getattr(got, "verdict", "")
+            assert found == verdict, f"call {n} {name}{args}: {got}"
+            state, _ = await dump(client, keys.prefix)
+            assert state == _normal(model.data), f"after call {n} {name}{args}"
+        assert got.outputs == ['"e"', '"d"']  # the rerun's own, in member order
+        assert await real.leaf_outputs("r", [("0", 0), ("0", 1)]) == ['"a"', '"b"']
+    finally:
+        await client.aclose()
+
+
 async def test_a_branch_member_is_never_completed_and_a_branch_moves_only_inside_its_bag(
     keyspace: tuple[str, str],
 ) -> None:
     """A completion for a bag member that is a branch is refused (the branch ends by its own
     advance); a branch's advance applies only while its bag is its outer scope's cursor, and
-    its replays still answer replay. The model and the real Lua, call by call."""
+    its replays still answer replay; a bag inside a nested branch completes by the innermost
+    branch's cursor. The model and the real Lua, call by call."""
     redis_url, base = keyspace
     client = Redis.from_url(redis_url, decode_responses=True)
     keys = Keys(f"{base}-fence")
@@ -411,6 +468,7 @@ async def test_a_branch_member_is_never_completed_and_a_branch_moves_only_inside
         ("0/branch:0", "0/branch:0/0", "bag:1"),
         ("0/branch:0/0/branch:0", "0/branch:0/0/branch:0/0", "task"),
     )
+    deep = (nested[0], ("0/branch:0/0/branch:0", "0/branch:0/0/branch:0/0", "bag:2"))
 
     def opens(wf: str, shape: str, opened: tuple[tuple[str, str, str], ...]) -> Call:
         return "advance", (wf, "", "0", "running", "", "", shape, "", (), None, "", opened)
@@ -447,6 +505,11 @@ async def test_a_branch_member_is_never_completed_and_a_branch_moves_only_inside
         (opens("n", "bag:1", nested), "applied"),
         (moves("n", "0/branch:0/0", "0/branch:0/1"), "applied"),
         (moves("n", "0/branch:0/0/branch:0/0", "", "running", "", '"z"'), "stale"),
+        # A bag inside a nested branch: its members are taken by the innermost branch's cursor.
+        (("submit", ("m", PLANS[0], 1, "x", "d1")), "created"),
+        (opens("m", "bag:1", deep), "applied"),
+        (("record", ("m", "0/branch:0/0/branch:0/0", 2, {0: '"p"'})), "wait"),
+        (("record", ("m", "0/branch:0/0/branch:0/0", 2, {1: '"q"'})), "fire"),
     ]
     try:
         for n, ((name, args), verdict) in enumerate(script):
