@@ -46,6 +46,7 @@ REPLAY_BAG = (
     "tests/test_owner_steps.py::"
     "test_a_replayed_advance_into_a_bag_republishes_only_branches_still_at_their_start"
 )
+PRUNE_PAGES = "tests/test_list.py::test_the_index_is_pruned_a_page_at_a_time_within_its_scan"
 AGAIN = (
     "tests/test_worker_reports.py::"
     "test_a_member_of_a_complete_step_reports_it_again_only_when_redelivered"
@@ -755,6 +756,14 @@ end""",
         "\n",
         "        waiting = self.ready(pool)\n",
         (BACKLOG_UPSTREAM, BACKLOG_PURE),
+    ),
+    # The index is pruned a page at a time, each page at the offset of the entries seen, as if
+    # nothing had been dropped: the entries that moved up are skipped.
+    "prune-pages-skip-what-moved-up": (
+        "orchestrator/marks.py",
+        "            start = seen - dropped  # what was dropped before moved the rest up\n",
+        "            start = seen\n",
+        (PRUNE_PAGES,),
     ),
     # Every shard an owner holds is sampled, however many: a sample per shard per interval.
     "backlog-samples-every-shard": (

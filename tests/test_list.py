@@ -15,7 +15,7 @@ import pytest
 from redis.asyncio import Redis
 
 from orchestrator.connections import connected
-from orchestrator.marks import INDEX_GRACE_MS
+from orchestrator.marks import INDEX_GRACE_MS, Marks
 from orchestrator.owner import Orchestrator
 from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
@@ -117,6 +117,22 @@ async def test_entries_whose_program_is_gone_are_dropped_once_old(
     await client.zadd(key, {"ghost-older": now - 3 * INDEX_GRACE_MS})
     assert await prune_index(store) == 1
     assert await client.zrange(key, 0, -1) == ["ghost-young"]
+
+
+async def test_the_index_is_pruned_a_page_at_a_time_within_its_scan(store: RedisStore) -> None:
+    # Gone and kept entries interleaved, pages of 3 in a scan of 12: what one page drops moves
+    # the rest up, and the next page still starts at the first entry not yet seen.
+    client: Redis = store.client  # type: ignore[assignment]
+    old = time.time() * 1000 - 10 * INDEX_GRACE_MS
+    kept = "kggkgkkggggk"  # the 12 oldest; then 2 gone ones beyond the scan
+    names = [f"{kind}{i}" for i, kind in enumerate(kept + "gg")]
+    await client.zadd(store.keys.index_created, {wf: old + i for i, wf in enumerate(names)})
+    for wf in names:
+        if wf.startswith("k"):
+            await client.hset(store.keys.state(wf), "status", "running")  # type: ignore[misc]
+    assert await Marks(store).prune_index(scan=12, page=3) == kept.count("g")
+    left = await client.zrange(store.keys.index_created, 0, -1)
+    assert left == [wf for wf in names if wf.startswith("k")] + names[-2:]
 
 
 def test_durations_and_bad_arguments() -> None:
