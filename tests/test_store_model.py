@@ -293,6 +293,42 @@ def _timeless(reply: Any) -> Any:
     return reply
 
 
+def _verdict(name: str, reply: Any) -> Any:
+    """What a call's reply says, as the scripts below name it."""
+    if name == "submit":
+        return "created" if reply.created else "exists"
+    if name == "cancel":
+        return "applied" if reply.now else "ended"
+    if name == "stash":
+        return "ok" if reply else "ended"
+    return reply if isinstance(reply, str) else getattr(reply, "verdict", "")
+
+
+async def _agree(
+    model: MemoryStore,
+    real: Store,
+    client: Redis,
+    script: list[tuple[Call, str]],
+    *,
+    expiry: bool = False,
+) -> Any:
+    """Each call of `script` on the model and on the real Lua: the same reply, the verdict
+    the script names, then the same keys (and, with `expiry`, the same expiring ones); the
+    last reply."""
+    got: Any = None
+    for n, ((name, args), verdict) in enumerate(script):
+        expected = await getattr(model, name)(*args)
+        got = await getattr(real, name)(*args)
+        got, expected = _timeless(got), _timeless(expected)
+        assert got == expected, f"call {n} {name}{args}: lua {got} != model {expected}"
+        assert _verdict(name, got) == verdict, f"call {n} {name}{args}: {got}"
+        state, expiring = await dump(client, model.keys.prefix)
+        assert state == _normal(model.data), f"after call {n} {name}{args}"
+        if expiry:
+            assert expiring == set(model.ttl), f"expiry after call {n} {name}{args}"
+    return got
+
+
 @pytest.fixture
 def loop() -> Iterator[asyncio.AbstractEventLoop]:
     loop = asyncio.new_event_loop()
@@ -435,15 +471,7 @@ async def test_a_redrive_takes_out_the_keys_of_the_steps_it_reruns_and_keeps_the
         (("record", ("r", "1", 2, {0: '"e"'}, 1)), "fire"),
     ]
     try:
-        for n, ((name, args), verdict) in enumerate(script):
-            expected = await getattr(model, name)(*args)
-            got = await getattr(real, name)(*args)
-            got, expected = _timeless(got), _timeless(expected)
-            assert got == expected, f"call {n} {name}{args}: lua {got} != model {expected}"
-            found = "created" if getattr(got, "created", False) else getattr(got, "verdict", "")
-            assert found == verdict, f"call {n} {name}{args}: {got}"
-            state, _ = await dump(client, keys.prefix)
-            assert state == _normal(model.data), f"after call {n} {name}{args}"
+        got = await _agree(model, real, client, script)
         assert got.outputs == ['"e"', '"d"']  # the rerun's own, in member order
         assert await real.leaf_outputs("r", [("0", 0), ("0", 1)]) == ['"a"', '"b"']
     finally:
@@ -512,15 +540,7 @@ async def test_a_branch_member_is_never_completed_and_a_branch_moves_only_inside
         (("record", ("m", "0/branch:0/0/branch:0/0", 2, {1: '"q"'})), "fire"),
     ]
     try:
-        for n, ((name, args), verdict) in enumerate(script):
-            expected = await getattr(model, name)(*args)
-            got = await getattr(real, name)(*args)
-            got, expected = _timeless(got), _timeless(expected)
-            assert got == expected, f"call {n} {name}{args}: lua {got} != model {expected}"
-            found = "created" if getattr(got, "created", False) else getattr(got, "verdict", "")
-            assert found == verdict, f"call {n} {name}{args}: {got}"
-            state, _ = await dump(client, keys.prefix)
-            assert state == _normal(model.data), f"after call {n} {name}{args}"
+        await _agree(model, real, client, script)
         assert model.data[keys.barrier("w", "0")] == {"0", "1", "2"}
         assert model.data[keys.output("w", "0", 1)] == '"b"'  # the branch's, not a forged one
         assert (await real.state("f"))["status"] == "running"
@@ -580,16 +600,7 @@ async def test_a_branch_leaf_whose_bag_was_left_takes_records_and_fails_nothing(
         (("take", ("m", inner, "go")), "taken"),
     ]
     try:
-        for n, ((name, args), verdict) in enumerate(script):
-            expected = await getattr(model, name)(*args)
-            got = await getattr(real, name)(*args)
-            got, expected = _timeless(got), _timeless(expected)
-            assert got == expected, f"call {n} {name}{args}: lua {got} != model {expected}"
-            found = got if isinstance(got, str) else getattr(got, "verdict", "")
-            found = "created" if getattr(got, "created", False) else found
-            assert found == verdict, f"call {n} {name}{args}: {got}"
-            state, _ = await dump(client, keys.prefix)
-            assert state == _normal(model.data), f"after call {n} {name}{args}"
+        await _agree(model, real, client, script)
         # The signal went to the step that waits for it, none to the abandoned branch.
         assert model.data[keys.output("s", "1")] == '"for step 1"'
         assert keys.output("s", "0/branch:0/0") not in model.data
@@ -693,24 +704,7 @@ async def test_a_saga_moves_only_while_compensating_in_its_own_scope(
         (("record", ("n", "0", 1, {None: '"again"'})), "stale"),
     ]
     try:
-        for n, ((name, args), verdict) in enumerate(script):
-            expected = await getattr(model, name)(*args)
-            got = await getattr(real, name)(*args)
-            got, expected = _timeless(got), _timeless(expected)
-            assert got == expected, f"call {n} {name}{args}: lua {got} != model {expected}"
-            found = getattr(got, "verdict", None)
-            if name == "submit":
-                found = "created" if got.created else "exists"
-            elif name == "cancel":
-                found = "applied" if got.now else "ended"
-            elif name == "stash":
-                found = "ok" if got else "ended"
-            elif name == "purge":
-                found = got
-            assert found == verdict, f"call {n} {name}{args}: {got}"
-            state, expiring = await dump(client, keys.prefix)
-            assert state == _normal(model.data), f"after call {n} {name}{args}"
-            assert expiring == set(model.ttl), f"expiry after call {n} {name}{args}"
+        await _agree(model, real, client, script, expiry=True)
         assert [await real.started("l", "0"), await model.started("l", "0")] == [0, 0]
         assert await real.leaf_outputs("n", [("0", None)]) == ['"late"']
         assert await real.leaf_outputs("l", [("0", 0), ("0", 1), ("0", 2)]) == ['"a"', '"b"', None]
