@@ -17,6 +17,8 @@ processes, restarted and database emptied for each size) and its figures (`bench
 `--sweep-s` sets the orchestrators' SHARDFLOW_SWEEP_S (default: theirs, 30 s), to see what the
 periodic sweep of live programs costs at a size; `--sweep-live 1000,10000` times one
 `Orchestrator.sweep()` (all shards, in this process) with that many programs live and held.
+`--queue-version 2` sets a policy on the bench's vhost that makes its classic queues version 2
+(RabbitMQ 3.10+): how the broker bears starts waiting by the 100,000 (bench/README.md).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.compare import SHAPE_A, SHARDS, Shardflow, check_a, rss_mb  # noqa: E402
 from bench.footprint import footprint, loop  # noqa: E402
-from bench.services import drop_vhost, machine  # noqa: E402
+from bench.services import drop_vhost, machine, queue_version  # noqa: E402
 from orchestrator.connections import connected  # noqa: E402
 from orchestrator.redis_store import RedisStore  # noqa: E402
 from router.client import Router  # noqa: E402
@@ -224,16 +226,23 @@ async def main() -> None:
         "--sweep-live", default="", help="time one sweep with these many programs live: 1000,..."
     )
     parser.add_argument("--stamp", help="results' file name (default: growth-<date>)")
+    parser.add_argument(
+        "--queue-version", type=int, choices=(1, 2), default=None,
+        help="classic queue version, by a policy on the vhost (default: the broker's)",
+    )  # fmt: skip
     args = parser.parse_args()
     logs = ROOT / "bench" / "results" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     sf = Shardflow(logs)
+    if args.queue_version is not None:
+        queue_version("shardflow-bench", args.queue_version)
     if args.sweep_s is not None:
         sf.env["SHARDFLOW_SWEEP_S"] = str(args.sweep_s)
     report: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="minutes"),
         "machine": machine(),
         "command": "python bench/growth.py " + " ".join(sys.argv[1:]),
+        "queue_version": args.queue_version or "the broker's default",
     }
     stamp = args.stamp or f"growth-{report['date'][:10]}"
     out = ROOT / "bench" / "results" / f"{stamp}.json"

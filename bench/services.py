@@ -1,5 +1,6 @@
 """A fresh RabbitMQ vhost for a benchmark run, dropped after it."""
 
+import json
 import subprocess
 from typing import Any
 
@@ -15,6 +16,16 @@ def vhost(name: str) -> str:
         check=True, capture_output=True,
     )  # fmt: skip
     return AMQP + name
+
+
+def queue_version(name: str, version: int) -> None:
+    """Make every classic queue of vhost `name` of this version, by a policy (RabbitMQ 3.10+
+    converts a queue in place when its version changes)."""
+    subprocess.run(
+        ["rabbitmqctl", "-q", "set_policy", "-p", name, "--apply-to", "queues",
+         "shardflow-queue-version", ".*", json.dumps({"queue-version": version})],
+        check=True, capture_output=True,
+    )  # fmt: skip
 
 
 def drop_vhost(name: str) -> None:
