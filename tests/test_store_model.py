@@ -444,18 +444,8 @@ async def test_a_redrive_takes_out_the_keys_of_the_steps_it_reruns_and_keeps_the
 
     def moves(start: str, to: str, status: str, *payload: str, epoch: int = 0) -> Call:
         field, text = payload or ("", "")
-        return "advance", (
-            "r",
-            start,
-            to,
-            status,
-            field,
-            text,
-            "bag:2" if to else "",
-            "",
-            (),
-            epoch,
-        )
+        leaf = "bag:2" if to else ""
+        return "advance", ("r", start, to, status, field, text, leaf, "", (), epoch)
 
     script: list[tuple[Call, str]] = [
         (("submit", ("r", PLANS[0], 1, "x", "d1")), "created"),
