@@ -95,7 +95,18 @@ def test_readyz_turns_red_when_the_process_stops_consuming(
             "the task running",
         )
         dev.process.terminate()
-        wait_until(lambda: faults(port, "/readyz") == (503, ["not consuming"]), 30, "not ready")
+        seen: list[tuple[int, list[str]]] = []
+
+        def not_ready() -> bool:
+            answer = faults(port, "/readyz")
+            if answer not in seen:
+                seen.append(answer)
+            return answer == (503, ["not consuming"])
+
+        try:
+            wait_until(not_ready, 30, "not ready")
+        except pytest.fail.Exception:
+            pytest.fail(f"readyz answered {seen}; the log: {dev.log.read_text()[-3000:]}")
         assert faults(port) == (200, [])  # finishing its task: alive and well
         dev.process.wait(timeout=60)
         assert dev.process.returncode == 0, dev.log.read_text()[-3000:]

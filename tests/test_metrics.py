@@ -67,14 +67,15 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 
 def wait_until(check: Callable[[], Any], seconds: float, what: str) -> Any:
-    """Poll `check` until it answers something true; fail naming `what` after `seconds`."""
+    """Poll `check` until it answers something true; fail naming `what` and the last answer
+    after `seconds`."""
     deadline = time.monotonic() + seconds
     while True:
         answer = check()
         if answer:
             return answer
         if time.monotonic() > deadline:
-            pytest.fail(f"{what}: still not so after {seconds}s")
+            pytest.fail(f"{what}: still not so after {seconds}s (last: {answer!r})")
         time.sleep(0.1)
 
 
