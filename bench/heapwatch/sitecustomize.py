@@ -8,10 +8,18 @@ left alone. Tracing makes an owner several times slower: use it to attribute, ne
 
 HEAPWATCH_SETTLE_S (6): seconds after start of the first snapshot, once imports are done;
 HEAPWATCH_EVERY_S (5): between checks; HEAPWATCH_FRAMES (6): frames kept per allocation.
+
+HEAPWATCH_MODE=census traces nothing, so the owner runs at its own speed: at each new high of
+its RSS it writes the RSS, pymalloc's arenas and blocks in use (small objects) and the
+gc-tracked objects that grew since it settled, counted by type. RSS that grows with neither
+the blocks nor the objects is memory outside pymalloc: buffers, C libraries, fragmentation.
 """
 
+import collections
+import gc
 import linecache
 import os
+import re
 import sys
 import threading
 import time
@@ -50,6 +58,58 @@ def _watch() -> None:
             _write(_snapshot(), first, header)
 
 
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGESIZE") / 2**20
+
+
+def _pymalloc() -> dict[str, int]:
+    """Arenas and blocks in use, from sys._debugmallocstats (it writes to the C stderr)."""
+    saved = os.dup(2)
+    with open(f"{OUT}/.mallocstats-{os.getpid()}", "w+") as out:
+        os.dup2(out.fileno(), 2)
+        try:
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        out.seek(0)
+        text = out.read()
+    found = {}
+    for name in ("arenas allocated current", "bytes in allocated blocks",
+                 "bytes in available blocks"):  # fmt: skip
+        match = re.search(rf"# {name}\s*=\s*([\d,]+)", text)
+        found[name] = int(match.group(1).replace(",", "")) if match else -1
+    return found
+
+
+def _census() -> collections.Counter[str]:
+    return collections.Counter(type(o).__qualname__ for o in gc.get_objects())
+
+
+def _count() -> None:
+    os.makedirs(OUT, exist_ok=True)
+    time.sleep(float(os.environ.get("HEAPWATCH_SETTLE_S", "6")))
+    first, start, first_malloc = _census(), _rss_mb(), _pymalloc()
+    best = start
+    while True:
+        time.sleep(float(os.environ.get("HEAPWATCH_EVERY_S", "5")))
+        rss = _rss_mb()
+        if rss > best + 1:  # a new high, by 1 MiB at least
+            best = rss
+            now, malloc = _census(), _pymalloc()
+            lines = [f"rss {start:.1f} -> {rss:.1f} MB at {time.time():.0f}"]
+            lines += [f"{k}: {first_malloc[k]:,} -> {v:,}" for k, v in malloc.items()]
+            grown = now.copy()
+            grown.subtract(first)
+            lines += [f"{n:+,} {name} (now {now[name]:,})" for name, n in grown.most_common(30)]
+            with open(f"{OUT}/census-{os.getpid()}.txt", "w") as out:
+                out.write("\n".join(lines) + "\n")
+
+
 if "orchestrator" in sys.orig_argv:
-    tracemalloc.start(int(os.environ.get("HEAPWATCH_FRAMES", "6")))
-    threading.Thread(target=_watch, daemon=True, name="heapwatch").start()
+    if os.environ.get("HEAPWATCH_MODE") == "census":
+        threading.Thread(target=_count, daemon=True, name="heapwatch").start()
+    else:
+        tracemalloc.start(int(os.environ.get("HEAPWATCH_FRAMES", "6")))
+        threading.Thread(target=_watch, daemon=True, name="heapwatch").start()
