@@ -277,7 +277,7 @@ class Bus:
         and closed for each call cost two more round trips, and each one opened leaves about
         4.5 KB behind in aio-pika 10.2 over aiormq 7.2 (a close callback on an observer future
         of the connection that is never removed). The owner samples queues several times a
-        second (orchestrator/backlog.py): that was 200 MB an hour of a busy owner's RSS.
+        second (orchestrator/backlog.py): about 50 MB an hour of a busy owner's RSS.
         A missing queue closes the probe (the broker's answer, 404); the next call opens one."""
         async with self._probing:
             if self._probe is not None and self._probe.is_closed:
