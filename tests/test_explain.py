@@ -23,7 +23,12 @@ async def test_a_program_waiting_for_a_retry(cluster: Router) -> None:
     retry = {"max_attempts": 2, "backoff_s": 100}
     program = {"steps": [{"task": "flaky", "args": {"fail_until": 1}, "retry": retry}]}
     wf = (await cluster.submit(program)).workflow_id
-    report = await until(lambda: cluster.explain(wf), lambda r: bool(r["attempts"]))
+    # The failure is recorded in Redis before the retry is published to its delay queue, so
+    # wait for both: a sample between the two reads the queue empty.
+    report = await until(
+        lambda: cluster.explain(wf),
+        lambda r: bool(r["attempts"]) and (r["retry_queue"] or {}).get("depth") == 1,
+    )
     now = time.time() * 1000
     task = report["step"]["tasks"][0]
     assert (task["task"], task["attempt"], task["max_attempts"]) == ("flaky", 1, 2)
