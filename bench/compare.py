@@ -1,12 +1,14 @@
 """shardflow beside Celery canvas, in one run on one machine, on the same RabbitMQ and Redis.
 
-    make bench            (or: .venv/bin/python bench/compare.py [--quick] [--stamp NAME])
+    make bench     (or: .venv/bin/python bench/compare.py [--quick] [--chains] [--stamp NAME])
 
 Each system gets a fresh RabbitMQ vhost and its own Redis database. Workloads (no-op tasks
 returning small dicts; every result is checked):
   A  one task, a bag of 10 that each get its output, one task that gets the 10 in order;
      M = 200 and M = 1000 programs submitted at once
-  B  a chain of 20 tasks: M = 1 fifty times (per-step overhead), and M = 200
+  B  a chain of 20 tasks: M = 1 fifty times (per-step overhead), and M = 200; beside it the
+     floor of a step under the design card, two bare processes with no shardflow code
+     (bench/floor.py); --chains runs shape B and the floor alone
   C  shape A at M = 1000 with 1, 2 and 4 orchestrator processes (shardflow only)
   memory: orchestrator RSS with 100 and 10,000 programs in flight; Redis bytes per program
   cost: CPU seconds per 1,000 tasks of every process involved (orchestrators or Celery workers
@@ -46,6 +48,7 @@ from aio_pika.abc import AbstractIncomingMessage  # noqa: E402
 from redis.asyncio import Redis  # noqa: E402
 
 from bench.cpu import Meter, cpu_s  # noqa: E402
+from bench.floor import floor_step_ms  # noqa: E402
 from bench.services import AMQP, drop_vhost, vhost  # noqa: E402
 from orchestrator.connections import connected  # noqa: E402
 from orchestrator.keys import Names  # noqa: E402
@@ -394,9 +397,15 @@ def check_b(result: Any) -> bool:
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller M, for a smoke run")
+    parser.add_argument(
+        "--chains",
+        action="store_true",
+        help="shape B and its floor alone, for both systems (about 3 min)",
+    )
     parser.add_argument("--stamp", help="results' file name (default: the date, -quick)")
     args = parser.parse_args()
     big, small, repeats = (200, 50, 10) if args.quick else (1000, 200, 50)
+    shapes = ("B",) if args.chains else ("A", "B", "C", "memory")
     logs = ROOT / "bench" / "results" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     for db in ("2", "3"):  # the two systems' Redis databases, emptied before the run
@@ -409,25 +418,34 @@ async def main() -> None:
     sf = Shardflow(logs)
     sf.start(orchestrators=2)
     try:
-        for m in (small, big):
+        for m in (small, big) if "A" in shapes else ():
             for variant, shape in A_VARIANTS:
                 key = f"A_M{m}{variant}"
                 out["shardflow"][key] = await sf.run(shape, m, 12, check_a, sample=m == big)
                 print(f"shardflow {key}: {out['shardflow'][key]}", flush=True)
         steps = [await sf.run(SHAPE_B, 1, 20, check_b) for _ in range(repeats)]
         out["shardflow"]["B_M1"] = _per_step(steps)
+        print(f"shardflow B_M1: {out['shardflow']['B_M1']}", flush=True)
         out["shardflow"][f"B_M{small}"] = await sf.run(SHAPE_B, small, 20, check_b)
-        out["shardflow"]["redis_bytes_per_program"] = await sf.redis_bytes_per_program()
-        for key, shape, tasks, check in (("A", SHAPE_A, 12, check_a),
-                                         ("A_chunk1", SHAPE_A_CHUNK1, 12, check_a),
-                                         ("A_chunk10", SHAPE_A_CHUNKED, 12, check_a),
-                                         ("B", SHAPE_B, 20, check_b)):  # fmt: skip
+        counted = (
+            ("A", SHAPE_A, 12, check_a),
+            ("A_chunk1", SHAPE_A_CHUNK1, 12, check_a),
+            ("A_chunk10", SHAPE_A_CHUNKED, 12, check_a),
+            ("B", SHAPE_B, 20, check_b),
+        )
+        for key, shape, tasks, check in counted if "A" in shapes else ():  # fmt: skip
             out["shardflow"][f"messages_{key}"] = await count_messages(
                 "shardflow-bench", sf.run(shape, COUNTED, tasks, check), COUNTED * tasks
             )
+        if "memory" in shapes:
+            out["shardflow"]["redis_bytes_per_program"] = await sf.redis_bytes_per_program()
     finally:
         sf.stop()
-    for orchestrators in (1, 2, 4):
+    # No shardflow process runs while the floor does, as none of Celery's will.
+    floor = await asyncio.to_thread(floor_step_ms, repeats, 20)
+    out["shardflow"]["B_M1_floor"] = {"step_p50_ms": floor}
+    print(f"floor B_M1 step p50: {floor} ms", flush=True)
+    for orchestrators in (1, 2, 4) if "C" in shapes else ():
         sf.start(orchestrators=orchestrators)
         try:
             key = f"C_M{big}_{orchestrators}_orchestrators"
@@ -435,7 +453,8 @@ async def main() -> None:
             print(f"shardflow {key}: {out['shardflow'][key]}", flush=True)
         finally:
             sf.stop()
-    out["shardflow"].update(await sf.rss_in_flight([100, 1000 if args.quick else 10_000]))
+    if "memory" in shapes:
+        out["shardflow"].update(await sf.rss_in_flight([100, 1000 if args.quick else 10_000]))
 
     celery = CeleryRun(logs)  # sets the broker for the app, so before importing it
     from bench import celery_app
@@ -444,14 +463,18 @@ async def main() -> None:
                                     ("celery threads 16", "threads", 16)):  # fmt: skip
         celery.start(pool, concurrency)
         try:
-            for m in (small, big):
+            for m in (small, big) if "A" in shapes else ():
                 out[name][f"A_M{m}"] = celery.run(celery_app.shape_a, m, 12, check_a)
                 print(f"{name} A M={m}: {out[name][f'A_M{m}']}", flush=True)
             steps = [celery.run(celery_app.shape_b, 1, 20, check_b) for _ in range(repeats)]
             out[name]["B_M1"] = _per_step(steps)
+            print(f"{name} B_M1: {out[name]['B_M1']}", flush=True)
             out[name][f"B_M{small}"] = celery.run(celery_app.shape_b, small, 20, check_b)
-            for key, make, tasks, check in (("A", celery_app.shape_a, 12, check_a),
-                                            ("B", celery_app.shape_b, 20, check_b)):  # fmt: skip
+            counted = (
+                ("A", celery_app.shape_a, 12, check_a),
+                ("B", celery_app.shape_b, 20, check_b),
+            )
+            for key, make, tasks, check in counted if "A" in shapes else ():  # fmt: skip
                 out[name][f"messages_{key}"] = await count_messages(
                     "celery-bench",
                     asyncio.to_thread(celery.run, make, COUNTED, tasks, check),
@@ -459,7 +482,7 @@ async def main() -> None:
                 )
         finally:
             celery.stop()
-    report(out, big, small, args.quick, args.stamp)
+    report(out, big, small, args.quick, args.stamp, shapes)
     cleanup()
 
 
@@ -478,7 +501,8 @@ def _per_step(runs: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool,
-           stamp: str | None = None) -> None:  # fmt: skip
+           stamp: str | None = None, shapes: tuple[str, ...] = ("A", "B", "C", "memory"),
+           ) -> None:  # fmt: skip
     sf = out["shardflow"]
     celery = {k: v for k, v in out.items() if k.startswith("celery")}
 
@@ -490,7 +514,7 @@ def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool,
         return float(sf[key + variant][figure] / best(key, figure, higher))
 
     ratios = {}
-    for m in (small, big):
+    for m in (small, big) if "A" in shapes else ():
         for variant, _ in A_VARIANTS:
             a = f"A_M{m}{variant}"
             ratios[f"{a}_tasks_per_s"] = ratio(f"A_M{m}", "tasks_per_s", True, variant)
@@ -503,14 +527,20 @@ def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool,
     ratios["B_M1_step_p99"] = ratio("B_M1", "step_p99_ms", False)
     ratios[f"B_M{small}_tasks_per_s"] = ratio(f"B_M{small}", "tasks_per_s", True)
     ratios[f"B_M{small}_cpu_per_task"] = ratio(f"B_M{small}", "cpu_s_per_1000_tasks", False)
+    # A step's floor under the design card (bench/floor.py) against Celery's step: what the
+    # design costs; shardflow's step against the floor: what shardflow's own code costs.
+    ratios["B_M1_floor_over_celery"] = ratio("B_M1", "step_p50_ms", False, "_floor")
+    ratios["B_M1_step_over_floor"] = sf["B_M1"]["step_p50_ms"] / sf["B_M1_floor"]["step_p50_ms"]
     in_flight = [k for k in sf if k.startswith("rss_mb_")]
-    ratios["rss_many_over_few"] = sf[in_flight[-1]] / sf[in_flight[0]]
+    if in_flight:
+        ratios["rss_many_over_few"] = sf[in_flight[-1]] / sf[in_flight[0]]
     ratios = {k: round(v, 2) for k, v in ratios.items()}  # fmt: skip
     result: dict[str, Any] = {
         "date": date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}",
-        "command": "make bench" + (" (--quick)" if quick else ""),
+        "command": "make bench" + (" (--quick)" if quick else "")
+        + (" (--chains)" if "A" not in shapes else ""),
         "note": "shardflow runs every task on its parallel pool in these shapes; "
         "A_*: the bag with no chunk (the default: adaptive); A_*_chunk1: one member per "
         "message (\"chunk\": 1, the default before adaptive chunks); A_*_chunk10: the same bag "
@@ -524,11 +554,12 @@ def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool,
         "ratios": ratios,
     }  # fmt: skip
     stamp = stamp or result["date"] + ("-quick" if quick else "")
+    stamp += "" if "A" in shapes else "-chains"
     path = ROOT / "bench" / "results" / f"{stamp}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(table(out, big, small))
     for key in (f"A_M{big}{variant}" for variant, _ in A_VARIANTS):
-        shards = sf[key].get("shards", {})
+        shards = sf.get(key, {}).get("shards", {})
         for kind, samples in shards.items():
             if isinstance(samples, dict):
                 print(f"{key} {kind} (max / mean): " + ", ".join(
@@ -536,6 +567,9 @@ def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool,
     print("ratios (shardflow / Celery's best):")
     for key, value in ratios.items():
         print(f"  {key:36} {value}")
+    if "A" not in shapes:
+        print(f"written: {path.relative_to(ROOT)}")
+        return
     chart(result, ROOT / "bench" / "results" / f"{stamp}.png", big, small)
     print(f"written: {path.relative_to(ROOT)} and its .png")
 
@@ -550,6 +584,7 @@ def table(out: dict[str, dict[str, Any]], big: int, small: int) -> str:
             for name, figure in (("tasks/s", "tasks_per_s"), ("p50 ms", "latency_p50_ms"),
                                  ("p99 ms", "latency_p99_ms"), *cost)]  # fmt: skip
     rows += [("B M=1: step p50 ms", "B_M1", "step_p50_ms"),
+             ("B M=1: floor step p50 ms", "B_M1_floor", "step_p50_ms"),
              ("B M=1: step p99 ms", "B_M1", "step_p99_ms"),
              (f"B M={small}: tasks/s", f"B_M{small}", "tasks_per_s")]  # fmt: skip
     rows += [(f"B M={small}: {name}", f"B_M{small}", figure) for name, figure in cost]
