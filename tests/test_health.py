@@ -101,7 +101,9 @@ def test_readyz_turns_red_when_the_process_stops_consuming(
             answer = faults(port, "/readyz")
             if answer not in seen:
                 seen.append(answer)
-            return answer == (503, ["not consuming"])
+            # Red for the reason under test; on a loaded machine a passing fault (a slow Redis
+            # ping) may stand beside it for a moment. /healthz is asserted whole just after.
+            return answer[0] == 503 and "not consuming" in answer[1]
 
         try:
             wait_until(not_ready, 30, "not ready")
