@@ -93,6 +93,8 @@ CANCEL_MID_TASK = (
 )
 # The same machine over programs that fail often and name compensations on most tasks.
 SAGAS = "tests/test_properties.py::test_sagas_keep_order_under_duplicates_reordering_and_crashes"
+# The owner's saga over the model: a compensation out of tries ends compensation_failed.
+SAGA_FAILED = "tests/test_saga.py::test_a_compensation_out_of_tries_ends_compensation_failed"
 # A shard owner's messages side by side: each program's in delivery order.
 IN_ORDER = "tests/test_program_order.py::test_each_program_in_order_others_side_by_side"
 # A real owner holding 8 messages: programs overlap, one program never does; a stop begins
@@ -126,6 +128,10 @@ ROUTER_ONCE = "tests/test_plans.py::test_a_router_validates_a_program_given_agai
 # The owner's sweep, bounded per pass and going on where it stopped.
 BRANCH_REPLAY = "tests/test_lua.py::test_a_branch_advance_again_is_a_replay_by_the_branch_own_from"
 STEP_TIMES = "tests/test_lua.py::test_an_applied_advance_times_the_step_it_leaves_on_redis_clock"
+# A second report of one attempt with another error: the first one's text is kept.
+FIRST_ERROR = (
+    "tests/test_lua.py::test_a_failed_attempt_is_recorded_once_and_the_last_returns_every_error"
+)
 STEP_METRICS = "tests/test_metrics.py::test_a_running_cluster_exports_what_it_did_over_http"
 SWEEP_BOUND = (
     "tests/test_sweep.py::test_each_sweep_reads_a_bounded_share_and_the_whole_set_is_still_swept"
@@ -184,12 +190,12 @@ end""",
         "  cursor, from = b[1], b[2]\n  if not cursor then",
         (STEP_TIMES,),
     ),
-    # Only the model beside the Lua can see this one: a duplicate report overwrites the error.
+    # A duplicate report of an attempt overwrites its error.
     "fail-overwrites-first-error": (
         "lua/fail.lua",
         'redis.call("HSETNX", KEYS[2], ARGV[2] .. ":" .. ARGV[3], ARGV[4]) == 1',
         'redis.call("HSET", KEYS[2], ARGV[2] .. ":" .. ARGV[3], ARGV[4]) == 1',
-        (DIFFERENTIAL,),
+        (FIRST_ERROR, DIFFERENTIAL),
     ),
     # In Lua 0 is true: without the comparison every report of an attempt looks like its
     # first, so a duplicate report schedules the retry again.
@@ -546,7 +552,7 @@ end""",
         "orchestrator/transitions.py",
         '                redelivered=redelivered, failure=f"compensation {failure}",',
         "                redelivered=redelivered, failure=None,",
-        (SAGAS,),
+        (SAGA_FAILED, SAGAS),
     ),
     # --- started tasks run to their end before the compensations (lua/begin.lua) ---
     # begin.lua notes nothing: a task still running at the failure reports too late, its
