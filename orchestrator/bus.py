@@ -438,7 +438,13 @@ class Bus:
 
     async def reply(self, to: str, correlation_id: str | None, body: bytes) -> None:
         """Answer an RPC-style request on its reply queue (nobody listening is fine)."""
-        properties = Properties(content_type=JSON, correlation_id=correlation_id)
+        properties = Properties(
+            content_type=JSON,
+            correlation_id=correlation_id,
+            delivery_mode=1,
+            headers={},
+            priority=0,
+        )
         await self._send("", to, body, properties, mandatory=False)
 
     async def publish_control(self, body: bytes) -> None:
