@@ -400,7 +400,7 @@ async def main() -> None:
     parser.add_argument(
         "--chains",
         action="store_true",
-        help="shape B and its floor alone, for both systems (about 3 min)",
+        help="shape B and its floor alone, for both systems (about 90 s)",
     )
     parser.add_argument("--stamp", help="results' file name (default: the date, -quick)")
     args = parser.parse_args()

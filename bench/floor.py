@@ -5,10 +5,10 @@
 A shardflow chain step is two broker crossings and two Redis round trips: the owner decides
 the step (one script in Redis) and publishes the task; the worker checks that the step is
 current (one read) and reports back to the owning shard. This runs exactly that between two
-bare processes, as shardflow's own are set up (uvloop, aio-pika, persistent messages,
-publisher confirms, classic queues with priorities, ack after the confirm, one process a
-side), and times a step as bench/compare.py's shape B does: a chain's wall time over its
-steps, median of `--chains` chains.
+bare processes, as shardflow's own are set up (uvloop, aio-pika's consumers, publishes
+through aiormq, persistent messages, publisher confirms, classic queues with priorities, ack
+after the confirm, one process a side), and times a step as bench/compare.py's shape B does:
+a chain's wall time over its steps, median of `--chains` chains.
 
 The figure is what a step cannot go below whatever shardflow's own Python does: shardflow's
 step over it is the cost of shardflow's code, and it over Celery's step is the cost of the
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import aio_pika
+import aiormq
 from redis.asyncio import Redis
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,12 +45,18 @@ if at ~= ARGV[1] then return {0, at} end
 redis.call('HSET', KEYS[1], 'cursor', ARGV[2], 'updated_ms', ARGV[3])
 return {1, ARGV[2]}
 """
-PRIORITY = {"x-max-priority": 2}
+# As shardflow declares them (orchestrator/bus.py): a shard queue has one active consumer and
+# two priorities, a pool's task queue ten.
+SHARD_QUEUE = {"x-max-priority": 1, "x-single-active-consumer": True}
+TASK_QUEUE = {"x-max-priority": 9}
 
 
 async def _publish(channel: aio_pika.abc.AbstractChannel, queue: str, body: bytes) -> None:
-    message = aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT, priority=1)
-    await channel.default_exchange.publish(message, routing_key=queue)
+    """As shardflow's bus publishes: through aiormq, without waiting for the socket's drain,
+    then for the broker's confirm."""
+    underlay = await channel.get_underlay_channel()
+    properties = aiormq.spec.Basic.Properties(delivery_mode=2, priority=1)
+    await underlay.basic_publish(body, routing_key=queue, properties=properties, wait=False)
 
 
 async def _then_ack(publishing: Any, message: aio_pika.abc.AbstractIncomingMessage) -> None:
@@ -66,7 +73,7 @@ async def worker(url: str, prefix: str) -> None:
     async with await aio_pika.connect(url) as connection:
         channel = await connection.channel(publisher_confirms=True)
         await channel.set_qos(prefetch_count=16)
-        tasks = await channel.declare_queue(f"{prefix}.tasks", durable=True, arguments=PRIORITY)
+        tasks = await channel.declare_queue(f"{prefix}.tasks", durable=True, arguments=TASK_QUEUE)
         pending: set[asyncio.Future[None]] = set()
         async with tasks.iterator() as messages:
             async for message in messages:
@@ -92,8 +99,8 @@ async def owner(url: str, prefix: str, chains: int, steps: int) -> list[float]:
     async with await aio_pika.connect(url) as connection:
         channel = await connection.channel(publisher_confirms=True)
         await channel.set_qos(prefetch_count=16)
-        shard = await channel.declare_queue(f"{prefix}.shard", durable=True, arguments=PRIORITY)
-        await channel.declare_queue(f"{prefix}.tasks", durable=True, arguments=PRIORITY)
+        shard = await channel.declare_queue(f"{prefix}.shard", durable=True, arguments=SHARD_QUEUE)
+        await channel.declare_queue(f"{prefix}.tasks", durable=True, arguments=TASK_QUEUE)
         pending: set[asyncio.Future[None]] = set()
         async with shard.iterator() as messages:
             for _ in range(chains + 1):  # the first warms up
@@ -139,7 +146,11 @@ async def run(chains: int, steps: int) -> list[float]:
         try:
             return await owner(url, prefix, chains, steps)
         finally:
-            await asyncio.wait_for(side.wait(), 30)
+            try:
+                await asyncio.wait_for(side.wait(), 30)
+            except TimeoutError:  # the owner failed before it told the worker to stop
+                side.kill()
+                await side.wait()
     finally:
         drop_vhost(name)
 
