@@ -17,7 +17,6 @@ design (bench/compare.py prints both).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -35,7 +34,7 @@ from redis.asyncio import Redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.services import drop_vhost, machine, vhost  # noqa: E402
+from bench.services import chain_arguments, drop_vhost, machine, vhost  # noqa: E402
 
 REDIS_URL = "redis://127.0.0.1:6379/2"
 # The owner's compare-and-advance, reduced to its shape: read the cursor, move it, return it.
@@ -163,11 +162,7 @@ def floor_step_ms(chains: int = 10, steps: int = 20) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--chains", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--stamp", default=date.today().isoformat(), help="results' file name")
-    args = parser.parse_args()
+    args = chain_arguments(__doc__)
     step = floor_step_ms(args.chains, args.steps)
     report: dict[str, Any] = {
         "date": date.today().isoformat(),

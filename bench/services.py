@@ -1,7 +1,9 @@
 """A fresh RabbitMQ vhost for a benchmark run, dropped after it."""
 
+import argparse
 import json
 import subprocess
+from datetime import date
 from typing import Any
 
 AMQP = "amqp://guest:guest@127.0.0.1:5672/"
@@ -45,3 +47,12 @@ async def drop_keys(client: Any, prefix: str) -> None:
     keys = [key async for key in client.scan_iter(match=f"{prefix}*", count=1000)]
     for start in range(0, len(keys), 500):
         await client.delete(*keys[start : start + 500])
+
+
+def chain_arguments(doc: str | None) -> argparse.Namespace:
+    """`--chains`, `--steps` and `--stamp`, as the scripts that time chain steps take them."""
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    parser.add_argument("--chains", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--stamp", default=date.today().isoformat(), help="results' file name")
+    return parser.parse_args()

@@ -19,7 +19,6 @@ The probes cost a few microseconds each; the step's total is also measured witho
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import atexit
 import json
@@ -151,14 +150,10 @@ async def drive(chains: int, steps: int, settings: Any) -> list[float]:
 
 def main() -> None:
     from bench.compare import spawn, stop
-    from bench.services import drop_vhost, machine, vhost
+    from bench.services import chain_arguments, drop_vhost, machine, vhost
     from orchestrator.settings import Settings
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--chains", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--stamp", default=date.today().isoformat(), help="results' file name")
-    args = parser.parse_args()
+    args = chain_arguments(__doc__)
     settings = Settings(
         amqp_url=vhost("shardflow-timeline"),
         redis_url="redis://127.0.0.1:6379/2",
