@@ -620,6 +620,10 @@ def chart(result: dict[str, Any], path: Path, big: int, small: int) -> None:
             if key + variant in figures["shardflow"]:
                 value = figures["shardflow"][key + variant][figure]
                 shown.insert(1, (f"shardflow\n{label}", value))
+        if key + "_floor" in figures["shardflow"]:  # the same step with no shardflow code
+            shown.insert(
+                1, ("floor\n(bench/floor.py)", figures["shardflow"][key + "_floor"][figure])
+            )
         return shown
 
     panels = [
@@ -632,7 +636,14 @@ def chart(result: dict[str, Any], path: Path, big: int, small: int) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(21, 4))
     for axis, (title, shown) in zip(axes, panels, strict=True):
         labels = [label for label, _ in shown]
-        colours = ["#2a7" if label.startswith("shardflow") else "#c84" for label in labels]
+        colours = [
+            "#2a7"
+            if label.startswith("shardflow")
+            else "#999"
+            if label.startswith("floor")
+            else "#c84"
+            for label in labels
+        ]
         axis.bar(labels, [value for _, value in shown], color=colours)
         axis.set_title(title, fontsize=10)
         axis.tick_params(axis="x", labelsize=7, rotation=15)
