@@ -405,7 +405,7 @@ async def main() -> None:
     parser.add_argument("--stamp", help="results' file name (default: the date, -quick)")
     args = parser.parse_args()
     big, small, repeats = (200, 50, 10) if args.quick else (1000, 200, 50)
-    shapes = ("B",) if args.chains else ("A", "B", "C", "memory")
+    full = not args.chains  # else shape B and the floor alone
     logs = ROOT / "bench" / "results" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     for db in ("2", "3"):  # the two systems' Redis databases, emptied before the run
@@ -418,7 +418,7 @@ async def main() -> None:
     sf = Shardflow(logs)
     sf.start(orchestrators=2)
     try:
-        for m in (small, big) if "A" in shapes else ():
+        for m in (small, big) if full else ():
             for variant, shape in A_VARIANTS:
                 key = f"A_M{m}{variant}"
                 out["shardflow"][key] = await sf.run(shape, m, 12, check_a, sample=m == big)
@@ -433,11 +433,11 @@ async def main() -> None:
             ("A_chunk10", SHAPE_A_CHUNKED, 12, check_a),
             ("B", SHAPE_B, 20, check_b),
         )
-        for key, shape, tasks, check in counted if "A" in shapes else ():  # fmt: skip
+        for key, shape, tasks, check in counted if full else ():  # fmt: skip
             out["shardflow"][f"messages_{key}"] = await count_messages(
                 "shardflow-bench", sf.run(shape, COUNTED, tasks, check), COUNTED * tasks
             )
-        if "memory" in shapes:
+        if full:
             out["shardflow"]["redis_bytes_per_program"] = await sf.redis_bytes_per_program()
     finally:
         sf.stop()
@@ -445,7 +445,7 @@ async def main() -> None:
     floor = await asyncio.to_thread(floor_step_ms, repeats, 20)
     out["shardflow"]["B_M1_floor"] = {"step_p50_ms": floor}
     print(f"floor B_M1 step p50: {floor} ms", flush=True)
-    for orchestrators in (1, 2, 4) if "C" in shapes else ():
+    for orchestrators in (1, 2, 4) if full else ():
         sf.start(orchestrators=orchestrators)
         try:
             key = f"C_M{big}_{orchestrators}_orchestrators"
@@ -453,7 +453,7 @@ async def main() -> None:
             print(f"shardflow {key}: {out['shardflow'][key]}", flush=True)
         finally:
             sf.stop()
-    if "memory" in shapes:
+    if full:
         out["shardflow"].update(await sf.rss_in_flight([100, 1000 if args.quick else 10_000]))
 
     celery = CeleryRun(logs)  # sets the broker for the app, so before importing it
@@ -463,7 +463,7 @@ async def main() -> None:
                                     ("celery threads 16", "threads", 16)):  # fmt: skip
         celery.start(pool, concurrency)
         try:
-            for m in (small, big) if "A" in shapes else ():
+            for m in (small, big) if full else ():
                 out[name][f"A_M{m}"] = celery.run(celery_app.shape_a, m, 12, check_a)
                 print(f"{name} A M={m}: {out[name][f'A_M{m}']}", flush=True)
             steps = [celery.run(celery_app.shape_b, 1, 20, check_b) for _ in range(repeats)]
@@ -474,7 +474,7 @@ async def main() -> None:
                 ("A", celery_app.shape_a, 12, check_a),
                 ("B", celery_app.shape_b, 20, check_b),
             )
-            for key, make, tasks, check in counted if "A" in shapes else ():  # fmt: skip
+            for key, make, tasks, check in counted if full else ():  # fmt: skip
                 out[name][f"messages_{key}"] = await count_messages(
                     "celery-bench",
                     asyncio.to_thread(celery.run, make, COUNTED, tasks, check),
@@ -482,7 +482,7 @@ async def main() -> None:
                 )
         finally:
             celery.stop()
-    report(out, big, small, args.quick, args.stamp, shapes)
+    report(out, big, small, args.quick, args.stamp, full)
     cleanup()
 
 
@@ -501,8 +501,7 @@ def _per_step(runs: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool,
-           stamp: str | None = None, shapes: tuple[str, ...] = ("A", "B", "C", "memory"),
-           ) -> None:  # fmt: skip
+           stamp: str | None = None, full: bool = True) -> None:  # fmt: skip
     sf = out["shardflow"]
     celery = {k: v for k, v in out.items() if k.startswith("celery")}
 
@@ -514,7 +513,7 @@ def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool,
         return float(sf[key + variant][figure] / best(key, figure, higher))
 
     ratios = {}
-    for m in (small, big) if "A" in shapes else ():
+    for m in (small, big) if full else ():
         for variant, _ in A_VARIANTS:
             a = f"A_M{m}{variant}"
             ratios[f"{a}_tasks_per_s"] = ratio(f"A_M{m}", "tasks_per_s", True, variant)
@@ -540,7 +539,7 @@ def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}",
         "command": "make bench" + (" (--quick)" if quick else "")
-        + (" (--chains)" if "A" not in shapes else ""),
+        + ("" if full else " (--chains)"),
         "note": "shardflow runs every task on its parallel pool in these shapes; "
         "A_*: the bag with no chunk (the default: adaptive); A_*_chunk1: one member per "
         "message (\"chunk\": 1, the default before adaptive chunks); A_*_chunk10: the same bag "
@@ -554,7 +553,7 @@ def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool,
         "ratios": ratios,
     }  # fmt: skip
     stamp = stamp or result["date"] + ("-quick" if quick else "")
-    stamp += "" if "A" in shapes else "-chains"
+    stamp += "" if full else "-chains"
     path = ROOT / "bench" / "results" / f"{stamp}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(table(out, big, small))
@@ -567,7 +566,7 @@ def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool,
     print("ratios (shardflow / Celery's best):")
     for key, value in ratios.items():
         print(f"  {key:36} {value}")
-    if "A" not in shapes:
+    if not full:
         print(f"written: {path.relative_to(ROOT)}")
         return
     chart(result, ROOT / "bench" / "results" / f"{stamp}.png", big, small)

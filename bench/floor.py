@@ -58,12 +58,22 @@ async def _publish(channel: aio_pika.abc.AbstractChannel, queue: str, body: byte
     await underlay.basic_publish(body, routing_key=queue, properties=properties, wait=False)
 
 
-async def _then_ack(publishing: Any, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+def _ack_later(
+    pending: set[asyncio.Task[None]],
+    publishing: Any,
+    message: aio_pika.abc.AbstractIncomingMessage,
+) -> None:
     """Ack once the publish is confirmed: in the background, as shardflow's processes go on
-    with the next message while a confirm is on its way."""
-    if publishing is not None:
-        await publishing
-    await message.ack()
+    with the next message while a confirm is on its way (held in `pending` until done)."""
+
+    async def settle() -> None:
+        if publishing is not None:
+            await publishing
+        await message.ack()
+
+    task = asyncio.ensure_future(settle())
+    pending.add(task)
+    task.add_done_callback(pending.discard)
 
 
 async def worker(url: str, prefix: str) -> None:
@@ -73,20 +83,20 @@ async def worker(url: str, prefix: str) -> None:
         channel = await connection.channel(publisher_confirms=True)
         await channel.set_qos(prefetch_count=16)
         tasks = await channel.declare_queue(f"{prefix}.tasks", durable=True, arguments=TASK_QUEUE)
-        pending: set[asyncio.Future[None]] = set()
+        pending: set[asyncio.Task[None]] = set()
         async with tasks.iterator() as messages:
             async for message in messages:
                 task = json.loads(message.body)
                 if task.get("stop"):
                     await message.ack()
-                    return
+                    break
                 cursor = await redis.hget(f"{prefix}:{task['wf']}", "cursor")
                 publishing = None
                 if cursor is not None and cursor.decode() == task["path"]:
                     report = {"wf": task["wf"], "path": task["path"], "output": {"k": 1}}
                     publishing = _publish(channel, f"{prefix}.shard", json.dumps(report).encode())
-                pending.add(asyncio.ensure_future(_then_ack(publishing, message)))
-                pending = {p for p in pending if not p.done()}
+                _ack_later(pending, publishing, message)
+        await asyncio.gather(*pending)
     await redis.aclose()
 
 
@@ -100,7 +110,7 @@ async def owner(url: str, prefix: str, chains: int, steps: int) -> list[float]:
         await channel.set_qos(prefetch_count=16)
         shard = await channel.declare_queue(f"{prefix}.shard", durable=True, arguments=SHARD_QUEUE)
         await channel.declare_queue(f"{prefix}.tasks", durable=True, arguments=TASK_QUEUE)
-        pending: set[asyncio.Future[None]] = set()
+        pending: set[asyncio.Task[None]] = set()
         async with shard.iterator() as messages:
             for _ in range(chains + 1):  # the first warms up
                 wf = uuid.uuid4().hex
@@ -120,8 +130,7 @@ async def owner(url: str, prefix: str, chains: int, steps: int) -> list[float]:
                     if moved and not done:
                         task = json.dumps({"wf": wf, "path": str(k + 1)}).encode()
                         publishing = _publish(channel, f"{prefix}.tasks", task)
-                    pending.add(asyncio.ensure_future(_then_ack(publishing, message)))
-                    pending = {p for p in pending if not p.done()}
+                    _ack_later(pending, publishing, message)
                     if done:
                         break
                 per_step.append((time.monotonic() - started) * 1000 / steps)
