@@ -8,7 +8,9 @@ returning small dicts; every result is checked):
      M = 200 and M = 1000 programs submitted at once
   B  a chain of 20 tasks: M = 1 fifty times (per-step overhead), and M = 200; beside it the
      floor of a step under the design card, two bare processes with no shardflow code
-     (bench/floor.py); --chains runs shape B and the floor alone
+     (bench/floor.py). In 5 rounds, each system and the floor in turn in each round, so a
+     machine whose speed drifts moves them alike; its ratios are the medians of the rounds'.
+     --chains runs shape B and the floor alone
   C  shape A at M = 1000 with 1, 2 and 4 orchestrator processes (shardflow only)
   memory: orchestrator RSS with 100 and 10,000 programs in flight; Redis bytes per program
   cost: CPU seconds per 1,000 tasks of every process involved (orchestrators or Celery workers
@@ -74,6 +76,9 @@ A_VARIANTS = (("", SHAPE_A), ("_chunk1", SHAPE_A_CHUNK1), ("_chunk10", SHAPE_A_C
 SHAPE_B = {"name": "B", "steps": [{"task": "step", "pool": "parallel"}] * 20}
 SHARDS = 4
 COUNTED = 50  # programs in each run that counts broker messages (not a timed run)
+# Shape B's rounds: every system in turn, each round's chains a share of `repeats`.
+ROUNDS = 5
+CELERY_POOLS = (("celery prefork 2", "prefork", 2), ("celery threads 16", "threads", 16))
 
 
 def spawn(
@@ -394,13 +399,133 @@ def check_b(result: Any) -> bool:
     return bool(result["k"] == 20)
 
 
+async def shapes_a_and_c(out: dict[str, dict[str, Any]], sf: Shardflow, celery: CeleryRun,
+                         big: int, small: int, quick: bool) -> None:  # fmt: skip
+    """Shapes A and C, memory and broker messages: each system once, one after the other."""
+    sf.start(orchestrators=2)
+    try:
+        for m in (small, big):
+            for variant, shape in A_VARIANTS:
+                key = f"A_M{m}{variant}"
+                out["shardflow"][key] = await sf.run(shape, m, 12, check_a, sample=m == big)
+                print(f"shardflow {key}: {out['shardflow'][key]}", flush=True)
+        counted = (
+            ("A", SHAPE_A, 12, check_a),
+            ("A_chunk1", SHAPE_A_CHUNK1, 12, check_a),
+            ("A_chunk10", SHAPE_A_CHUNKED, 12, check_a),
+            ("B", SHAPE_B, 20, check_b),
+        )
+        for key, shape, tasks, check in counted:
+            out["shardflow"][f"messages_{key}"] = await count_messages(
+                "shardflow-bench", sf.run(shape, COUNTED, tasks, check), COUNTED * tasks
+            )
+        out["shardflow"]["redis_bytes_per_program"] = await sf.redis_bytes_per_program()
+    finally:
+        sf.stop()
+    for orchestrators in (1, 2, 4):
+        sf.start(orchestrators=orchestrators)
+        try:
+            key = f"C_M{big}_{orchestrators}_orchestrators"
+            out["shardflow"][key] = await sf.run(SHAPE_A, big, 12, check_a)
+            print(f"shardflow {key}: {out['shardflow'][key]}", flush=True)
+        finally:
+            sf.stop()
+    out["shardflow"].update(await sf.rss_in_flight([100, 1000 if quick else 10_000]))
+
+    from bench import celery_app
+
+    for name, pool, concurrency in CELERY_POOLS:
+        celery.start(pool, concurrency)
+        try:
+            for m in (small, big):
+                out[name][f"A_M{m}"] = celery.run(celery_app.shape_a, m, 12, check_a)
+                print(f"{name} A M={m}: {out[name][f'A_M{m}']}", flush=True)
+            counted_celery = (
+                ("A", celery_app.shape_a, 12, check_a),
+                ("B", celery_app.shape_b, 20, check_b),
+            )
+            for key, make, tasks, check in counted_celery:
+                out[name][f"messages_{key}"] = await count_messages(
+                    "celery-bench",
+                    asyncio.to_thread(celery.run, make, COUNTED, tasks, check),
+                    COUNTED * tasks,
+                )
+        finally:
+            celery.stop()
+
+
+async def chain_rounds(out: dict[str, dict[str, Any]], sf: Shardflow, celery: CeleryRun,
+                       small: int, repeats: int) -> None:  # fmt: skip
+    """Shape B and the floor in ROUNDS rounds, every system in turn in each (the order
+    reversed every other round), so a machine whose speed drifts over minutes moves all of
+    them alike; the chain ratios are the medians of each round's (report())."""
+    from bench import celery_app
+
+    per_round = max(1, repeats // ROUNDS)
+    steps: dict[str, list[dict[str, Any]]] = {name: [] for name in out}
+    loaded: dict[str, list[dict[str, Any]]] = {name: [] for name in out}
+    floors: list[float] = []
+
+    async def shardflow() -> dict[str, float]:
+        sf.start(orchestrators=2)
+        try:
+            runs = [await sf.run(SHAPE_B, 1, 20, check_b) for _ in range(per_round)]
+            loaded["shardflow"].append(await sf.run(SHAPE_B, small, 20, check_b))
+        finally:
+            sf.stop()
+        steps["shardflow"] += runs
+        return {"step_p50_ms": _per_step(runs)["step_p50_ms"], **_load(loaded["shardflow"][-1])}
+
+    async def floor() -> dict[str, float]:
+        # No shardflow process runs while the floor does, as none of Celery's does.
+        floors.append(await asyncio.to_thread(floor_step_ms, per_round, 20))
+        return {"step_p50_ms": floors[-1]}
+
+    def pool(name: str, kind: str, concurrency: int) -> Callable[[], Awaitable[dict[str, float]]]:
+        async def run() -> dict[str, float]:
+            celery.start(kind, concurrency)
+            try:
+                runs = [celery.run(celery_app.shape_b, 1, 20, check_b) for _ in range(per_round)]
+                loaded[name].append(celery.run(celery_app.shape_b, small, 20, check_b))
+            finally:
+                celery.stop()
+            steps[name] += runs
+            return {"step_p50_ms": _per_step(runs)["step_p50_ms"], **_load(loaded[name][-1])}
+
+        return run
+
+    sides: list[tuple[str, Callable[[], Awaitable[dict[str, float]]]]] = [
+        ("shardflow", shardflow),
+        ("floor", floor),
+        *((name, pool(name, kind, concurrency)) for name, kind, concurrency in CELERY_POOLS),
+    ]
+    rounds: dict[str, list[dict[str, float]]] = {name: [] for name, _ in sides}
+    for number in range(ROUNDS):
+        for name, side in sides if number % 2 == 0 else sides[::-1]:
+            rounds[name].append(await side())
+            print(f"round {number + 1}/{ROUNDS} {name} B: {rounds[name][-1]}", flush=True)
+    for name in out:
+        out[name]["B_M1"] = _per_step(steps[name])
+        # The round at the median of tasks/s, whole, for the table and the chart.
+        ordered = sorted(loaded[name], key=lambda run: run["tasks_per_s"])
+        out[name][f"B_M{small}"] = ordered[len(ordered) // 2]
+        out[name]["B_rounds"] = rounds[name]  # type: ignore[assignment]
+    out["shardflow"]["B_M1_floor"] = {"step_p50_ms": round(statistics.median(floors), 3)}
+    out["shardflow"]["B_floor_rounds"] = rounds["floor"]  # type: ignore[assignment]
+
+
+def _load(run: dict[str, Any]) -> dict[str, float]:
+    """A loaded chain run's figures that go into a round's ratios."""
+    return {"tasks_per_s": run["tasks_per_s"], "cpu_s_per_1000_tasks": run["cpu_s_per_1000_tasks"]}
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller M, for a smoke run")
     parser.add_argument(
         "--chains",
         action="store_true",
-        help="shape B and its floor alone, for both systems (about 90 s)",
+        help="shape B and its floor alone, for both systems, in rounds (about 4 min)",
     )
     parser.add_argument("--stamp", help="results' file name (default: the date, -quick)")
     args = parser.parse_args()
@@ -416,72 +541,10 @@ async def main() -> None:
                                       "celery threads 16": {}}  # fmt: skip
 
     sf = Shardflow(logs)
-    sf.start(orchestrators=2)
-    try:
-        for m in (small, big) if full else ():
-            for variant, shape in A_VARIANTS:
-                key = f"A_M{m}{variant}"
-                out["shardflow"][key] = await sf.run(shape, m, 12, check_a, sample=m == big)
-                print(f"shardflow {key}: {out['shardflow'][key]}", flush=True)
-        steps = [await sf.run(SHAPE_B, 1, 20, check_b) for _ in range(repeats)]
-        out["shardflow"]["B_M1"] = _per_step(steps)
-        print(f"shardflow B_M1: {out['shardflow']['B_M1']}", flush=True)
-        out["shardflow"][f"B_M{small}"] = await sf.run(SHAPE_B, small, 20, check_b)
-        counted = (
-            ("A", SHAPE_A, 12, check_a),
-            ("A_chunk1", SHAPE_A_CHUNK1, 12, check_a),
-            ("A_chunk10", SHAPE_A_CHUNKED, 12, check_a),
-            ("B", SHAPE_B, 20, check_b),
-        )
-        for key, shape, tasks, check in counted if full else ():  # fmt: skip
-            out["shardflow"][f"messages_{key}"] = await count_messages(
-                "shardflow-bench", sf.run(shape, COUNTED, tasks, check), COUNTED * tasks
-            )
-        if full:
-            out["shardflow"]["redis_bytes_per_program"] = await sf.redis_bytes_per_program()
-    finally:
-        sf.stop()
-    # No shardflow process runs while the floor does, as none of Celery's will.
-    floor = await asyncio.to_thread(floor_step_ms, repeats, 20)
-    out["shardflow"]["B_M1_floor"] = {"step_p50_ms": floor}
-    print(f"floor B_M1 step p50: {floor} ms", flush=True)
-    for orchestrators in (1, 2, 4) if full else ():
-        sf.start(orchestrators=orchestrators)
-        try:
-            key = f"C_M{big}_{orchestrators}_orchestrators"
-            out["shardflow"][key] = await sf.run(SHAPE_A, big, 12, check_a)
-            print(f"shardflow {key}: {out['shardflow'][key]}", flush=True)
-        finally:
-            sf.stop()
-    if full:
-        out["shardflow"].update(await sf.rss_in_flight([100, 1000 if args.quick else 10_000]))
-
     celery = CeleryRun(logs)  # sets the broker for the app, so before importing it
-    from bench import celery_app
-
-    for name, pool, concurrency in (("celery prefork 2", "prefork", 2),
-                                    ("celery threads 16", "threads", 16)):  # fmt: skip
-        celery.start(pool, concurrency)
-        try:
-            for m in (small, big) if full else ():
-                out[name][f"A_M{m}"] = celery.run(celery_app.shape_a, m, 12, check_a)
-                print(f"{name} A M={m}: {out[name][f'A_M{m}']}", flush=True)
-            steps = [celery.run(celery_app.shape_b, 1, 20, check_b) for _ in range(repeats)]
-            out[name]["B_M1"] = _per_step(steps)
-            print(f"{name} B_M1: {out[name]['B_M1']}", flush=True)
-            out[name][f"B_M{small}"] = celery.run(celery_app.shape_b, small, 20, check_b)
-            counted = (
-                ("A", celery_app.shape_a, 12, check_a),
-                ("B", celery_app.shape_b, 20, check_b),
-            )
-            for key, make, tasks, check in counted if full else ():  # fmt: skip
-                out[name][f"messages_{key}"] = await count_messages(
-                    "celery-bench",
-                    asyncio.to_thread(celery.run, make, COUNTED, tasks, check),
-                    COUNTED * tasks,
-                )
-        finally:
-            celery.stop()
+    if full:
+        await shapes_a_and_c(out, sf, celery, big, small, args.quick)
+    await chain_rounds(out, sf, celery, small, repeats)
     report(out, big, small, args.quick, args.stamp, full)
     cleanup()
 
@@ -498,6 +561,20 @@ def _per_step(runs: list[dict[str, Any]]) -> dict[str, float]:
     per_step = [run["latency_p50_ms"] / 20 for run in runs]
     cuts = statistics.quantiles(per_step, n=100)
     return {"step_p50_ms": round(cuts[49], 2), "step_p99_ms": round(cuts[98], 2)}
+
+
+def median_ratio(ours: list[dict[str, float]], theirs: list[list[dict[str, float]]],
+                 figure: str, higher: bool) -> float:  # fmt: skip
+    """The median over rounds of `figure`'s ratio, ours over the best of theirs in that round
+    (the highest when `higher` is better, else the lowest): each round's systems ran minutes
+    apart at most, so a machine that drifts between rounds moves both sides of a ratio."""
+    if not ours or any(len(rounds) != len(ours) for rounds in theirs):
+        raise ValueError("every side needs one figure a round")
+    pick = max if higher else min
+    return statistics.median(
+        mine[figure] / pick(other[figure] for other in others)
+        for mine, *others in zip(ours, *theirs, strict=True)
+    )
 
 
 def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool,
@@ -522,14 +599,21 @@ def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool,
             # CPU seconds of every process per task: the cost, which a busy machine's noise
             # moves much less than tasks/s; target <= 0.33
             ratios[f"{a}_cpu_per_task"] = ratio(f"A_M{m}", "cpu_s_per_1000_tasks", False, variant)
-    ratios["B_M1_step_p50"] = ratio("B_M1", "step_p50_ms", False)
-    ratios["B_M1_step_p99"] = ratio("B_M1", "step_p99_ms", False)
-    ratios[f"B_M{small}_tasks_per_s"] = ratio(f"B_M{small}", "tasks_per_s", True)
-    ratios[f"B_M{small}_cpu_per_task"] = ratio(f"B_M{small}", "cpu_s_per_1000_tasks", False)
+
+    def per_round(figure: str, higher: bool, mine: str = "B_rounds") -> float:
+        theirs = [c["B_rounds"] for c in celery.values()]
+        return median_ratio(sf[mine], theirs, figure, higher)
+
+    ratios["B_M1_step_p50"] = per_round("step_p50_ms", False)
+    ratios["B_M1_step_p99"] = ratio("B_M1", "step_p99_ms", False)  # over every round's chains
+    ratios[f"B_M{small}_tasks_per_s"] = per_round("tasks_per_s", True)
+    ratios[f"B_M{small}_cpu_per_task"] = per_round("cpu_s_per_1000_tasks", False)
     # A step's floor under the design card (bench/floor.py) against Celery's step: what the
     # design costs; shardflow's step against the floor: what shardflow's own code costs.
-    ratios["B_M1_floor_over_celery"] = ratio("B_M1", "step_p50_ms", False, "_floor")
-    ratios["B_M1_step_over_floor"] = sf["B_M1"]["step_p50_ms"] / sf["B_M1_floor"]["step_p50_ms"]
+    ratios["B_M1_floor_over_celery"] = per_round("step_p50_ms", False, "B_floor_rounds")
+    ratios["B_M1_step_over_floor"] = median_ratio(
+        sf["B_rounds"], [sf["B_floor_rounds"]], "step_p50_ms", False
+    )
     in_flight = [k for k in sf if k.startswith("rss_mb_")]
     if in_flight:
         ratios["rss_many_over_few"] = sf[in_flight[-1]] / sf[in_flight[0]]
@@ -595,7 +679,7 @@ def table(out: dict[str, dict[str, Any]], big: int, small: int) -> str:
     for label, key, figure in rows:
         cells = [out[name].get(key, {}).get(figure) for name in systems]
         lines.append(f"{label:30}" + "".join(f"{'-' if c is None else c:>20}" for c in cells))
-    extra = {k: v for k, v in out["shardflow"].items() if not isinstance(v, dict)}
+    extra = {k: v for k, v in out["shardflow"].items() if isinstance(v, int | float)}
     for key, value in out["shardflow"].items():
         if key.startswith("C_"):
             extra[key] = value["tasks_per_s"]
