@@ -12,6 +12,10 @@ app = Celery(
     backend=os.environ.get("BENCH_CELERY_BACKEND", "redis://127.0.0.1:6379/3"),
 )
 app.conf.update(task_acks_late=True, worker_hijack_root_logger=False, result_expires=3600)
+if os.environ.get("BENCH_CELERY_CONFIRMS") == "1":
+    # Publisher confirms, as shardflow publishes every message: the broker confirms a
+    # persistent message once it is on disk, so a crash of the broker's machine loses none.
+    app.conf.broker_transport_options = {"confirm_publish": True}
 
 
 @app.task

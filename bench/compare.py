@@ -20,7 +20,10 @@ returning small dicts; every result is checked):
      CPU share and each shard queue's depth every 0.5 s
 shardflow runs every task on its parallel pool (2 worker processes, 16 each); Celery runs a
 prefork pool of 2 and a threads pool of 16 (acks_late, Redis result backend), and ratios are
-against the better of the two. Latency is from submit to the last task's own clock.
+against the better of the two. Shape B's rounds also run Celery's prefork pool with publisher
+confirms, as shardflow publishes (the broker confirms a persistent message once it is on disk):
+the `*_same_guarantee` ratios, never counted as Celery's best. Latency is from submit to the
+last task's own clock.
 """
 
 from __future__ import annotations
@@ -79,6 +82,9 @@ COUNTED = 50  # programs in each run that counts broker messages (not a timed ru
 # Shape B's rounds: every system in turn, each round's chains a share of `repeats`.
 ROUNDS = 5
 CELERY_POOLS = (("celery prefork 2", "prefork", 2), ("celery threads 16", "threads", 16))
+# In shape B's rounds only, and never "Celery's best": Celery as shardflow publishes, with
+# publisher confirms (bench/celery_app.py), for ratios under the same delivery guarantee.
+CONFIRMING = "celery prefork 2 confirms"
 
 
 def spawn(
@@ -355,7 +361,8 @@ class CeleryRun:
         os.environ.update(self.env)
         self.processes: list[subprocess.Popen[bytes]] = []
 
-    def start(self, pool: str, concurrency: int) -> None:
+    def start(self, pool: str, concurrency: int, confirms: bool = False) -> None:
+        self.env["BENCH_CELERY_CONFIRMS"] = "1" if confirms else "0"
         args = [sys.executable, "-m", "celery", "-A", "bench.celery_app", "worker",
                 "--pool", pool, "-c", str(concurrency), "--loglevel", "WARNING",
                 "--without-gossip", "--without-mingle", "--without-heartbeat"]  # fmt: skip
@@ -483,7 +490,7 @@ async def chain_rounds(out: dict[str, dict[str, Any]], sf: Shardflow, celery: Ce
 
     def pool(name: str, kind: str, concurrency: int) -> Callable[[], Awaitable[dict[str, float]]]:
         async def run() -> dict[str, float]:
-            celery.start(kind, concurrency)
+            celery.start(kind, concurrency, confirms=name == CONFIRMING)
             try:
                 runs = [celery.run(celery_app.shape_b, 1, 20, check_b) for _ in range(per_round)]
                 loaded[name].append(celery.run(celery_app.shape_b, small, 20, check_b))
@@ -498,6 +505,7 @@ async def chain_rounds(out: dict[str, dict[str, Any]], sf: Shardflow, celery: Ce
         ("shardflow", shardflow),
         ("floor", floor),
         *((name, pool(name, kind, concurrency)) for name, kind, concurrency in CELERY_POOLS),
+        (CONFIRMING, pool(CONFIRMING, "prefork", 2)),
     ]
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name, _ in sides}
     for number in range(ROUNDS):
@@ -538,7 +546,7 @@ async def main() -> None:
             subprocess.run, ["redis-cli", "-n", db, "flushdb"], check=True, capture_output=True
         )
     out: dict[str, dict[str, Any]] = {"shardflow": {}, "celery prefork 2": {},
-                                      "celery threads 16": {}}  # fmt: skip
+                                      "celery threads 16": {}, CONFIRMING: {}}  # fmt: skip
 
     sf = Shardflow(logs)
     celery = CeleryRun(logs)  # sets the broker for the app, so before importing it
@@ -580,7 +588,7 @@ def median_ratio(ours: list[dict[str, float]], theirs: list[list[dict[str, float
 def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool,
            stamp: str | None = None, full: bool = True) -> None:  # fmt: skip
     sf = out["shardflow"]
-    celery = {k: v for k, v in out.items() if k.startswith("celery")}
+    celery = {k: v for k, v in out.items() if k.startswith("celery") and k != CONFIRMING}
 
     def best(key: str, figure: str, higher: bool) -> float:
         values = [c[key][figure] for c in celery.values()]
@@ -614,6 +622,16 @@ def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool,
     ratios["B_M1_step_over_floor"] = median_ratio(
         sf["B_rounds"], [sf["B_floor_rounds"]], "step_p50_ms", False
     )
+    # Against Celery with publisher confirms, as shardflow publishes (not a target's ratio).
+    confirming = [out[CONFIRMING]["B_rounds"]]
+    ratios["B_M1_step_p50_same_guarantee"] = median_ratio(
+        sf["B_rounds"], confirming, "step_p50_ms", False
+    )
+    for figure, name, higher in (("tasks_per_s", "tasks_per_s", True),
+                                 ("cpu_s_per_1000_tasks", "cpu_per_task", False)):  # fmt: skip
+        ratios[f"B_M{small}_{name}_same_guarantee"] = median_ratio(
+            sf["B_rounds"], confirming, figure, higher
+        )
     in_flight = [k for k in sf if k.startswith("rss_mb_")]
     if in_flight:
         ratios["rss_many_over_few"] = sf[in_flight[-1]] / sf[in_flight[0]]
@@ -698,7 +716,7 @@ def chart(result: dict[str, Any], path: Path, big: int, small: int) -> None:
     systems = list(figures)
 
     def bars(key: str, figure: str) -> list[tuple[str, float]]:
-        shown = [(name, figures[name][key][figure]) for name in systems]
+        shown = [(name, figures[name][key][figure]) for name in systems if key in figures[name]]
         for variant, label in (("_chunk10", "chunk 10"), ("_chunk1", "chunk 1")):
             if key + variant in figures["shardflow"]:
                 value = figures["shardflow"][key + variant][figure]
