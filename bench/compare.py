@@ -85,6 +85,10 @@ CELERY_POOLS = (("celery prefork 2", "prefork", 2), ("celery threads 16", "threa
 # In shape B's rounds only, and never "Celery's best": Celery as shardflow publishes, with
 # publisher confirms (bench/celery_app.py), for ratios under the same delivery guarantee.
 CONFIRMING = "celery prefork 2 confirms"
+# A Celery result not seen in this long is a stalled run (the longest run here takes about
+# 45 s), made again at most RUN_ATTEMPTS times in all.
+STALL_S = 120.0
+RUN_ATTEMPTS = 3
 
 
 def spawn(
@@ -374,16 +378,28 @@ class CeleryRun:
 
     def run(self, make: Callable[[], Any], m: int, tasks: int,
             check: Callable[[Any], bool]) -> dict[str, Any]:  # fmt: skip
-        # the worker's tree: a prefork pool's children are counted with their parent
-        meter = Meter({"workers": [p.pid for p in self.processes]})
-        meter.start()
-        started = time.monotonic()
-        result: dict[str, Any] = self._run(make, m, tasks, check)
-        result.update(cost(meter, started, m * tasks))
-        return result
+        """One measured run; a run that stalls (Stalled) is made again, at most RUN_ATTEMPTS
+        times in all, and the result says how many stalled before it."""
+        for attempt in range(RUN_ATTEMPTS):
+            # the worker's tree: a prefork pool's children are counted with their parent
+            meter = Meter({"workers": [p.pid for p in self.processes]})
+            meter.start()
+            started = time.monotonic()
+            try:
+                result: dict[str, Any] = self._run(make, m, tasks, check)
+            except Stalled as exc:
+                print(f"celery: a run stalled ({exc}); running it again", flush=True)
+                continue
+            result.update(cost(meter, started, m * tasks))
+            if attempt:
+                result["stalled_runs_before"] = attempt
+            return result
+        raise RuntimeError(f"celery: {RUN_ATTEMPTS} runs in a row stalled")
 
     def _run(self, make: Callable[[], Any], m: int, tasks: int,
              check: Callable[[Any], bool]) -> dict[str, Any]:  # fmt: skip
+        from celery.exceptions import TimeoutError as ResultTimeout
+
         submits, results = [], []
         started = time.time()
         for _ in range(m):
@@ -391,11 +407,23 @@ class CeleryRun:
             results.append(make().apply_async())
         ends = []
         for result in results:
-            value = result.get(timeout=600)
+            try:
+                value = result.get(timeout=STALL_S)
+            except ResultTimeout:
+                # Its key in Redis, read directly rather than through the notice that get()
+                # waits for: a result stored whose notice was missed, or a message lost.
+                meta = result.backend.get_task_meta(result.id)
+                found = "its notice missed" if meta["status"] == "SUCCESS" else "no result"
+                raise Stalled(f"{result.id}: {found} after {STALL_S:.0f} s") from None
             assert check(value), value
             ends.append(value["t"])
             result.forget()
         return figures(m, tasks, started, submits, ends)
+
+
+class Stalled(RuntimeError):
+    """A Celery run that stopped moving: a result not seen in STALL_S (2026-12-03, once in a
+    shape B run at M=200: the client's Redis subscription waited 600 s for one result)."""
 
 
 def check_a(result: Any) -> bool:
