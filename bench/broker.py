@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.cpu import cpu_s  # noqa: E402
-from bench.services import drop_vhost, machine, vhost  # noqa: E402
+from bench.services import drop_vhost, vhost, write_result  # noqa: E402
 
 VHOST = "shardflow-broker-bench"
 BODY = b'{"wf": "0123456789abcdef", "path": "3", "output": {"k": 1}}' * 3
@@ -118,15 +117,7 @@ async def main() -> None:
         for name in names:
             results[name].append(await one(args.messages, args.in_flight, **VARIANTS[name]))
             print(f"round {number + 1}: {name}: {results[name][-1]}", flush=True)
-    report = {
-        "date": date.today().isoformat(),
-        "machine": machine(),
-        "command": "python bench/broker.py " + " ".join(sys.argv[1:]),
-        "results": results,
-    }
-    out = ROOT / "bench" / "results" / f"broker-{args.stamp}.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"written to {out.relative_to(ROOT)}")
+    write_result(f"broker-{args.stamp}", {"results": results})
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ import statistics
 import sys
 import time
 import uuid
-from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from redis.asyncio import Redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.services import chain_arguments, drop_vhost, machine, vhost  # noqa: E402
+from bench.services import chain_arguments, drop_vhost, vhost, write_result  # noqa: E402
 
 REDIS_URL = "redis://127.0.0.1:6379/2"
 # The owner's compare-and-advance, reduced to its shape: read the cursor, move it, return it.
@@ -173,18 +172,9 @@ def floor_step_ms(chains: int = 10, steps: int = 20) -> float:
 def main() -> None:
     args = chain_arguments(__doc__)
     step = floor_step_ms(args.chains, args.steps)
-    report: dict[str, Any] = {
-        "date": date.today().isoformat(),
-        "machine": machine(),
-        "command": "python bench/floor.py " + " ".join(sys.argv[1:]),
-        "chains": args.chains,
-        "steps": args.steps,
-        "floor_step_ms": step,
-    }
-    out = ROOT / "bench" / "results" / f"floor-{args.stamp}.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"floor step, median of {args.chains} chains of {args.steps}: {step} ms")
-    print(f"written to {out.relative_to(ROOT)}")
+    figures = {"chains": args.chains, "steps": args.steps, "floor_step_ms": step}
+    write_result(f"floor-{args.stamp}", figures)
 
 
 if __name__ == "__main__":

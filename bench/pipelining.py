@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -29,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from redis.asyncio import Redis  # noqa: E402
 
 from bench.cpu import cpu_s, listener  # noqa: E402
-from bench.services import machine  # noqa: E402
+from bench.services import write_result  # noqa: E402
 from orchestrator.pipelining import Pipeliner  # noqa: E402
 
 SCRIPT = "return redis.call('HINCRBY', KEYS[1], 'n', 1)"
@@ -98,15 +97,7 @@ async def main() -> None:
         if keys:
             await client.delete(*keys)
         await client.aclose()
-    report = {
-        "date": date.today().isoformat(),
-        "machine": machine(),
-        "command": "python bench/pipelining.py " + " ".join(sys.argv[1:]),
-        "runs": results,
-    }
-    out = ROOT / "bench" / "results" / f"pipelining-{report['date']}.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"written to {out.relative_to(ROOT)}")
+    write_result(f"pipelining-{date.today().isoformat()}", {"runs": results})
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 import argparse
 import json
 import subprocess
+import sys
 from datetime import date
+from pathlib import Path
 from typing import Any
 
 AMQP = "amqp://guest:guest@127.0.0.1:5672/"
@@ -40,6 +42,24 @@ def machine() -> str:
     import platform
 
     return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def write_result(name: str, figures: dict[str, Any]) -> Path:
+    """Write bench/results/<name>.json: the date, the machine and the command that made it,
+    then `figures`. Prints and returns its path."""
+    root = Path(__file__).resolve().parent.parent
+    script = Path(sys.argv[0]).resolve()
+    shown = script.relative_to(root) if script.is_relative_to(root) else script
+    report = {
+        "date": date.today().isoformat(),
+        "machine": machine(),
+        "command": " ".join(["python", str(shown), *sys.argv[1:]]),
+        **figures,
+    }
+    out = root / "bench" / "results" / f"{name}.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"written to {out.relative_to(root)}")
+    return out
 
 
 async def drop_keys(client: Any, prefix: str) -> None:

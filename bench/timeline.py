@@ -29,7 +29,6 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +149,7 @@ async def drive(chains: int, steps: int, settings: Any) -> list[float]:
 
 def main() -> None:
     from bench.compare import spawn, stop
-    from bench.services import chain_arguments, drop_vhost, machine, vhost
+    from bench.services import chain_arguments, drop_vhost, vhost, write_result
     from orchestrator.settings import Settings
 
     args = chain_arguments(__doc__)
@@ -200,21 +199,11 @@ def main() -> None:
             )
     subprocess.run(["redis-cli", "-n", "2", "flushdb"], capture_output=True)
     drop_vhost("shardflow-timeline")
-    report = {
-        "date": date.today().isoformat(),
-        "machine": machine(),
-        "command": "python bench/timeline.py " + " ".join(sys.argv[1:]),
-        "chains": args.chains,
-        "steps": args.steps,
-        **results,
-    }
-    out = ROOT / "bench" / "results" / f"timeline-{args.stamp}.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"per step, median of {args.chains} chains: {results['step_ms_plain']} ms without "
           f"probes, {results['step_ms_probed']} ms with them")  # fmt: skip
     for part, us in results["parts_us_median"].items():
         print(f"  {part:52} {us:>8.1f} us")
-    print(f"written to {out.relative_to(ROOT)}")
+    write_result(f"timeline-{args.stamp}", {"chains": args.chains, "steps": args.steps, **results})
 
 
 if __name__ == "__main__":
