@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import subprocess
 import sys
 import time
 from datetime import date
@@ -28,7 +27,7 @@ import aiormq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.cpu import cpu_s  # noqa: E402
+from bench.cpu import cpu_s, listener  # noqa: E402
 from bench.services import drop_vhost, vhost, write_result  # noqa: E402
 
 VHOST = "shardflow-broker-bench"
@@ -44,11 +43,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def _broker_pid() -> int:
-    found = subprocess.run(["pgrep", "-f", "beam.smp"], capture_output=True, text=True)
-    return int(found.stdout.split()[0])
-
-
 async def one(
     messages: int,
     in_flight: int,
@@ -58,7 +52,7 @@ async def one(
     labelled: bool = False,
 ) -> dict[str, float]:
     """Messages a second, and the broker's CPU microseconds a message, for one variant."""
-    broker = _broker_pid()
+    broker = listener(5672)  # the shared broker, not a test's private one
     connection = await aio_pika.connect(vhost(VHOST))
     try:
         publisher = await connection.channel(publisher_confirms=True)

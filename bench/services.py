@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 from datetime import date
@@ -48,12 +49,12 @@ def write_result(name: str, figures: dict[str, Any]) -> Path:
     """Write bench/results/<name>.json: the date, the machine and the command that made it,
     then `figures`. Prints and returns its path."""
     root = Path(__file__).resolve().parent.parent
-    script = Path(sys.argv[0]).resolve()
+    script = Path(sys.argv[0] or "-").resolve()
     shown = script.relative_to(root) if script.is_relative_to(root) else script
     report = {
         "date": date.today().isoformat(),
         "machine": machine(),
-        "command": " ".join(["python", str(shown), *sys.argv[1:]]),
+        "command": shlex.join(["python", str(shown), *sys.argv[1:]]),
         **figures,
     }
     out = root / "bench" / "results" / f"{name}.json"
