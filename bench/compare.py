@@ -519,7 +519,7 @@ async def chain_rounds(out: dict[str, dict[str, Any]], sf: Shardflow, celery: Ce
         finally:
             sf.stop()
         steps["shardflow"] += runs
-        return {"step_p50_ms": _per_step(runs)["step_p50_ms"], **_load(loaded["shardflow"][-1])}
+        return _round_figures(runs, loaded["shardflow"][-1])
 
     async def floor() -> dict[str, float]:
         # No shardflow process runs while the floor does, as none of Celery's does.
@@ -535,12 +535,7 @@ async def chain_rounds(out: dict[str, dict[str, Any]], sf: Shardflow, celery: Ce
             finally:
                 celery.stop()
             steps[name] += runs
-            stalls = sum(len(run.get("stalls", ())) for run in [*runs, loaded[name][-1]])
-            return {
-                "step_p50_ms": _per_step(runs)["step_p50_ms"],
-                **_load(loaded[name][-1]),
-                **({"stalls": stalls} if stalls else {}),  # made again, not in the figures
-            }
+            return _round_figures(runs, loaded[name][-1])
 
         return run
 
@@ -560,14 +555,21 @@ async def chain_rounds(out: dict[str, dict[str, Any]], sf: Shardflow, celery: Ce
         # The round at the median of tasks/s, whole, for the table and the chart.
         ordered = sorted(loaded[name], key=lambda run: run["tasks_per_s"])
         out[name][f"B_M{small}"] = ordered[len(ordered) // 2]
-        out[name]["B_rounds"] = rounds[name]  # type: ignore[assignment]
+        out[name]["B_rounds"] = rounds[name]
     out["shardflow"]["B_M1_floor"] = {"step_p50_ms": round(statistics.median(floors), 3)}
-    out["shardflow"]["B_floor_rounds"] = rounds["floor"]  # type: ignore[assignment]
+    out["shardflow"]["B_floor_rounds"] = rounds["floor"]
 
 
-def _load(run: dict[str, Any]) -> dict[str, float]:
-    """A loaded chain run's figures that go into a round's ratios."""
-    return {"tasks_per_s": run["tasks_per_s"], "cpu_s_per_1000_tasks": run["cpu_s_per_1000_tasks"]}
+def _round_figures(runs: list[dict[str, Any]], loaded: dict[str, Any]) -> dict[str, float]:
+    """A round of one system: its step from the M=1 `runs`, its throughput and cost from the
+    `loaded` run, and how many Celery runs stalled and were made again (none are figures)."""
+    stalls = sum(len(run.get("stalls", ())) for run in [*runs, loaded])
+    return {
+        "step_p50_ms": _per_step(runs)["step_p50_ms"],
+        "tasks_per_s": loaded["tasks_per_s"],
+        "cpu_s_per_1000_tasks": loaded["cpu_s_per_1000_tasks"],
+        **({"stalls": stalls} if stalls else {}),
+    }
 
 
 async def main() -> None:

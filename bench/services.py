@@ -1,4 +1,5 @@
-"""A fresh RabbitMQ vhost for a benchmark run, dropped after it."""
+"""What the benchmark scripts share: a fresh RabbitMQ vhost (dropped after), the machine's
+name, Redis keys cleared, the chain scripts' arguments, and writing a result's JSON."""
 
 import argparse
 import json
