@@ -8,6 +8,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeAlias, cast
+from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import aiormq
@@ -19,6 +20,7 @@ from aio_pika.abc import (
     AbstractQueueIterator,
     AbstractRobustConnection,
 )
+from aio_pika.connection import make_url
 
 from orchestrator.coalescing import CoalescingConnection
 from orchestrator.keys import Names
@@ -167,13 +169,28 @@ class Bus:
 
     async def connect(self) -> None:
         """Connect and declare the whole topology (idempotent; replayed after a reconnect)."""
-        self._connection = await aio_pika.connect_robust(
-            self.settings.amqp_url,
-            client_properties={"connection_name": self._name},
-            connection_class=(
-                CoalescingConnection if self.settings.amqp_coalescing else RobustConnection
-            ),
+        # As aio_pika.connect_robust, but holding the connection: one that failed to open is
+        # closed here, or it would go on reconnecting in the background.
+        kind = CoalescingConnection if self.settings.amqp_coalescing else RobustConnection
+        connection = kind(
+            make_url(self.settings.amqp_url), client_properties={"connection_name": self._name}
         )
+        try:
+            await connection.connect()
+        except BaseException as exc:
+            await connection.close()
+            # RabbitMQ closes, instead of opening, a connection to a vhost that does not exist
+            # or that the user may not use; aiormq keeps only the frame's name.
+            if not isinstance(exc, aiormq.exceptions.InvalidFrameError):
+                raise
+            if "Connection.Close" not in str(exc):
+                raise
+            vhost = unquote(urlsplit(self.settings.amqp_url).path[1:]) or "/"
+            raise ConnectionRefusedError(
+                f"RabbitMQ refused to open vhost {vhost!r} (SHARDFLOW_AMQP_URL): does it "
+                "exist, and may this user use it?"
+            ) from None
+        self._connection = connection
         self._publisher = await self._connection.channel(
             publisher_confirms=True, on_return_raises=True
         )

@@ -198,4 +198,5 @@ def first_error(
     loc = tuple(first["loc"])
     where = name(loc) if name else ".".join(str(part) for part in loc) or root
     more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-    return f"{where}: {first['msg']}{more}"
+    # A validator's own ValueError reads as pydantic words it: "Value error, <ours>".
+    return f"{where}: {first['msg'].removeprefix('Value error, ')}{more}"

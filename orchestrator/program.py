@@ -571,11 +571,41 @@ def parse_program(
     faults = check_branches(program) + check_references(program) + check_compensations(program)
     if faults:
         raise ProgramError(faults)
-    if known_tasks is not None:
-        unknown = sorted(program.task_names() - known_tasks)
-        if unknown:
-            raise ProgramError([f"steps: unknown task {', '.join(map(repr, unknown))}"])
+    if known_tasks is not None and program.task_names() - known_tasks:
+        raise ProgramError(_unknown_tasks(program, known_tasks))
     return program
+
+
+MAX_UNKNOWN_NAMED = 10  # a program of many unknown tasks still gets a short error
+
+
+def _unknown_tasks(program: Program, known: set[str]) -> list[str]:
+    """Each unknown task name once, at the path of its first use in the document."""
+    first: dict[str, str] = {}
+    for path, name in _task_paths(program.steps, "steps"):
+        if name not in known:
+            first.setdefault(name, path)
+    faults = [f"{path}: unknown task {name!r}" for name, path in first.items()]
+    more = len(faults) - MAX_UNKNOWN_NAMED
+    return faults[:MAX_UNKNOWN_NAMED] + ([f"and {more} more unknown tasks"] if more > 0 else [])
+
+
+def _task_paths(steps: list[Step], prefix: str) -> Iterator[tuple[str, str]]:
+    """(document path of a `task` field, the name there) for every task a step list runs,
+    compensations too, deep."""
+    for n, step in enumerate(steps):
+        path = f"{prefix}[{n}]"
+        members: list[tuple[str, Member]] = []
+        if isinstance(step, Task | Map):
+            members = [(path, step)]
+        elif isinstance(step, Bag):
+            members = [(f"{path}.bag[{i}]", member) for i, member in step.tasks()]
+        for where, member in members:
+            yield f"{where}.task", member.task
+            if member.compensate is not None:
+                yield f"{where}.compensate.task", member.compensate.task
+        for inner, inner_path in _branches(step, path):
+            yield from _task_paths(inner, inner_path)
 
 
 # --- saga compensation ---------------------------------------------------------------------
@@ -755,7 +785,14 @@ def _fault(error: Any) -> str:
             continue  # union tags, not part of the user's document
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "model_type":  # pydantic names its class: "instance of Program"
+        message = f"a JSON object, not {_json_kind(error['input'])}"
     return f"{path or 'program'}: {message}"
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {list: "a list", str: "a string", bool: "true or false", type(None): "null"}
+    return kinds.get(type(value), "a number")
 
 
 def program_schema() -> dict[str, Any]:

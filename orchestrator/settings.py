@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import re
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from redis.connection import parse_url
 
 # Shards a cluster may have; task messages name their owner shard within it.
 MAX_SHARDS = 1024
@@ -16,7 +18,8 @@ _PREFIX = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 class Settings(BaseSettings):
     """Everything a shardflow process needs to know; built once and passed down."""
 
-    model_config = SettingsConfigDict(env_prefix="SHARDFLOW_", extra="ignore")
+    # No NaN or infinity: `SHARDFLOW_GRACE_S=inf` would never stop, a NaN passes no bound.
+    model_config = SettingsConfigDict(env_prefix="SHARDFLOW_", extra="ignore", allow_inf_nan=False)
 
     amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -59,16 +62,37 @@ class Settings(BaseSettings):
     # A per-key limit's slot is a lease this long, renewed every third of it while its task
     # runs: a worker that dies holding one frees it at most this long after (lua/acquire.lua).
     key_lease_s: float = Field(default=30.0, ge=0.3, le=3600)
-    grace_s: float = Field(default=10.0, ge=0)
+    grace_s: float = Field(default=10.0, ge=0, le=86400)
     # How long a starting orchestrator or worker waits for RabbitMQ and Redis.
-    startup_wait_s: float = Field(default=120.0, ge=0)
-    wait_poll_s: float = Field(default=0.05, gt=0)
+    startup_wait_s: float = Field(default=120.0, ge=0, le=86400)
+    wait_poll_s: float = Field(default=0.05, gt=0, le=60)
     # How often an orchestrator looks for programs recorded but never started (and starts them).
     sweep_s: float = Field(default=30.0, ge=0.1, le=86400)
     # /metrics, /healthz and /readyz of a long-running process (docs/observability.md); 0: none.
     metrics_port: int = Field(default=9464, ge=0, le=65535)
     metrics_addr: str = "0.0.0.0"
     log_format: Literal["text", "json"] = "text"
+
+    @field_validator("amqp_url")
+    @classmethod
+    def _amqp_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("amqp", "amqps") or not parts.hostname:
+            raise ValueError("must be an amqp:// or amqps:// URL with a host")
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str) -> str:
+        # redis-py ignores a database that is not a number (`/abc`) and uses 0: refuse it.
+        parts = urlsplit(value)
+        if parts.scheme in ("redis", "rediss") and not re.fullmatch(r"/?|/\d{1,5}", parts.path):
+            raise ValueError(f"the database {parts.path[1:]!r} is not a number")
+        try:
+            parse_url(value)
+        except ValueError as exc:
+            raise ValueError(str(exc)) from None
+        return value
 
     @field_validator("prefix")
     @classmethod

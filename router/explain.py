@@ -882,7 +882,10 @@ def explain_text(report: dict[str, Any], now_ms: float | None = None) -> str:
             f"{queue['consumers']} consumer(s)."
         )
         if label == "Pool" and not queue["consumers"] and "pool" in queue:
-            line += f" No worker runs it: start one with shardflow worker --pool {queue['pool']}."
+            line += (
+                f" No worker runs it: start one with shardflow worker --pool {queue['pool']}"
+                " --app MODULE."
+            )
         lines.append(line)
     lane = report["lane"]
     if lane is not None:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -16,12 +17,13 @@ from typing import Any, NoReturn
 
 import uvloop
 from pydantic import ValidationError
+from redis.exceptions import ResponseError as RedisResponseError
 
 from orchestrator import logs
 from orchestrator.bus import Bus, TopologyError
 from orchestrator.connections import UNREACHABLE, connected
 from orchestrator.delivery import first_error
-from orchestrator.documents import parse_input
+from orchestrator.documents import parse_document, parse_input
 from orchestrator.health import serving
 from orchestrator.keys import check_workflow_id
 from orchestrator.owner import Orchestrator, ShardError
@@ -33,7 +35,7 @@ from orchestrator.program import (
     program_schema,
 )
 from orchestrator.redis_store import RedisStore
-from orchestrator.settings import Settings
+from orchestrator.settings import MAX_SHARDS, Settings
 from orchestrator.store import TERMINAL
 from router.client import Router
 from router.explain import explain_text
@@ -50,6 +52,12 @@ EXIT_FAILED = 1  # the program ended failed or cancelled
 EXIT_USAGE = 2  # bad arguments, program or input
 EXIT_TIMEOUT = 3  # --wait gave up; the program goes on
 EXIT_UNAVAILABLE = 4  # RabbitMQ or Redis could not be reached
+
+LONG_RUNNING = ("dev", "orchestrator", "router", "worker")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+MAX_CONCURRENCY = 1000  # as SHARDFLOW_PARALLEL_CONCURRENCY
+MAX_DEAD = 1000  # `dead` holds what it lists in memory
+MAX_WAIT_S = 10 * 365 * 86400.0
 
 
 class _StdoutClosed(Exception):
@@ -71,15 +79,26 @@ def _parser() -> argparse.ArgumentParser:
         "count and names come from SHARDFLOW_* environment variables (SHARDFLOW_AMQP_URL, "
         "SHARDFLOW_REDIS_URL, SHARDFLOW_SHARDS, SHARDFLOW_PREFIX, ...).",
     )
-    parser.add_argument("--log-level", default=os.environ.get("SHARDFLOW_LOG_LEVEL", "INFO"))
+    parser.add_argument(
+        "--log-level",
+        type=_log_level,
+        default=os.environ.get("SHARDFLOW_LOG_LEVEL", "INFO"),
+        metavar="LEVEL",
+        help=f"{', '.join(level.lower() for level in LOG_LEVELS)} "
+        "(default: SHARDFLOW_LOG_LEVEL, else info)",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    dev = commands.add_parser(
-        "dev", help="run every shard and both worker pools in one process (until Ctrl-C)"
+    about = "run every shard and both worker pools in one process (until Ctrl-C)"
+    dev = commands.add_parser("dev", help=about, description=about[0].upper() + about[1:] + ".")
+    dev.add_argument(
+        "--shards",
+        type=_shard_count,
+        metavar="N",
+        help=f"shard count, 1 to {MAX_SHARDS} (default: SHARDFLOW_SHARDS, else 4)",
     )
-    dev.add_argument("--shards", type=int, help="shard count N (default: SHARDFLOW_SHARDS)")
     _app_argument(dev, "import MODULE and use its @task() handlers")
-    dev.add_argument("--concurrency", type=int, help="parallel pool concurrency")
+    _concurrency_argument(dev, "the parallel pool's and named pools' tasks at once")
     dev.add_argument(
         "--pool",
         action="append",
@@ -91,7 +110,10 @@ def _parser() -> argparse.ArgumentParser:
 
     orch = commands.add_parser("orchestrator", help="consume some shards' queues")
     orch.add_argument(
-        "--shards", required=True, type=_shard_list, help="which shards to own, e.g. 0,1"
+        "--shards",
+        required=True,
+        type=_shard_list,
+        help=f"which shards to own, e.g. 0,1 (numbers from 0 to {MAX_SHARDS - 1})",
     )
 
     router = commands.add_parser(
@@ -110,10 +132,9 @@ def _parser() -> argparse.ArgumentParser:
         "comma-separated: one worker per pool in this process",
     )
     _app_argument(work, "import MODULE and use its @task() handlers", required=True)
-    work.add_argument(
-        "--concurrency",
-        type=int,
-        help="task messages at once, per pool (not the serial pool: one); a chunked bag "
+    _concurrency_argument(
+        work,
+        "task messages at once, per pool (not the serial pool or a lane: one); a chunked bag "
         "message counts once",
     )
 
@@ -135,11 +156,17 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument(
         "--wait", action="store_true", help="wait for the end; print the result JSON"
     )
-    submit.add_argument("--timeout", type=float, help="with --wait: give up after S seconds")
+    submit.add_argument(
+        "--timeout",
+        type=_seconds,
+        metavar="S",
+        help="with --wait: give up after S seconds, exit 3; the program goes on "
+        "(default: wait as long as it takes)",
+    )
     _app_argument(submit, "check task names against the @task()s of MODULE")
 
     status = commands.add_parser("status", help="print a program's status as JSON")
-    status.add_argument("id")
+    _id_argument(status)
     _inspection_commands(commands)
 
     signal = commands.add_parser(
@@ -161,7 +188,7 @@ def _parser() -> argparse.ArgumentParser:
     cancel = commands.add_parser(
         "cancel", help="cancel a program: no further step runs, running tasks are stopped"
     )
-    cancel.add_argument("id")
+    _id_argument(cancel)
     cancel.add_argument("--reason", default="cancelled", help="recorded as the program's error")
     cancel.add_argument(
         "--stop-compensations",
@@ -179,7 +206,7 @@ def _parser() -> argparse.ArgumentParser:
         "`status` keeps how each run ended (`runs`). A running or completed program is "
         "refused (exit 2), an unknown one too (exit 1). Prints the status as JSON.",
     )
-    redrive.add_argument("id")
+    _id_argument(redrive)
     redrive.add_argument(
         "--from",
         dest="from_step",
@@ -213,16 +240,75 @@ def _parser() -> argparse.ArgumentParser:
     dead = commands.add_parser(
         "dead", help="list dead-lettered messages with the reason each was refused"
     )
-    dead.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
-
-    commands.add_parser(
-        "shards",
-        help="each shard's queue depth, consumers, programs in flight, and whether it is in "
-        "the ring or draining",
+    dead.add_argument(
+        "--limit",
+        type=_bounded(1, MAX_DEAD),
+        default=100,
+        metavar="N",
+        help=f"at most N, 1 to {MAX_DEAD} (default 100); they stay in the queue",
     )
 
-    commands.add_parser("schema", help="print the program format's JSON Schema")
+    about = (
+        "each shard's queue depth, consumers, programs in flight, and whether it is in "
+        "the ring or draining"
+    )
+    commands.add_parser(
+        "shards",
+        help=about,
+        description=f"Print, one JSON line per shard, {about}: shards from SHARDFLOW_SHARDS on "
+        "that still hold work are draining, and removable once empty.",
+    )
+
+    about = "print the program format's JSON Schema"
+    commands.add_parser("schema", help=about, description=about[0].upper() + about[1:] + ".")
     return parser
+
+
+def _id_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("id", help="the workflow id, as `submit` printed it")
+
+
+def _concurrency_argument(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument(
+        "--concurrency",
+        type=_bounded(1, MAX_CONCURRENCY),
+        metavar="N",
+        help=f"{help}, 1 to {MAX_CONCURRENCY} (default: SHARDFLOW_PARALLEL_CONCURRENCY, else 16)",
+    )
+
+
+def _bounded(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: a whole number from `low` to `high`."""
+
+    def number(text: str) -> int:
+        if not text.strip().isdigit() or not low <= int(text) <= high:
+            raise argparse.ArgumentTypeError(f"{text!r}: a number from {low} to {high}")
+        return int(text)
+
+    return number
+
+
+def _shard_count(text: str) -> int:
+    return _bounded(1, MAX_SHARDS)(text)
+
+
+def _log_level(text: str) -> str:
+    if text.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} (or SHARDFLOW_LOG_LEVEL): one of "
+            + ", ".join(level.lower() for level in LOG_LEVELS)
+        )
+    return text.upper()
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= MAX_WAIT_S:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds, more than 0 (at most ten years)")
+    return seconds
 
 
 def _app_argument(parser: argparse.ArgumentParser, help: str, required: bool = False) -> None:
@@ -254,7 +340,11 @@ def _port(text: str) -> int:
 def _inspection_commands(commands: Any) -> None:
     listing = commands.add_parser("list", help="programs newest first, filtered")
     listing.add_argument(
-        "--status", action="append", default=[], choices=STATUSES, help="(repeatable)"
+        "--status",
+        action="append",
+        default=[],
+        choices=STATUSES,
+        help="only programs in this status (repeatable: any of them)",
     )
     listing.add_argument("--name", help="only programs of this name")
     listing.add_argument(
@@ -266,7 +356,7 @@ def _inspection_commands(commands: Any) -> None:
     explain = commands.add_parser(
         "explain", help="where a program stands and what it waits for, in plain words"
     )
-    explain.add_argument("id")
+    _id_argument(explain)
     explain.add_argument("--json", action="store_true", help="the same facts as JSON")
 
 
@@ -278,9 +368,7 @@ def _duration(text: str) -> float:
 
 
 def _limit(text: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= SCAN_MAX:
-        raise argparse.ArgumentTypeError(f"{text!r}: a number from 1 to {SCAN_MAX}")
-    return int(text)
+    return _bounded(1, SCAN_MAX)(text)
 
 
 def _shard_list(text: str) -> list[int]:
@@ -290,6 +378,8 @@ def _shard_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of numbers") from None
     if not shards:
         raise argparse.ArgumentTypeError("name at least one shard")
+    if not 0 <= shards[0] <= shards[-1] < MAX_SHARDS:
+        raise argparse.ArgumentTypeError(f"{text!r}: shard numbers are 0 to {MAX_SHARDS - 1}")
     return shards
 
 
@@ -312,13 +402,21 @@ def main(argv: list[str] | None = None) -> NoReturn:
     """Entry point of the `shardflow` console script."""
     args = _parser().parse_args(argv)
     logs.configure(args.log_level, os.environ.get("SHARDFLOW_LOG_FORMAT", "text"))
+    if args.command not in LONG_RUNNING:
+        # A command's connection fault is its one line; aiormq's and aio-pika's own logs
+        # of it (an error, "reconnecting") would only repeat it.
+        for name in ("aiormq", "aio_pika"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         _check_text(args)
-        settings = Settings()
+        overrides: dict[str, Any] = {}
         if getattr(args, "shards", None) is not None and args.command == "dev":
-            settings = settings.model_copy(update={"shards": args.shards})
+            overrides["shards"] = args.shards
         if getattr(args, "metrics_port", None) is not None:
-            settings = settings.model_copy(update={"metrics_port": args.metrics_port})
+            overrides["metrics_port"] = args.metrics_port
+        settings = Settings(**overrides)  # validated as the environment's values are
+        if args.command == "submit" and args.timeout is not None and not args.wait:
+            print("shardflow: --timeout has no effect without --wait", file=sys.stderr)
         code = uvloop.run(_COMMANDS[args.command](settings, args))
     except ValidationError as exc:
         code = _fail(f"settings: {_settings_fault(exc)}", EXIT_USAGE)
@@ -330,6 +428,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
         code = _fail(str(exc), EXIT_USAGE)
     except UNREACHABLE as exc:
         code = _fail(f"cannot connect: {exc}", EXIT_UNAVAILABLE)
+    except RedisResponseError as exc:
+        if "DB index" not in str(exc):  # anything else is not the configuration's fault
+            raise
+        code = _fail(f"cannot connect: Redis: {exc} (SHARDFLOW_REDIS_URL)", EXIT_UNAVAILABLE)
     except KeyboardInterrupt:
         code = 130
     except _StdoutClosed:
@@ -459,7 +561,7 @@ async def _worker(settings: Settings, args: argparse.Namespace) -> int:
 
 async def _submit(settings: Settings, args: argparse.Namespace) -> int:
 
-    text = _read_program(args.program)
+    text = _read_program(args.program, settings.max_program_bytes)
     payload = parse_input(args.input, max_bytes=settings.max_program_bytes)
     known = _registry(args.app).names() if args.app else None
     async with connected(settings, "shardflow-submit") as (store, bus):
@@ -488,11 +590,20 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
     raise CliError(f"program {status['status']}: {error}", EXIT_FAILED)
 
 
-def _read_program(path: Path) -> str:
+def _read_program(path: Path, max_bytes: int) -> str:
+    """The file's text, reading no more than one byte past the limit (`/dev/zero` ends)."""
     try:
-        return sys.stdin.read() if str(path) == "-" else path.read_text()
+        if str(path) == "-":
+            data = sys.stdin.buffer.read(max_bytes + 1)
+        else:
+            with path.open("rb") as file:
+                data = file.read(max_bytes + 1)
     except OSError as exc:
         raise CliError(f"{path}: {exc.strerror}") from None
+    if len(data) > max_bytes:
+        raise CliError(f"{path}: over {max_bytes} bytes (SHARDFLOW_MAX_PROGRAM_BYTES)")
+    try:
+        return data.decode()
     except UnicodeDecodeError:
         raise CliError(f"{path}: not UTF-8 text") from None
 
@@ -556,7 +667,7 @@ async def _explain(settings: Settings, args: argparse.Namespace) -> int:
 
 async def _signal(settings: Settings, args: argparse.Namespace) -> int:
     _check_id(args.id)
-    data = parse_input(args.data, max_bytes=MAX_SIGNAL_BYTES)
+    data = parse_document(args.data, what="--data", max_bytes=MAX_SIGNAL_BYTES)
     async with connected(settings, "shardflow-signal") as (store, bus):
         router = Router(settings, store=store, bus=bus)
         try:

@@ -110,7 +110,10 @@ def test_submit_without_wait_prints_the_id_and_a_failed_program_exits_1(
         (["submit", "missing.json"], "shardflow: missing.json: No such file or directory"),
         (["submit", "-", "--input", "{nope"], "shardflow: input: not JSON: Expecting property"),
         (["submit", "-", "--id", "bad id!"], "shardflow: id: workflow id 'bad id!': use 1-128"),
-        (["submit", "-", "--app", "examples.tasks"], "shardflow: steps: unknown task 'nope'"),
+        (
+            ["submit", "-", "--app", "examples.tasks"],
+            "shardflow: steps[0].task: unknown task 'nope'",
+        ),
         # `$` matched before a trailing newline: the id was recorded, then refused.
         (["submit", "-", "--id", "abc\n"], "shardflow: id: workflow id 'abc\\n': use 1-128"),
         (["status", "abc\n"], "shardflow: id: workflow id 'abc\\n': use 1-128"),
@@ -235,6 +238,64 @@ def test_bad_settings_and_unreachable_services_are_one_line(settings: Settings) 
     assert down.returncode == 4
     assert down.stderr.startswith("shardflow: cannot connect: ")
     assert len(down.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "error"),
+    [
+        # Each of these was a traceback (exit 1), or was taken and misbehaved.
+        (["--log-level", "LOUD", "schema"], {}, "argument --log-level: 'LOUD' (or SHARDFLOW_LOG"),
+        (["shards"], {"SHARDFLOW_LOG_LEVEL": "LOUD"}, "argument --log-level: 'LOUD'"),
+        (["dev", "--shards", "0"], {}, "argument --shards: '0': a number from 1 to 1024"),
+        (["dev", "--shards", "1000000000"], {}, "argument --shards: '1000000000': a number"),
+        (["orchestrator", "--shards", "-1"], {}, "argument --shards: '-1': shard numbers are"),
+        (["dev", "--concurrency", "-3"], {}, "argument --concurrency: '-3': a number from 1"),
+        (
+            ["worker", "--pool", "parallel", "--app", "x", "--concurrency", "100000"],
+            {},
+            "argument --concurrency: '100000': a number from 1 to 1000",
+        ),
+        (["submit", "-", "--wait", "--timeout", "-1"], {}, "argument --timeout: '-1': seconds"),
+        (["submit", "-", "--wait", "--timeout", "nan"], {}, "argument --timeout: 'nan': seconds"),
+        (["dead", "--limit", "0"], {}, "argument --limit: '0': a number from 1 to 1000"),
+        (["signal", "x", "go", "--data", "{bad"], {}, "shardflow: --data: not JSON"),
+        (["submit", "/dev/zero"], {}, "shardflow: /dev/zero: over 262144 bytes"),
+        (["list"], {"SHARDFLOW_REDIS_URL": "notaurl"}, "shardflow: settings: SHARDFLOW_REDIS_URL"),
+        (
+            ["list"],
+            {"SHARDFLOW_REDIS_URL": "redis://127.0.0.1:6379/abc"},
+            "shardflow: settings: SHARDFLOW_REDIS_URL: the database 'abc' is not a number",
+        ),
+        (["shards"], {"SHARDFLOW_AMQP_URL": "http://x/"}, "shardflow: settings: SHARDFLOW_AMQP"),
+        (["list"], {"SHARDFLOW_GRACE_S": "inf"}, "shardflow: settings: SHARDFLOW_GRACE_S: Input"),
+        (["list"], {"SHARDFLOW_FAIR_SHARE": "nan"}, "shardflow: settings: SHARDFLOW_FAIR_SHARE"),
+    ],
+)
+def test_bad_flags_and_settings_are_refused_in_one_line_with_exit_2(
+    settings: Settings, args: list[str], env: dict[str, str], error: str
+) -> None:
+    result = shardflow(*args, env={**environment(settings), **env})
+    assert result.returncode == 2, result.stderr
+    assert error in result.stderr.splitlines()[-1], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_vhost_or_database_that_cannot_be_used_is_one_line_and_exit_4(
+    settings: Settings,
+) -> None:
+    vhost = settings.amqp_url.rsplit("/", 1)[0] + "/no-such-vhost-here"
+    amqp = shardflow("shards", env={**environment(settings), "SHARDFLOW_AMQP_URL": vhost})
+    assert (amqp.returncode, amqp.stderr) == (
+        4,
+        "shardflow: cannot connect: RabbitMQ refused to open vhost 'no-such-vhost-here' "
+        "(SHARDFLOW_AMQP_URL): does it exist, and may this user use it?\n",
+    )
+    redis = settings.redis_url.rsplit("/", 1)[0] + "/99999"
+    db = shardflow("status", "x", env={**environment(settings), "SHARDFLOW_REDIS_URL": redis})
+    assert (db.returncode, db.stderr) == (
+        4,
+        "shardflow: cannot connect: Redis: DB index is out of range (SHARDFLOW_REDIS_URL)\n",
+    )
 
 
 def test_orchestrator_refuses_shards_outside_the_ring(settings: Settings) -> None:

@@ -661,7 +661,7 @@ for _ in range(100):
     _DEEP_ARGS = {"a": _DEEP_ARGS}
 BAD_PROGRAMS = [
     ({"steps": []}, "steps: List should have at least 1 item"),
-    ({"steps": [{"task": "no_such_task"}]}, "steps: unknown task 'no_such_task'"),
+    ({"steps": [{"task": "no_such_task"}]}, "steps[0].task: unknown task 'no_such_task'"),
     ({"steps": [{"bag": []}]}, "steps[0].bag"),
     ({"steps": [{"bag": [{"task": "add"}], "chunk": 0}]}, "steps[0].chunk"),
     ({"steps": [{"bag": [{"task": "add"}], "chunk": MAX_BAG + 1}]}, "steps[0].chunk"),

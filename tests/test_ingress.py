@@ -71,7 +71,7 @@ async def test_requests_are_submitted_and_bad_ones_refused_with_the_fault(
     assert answers[1]["error"].startswith("request: Invalid JSON")
     assert answers[2] == {"error": "steps[1].bag: List should have at least 1 item after "
                                    "validation, not 0"}  # fmt: skip
-    assert answers[3] == {"error": "steps: unknown task 'nope'"}
+    assert answers[3] == {"error": "steps[0].task: unknown task 'nope'"}
     assert answers[4]["error"].startswith("id: workflow id 'bad id': use 1-128")
     assert answers[5] == {"error": "extra: Extra inputs are not permitted"}
     assert answers[6]["created"] is False  # the same id again: never a second run

@@ -293,3 +293,16 @@ def test_every_end_status_is_named_where_programs_ended_is_described() -> None:
     for where, text in (("help", family.documentation), ("doc", row), ("panel", shown)):
         missing = [s for s in sorted(TERMINAL) if s not in str(text)]
         assert not missing, f"{where} names no {missing}"
+
+
+def test_every_metric_is_in_the_metrics_doc() -> None:
+    """docs/observability.md's table names every metric shardflow serves (one was missing)."""
+    doc = (Path(__file__).parent.parent / "docs" / "observability.md").read_text()
+    # A counter's family drops the `_total` its samples carry.
+    served = [
+        f"{f.name}_total" if f.type == "counter" else f.name
+        for f in _families()
+        if f.name.startswith("shardflow_")
+    ]
+    missing = [name for name in served if f"| `{name}` |" not in doc]
+    assert len(served) > 10 and not missing, missing

@@ -101,7 +101,7 @@ async def test_a_task_on_a_named_pool_waits_for_its_worker_then_completes(
     assert report["lane"] is None  # not the serial pool
     text = explain_text(report)
     assert "task 'reports.whoami' on the reports pool" in text
-    assert "No worker runs it: start one with shardflow worker --pool reports." in text
+    assert "No worker runs it: start one with shardflow worker --pool reports --app MODULE." in text
     status = await cluster.status(wf)
     assert status is not None and status["step"]["pool"] == "reports"
 

@@ -196,8 +196,28 @@ def test_not_json_and_too_large_are_refused() -> None:
 def test_unknown_task_names_are_refused_when_the_router_knows_the_tasks() -> None:
     program = {"steps": [{"task": "a"}, {"bag": [{"task": "b"}, {"task": "zzz"}]}]}
     assert parse_program(program, known_tasks={"a", "b", "zzz"})
-    with pytest.raises(ProgramError, match=r"^steps: unknown task 'zzz'$"):
+    with pytest.raises(ProgramError, match=r"^steps\[1\]\.bag\[1\]\.task: unknown task 'zzz'$"):
         parse_program(program, known_tasks={"a", "b"})
+    # Each unknown name once, at its first use, deep and in compensations too; a program of
+    # many unknown names gets a short error.
+    deep = {"steps": [
+        {"task": "x", "compensate": {"task": "undo"}},
+        {"until": "true", "max_iterations": 2, "steps": [{"task": "y"}, {"task": "x"}]},
+        {"bag": [{"steps": [{"map": "input", "max_items": 5, "task": "z"}]}]},
+    ]}  # fmt: skip
+    with pytest.raises(ProgramError) as caught:
+        parse_program(deep, known_tasks=set())
+    assert caught.value.faults == [
+        "steps[0].task: unknown task 'x'",
+        "steps[0].compensate.task: unknown task 'undo'",
+        "steps[1].steps[0].task: unknown task 'y'",
+        "steps[2].bag[0].steps[0].task: unknown task 'z'",
+    ]
+    many = {"steps": [{"task": f"t{i}"} for i in range(30)]}
+    with pytest.raises(ProgramError) as caught:
+        parse_program(many, known_tasks=set())
+    assert len(caught.value.faults) == 11
+    assert caught.value.faults[-1] == "and 20 more unknown tasks"
 
 
 def test_input_must_be_json() -> None:
