@@ -16,7 +16,10 @@ from typing import Any
 
 import pytest
 
+from orchestrator.keys import Names
+from orchestrator.program import PARALLEL
 from orchestrator.settings import Settings
+from orchestrator.shares import SHARES, share_pool
 from router.client import Router
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,6 +132,15 @@ def test_one_deployment_per_shard_each_owning_its_shard_with_standbys() -> None:
     assert "demo-orchestrator-3" not in found
 
 
+def test_decimals_given_with_set_are_taken() -> None:
+    """`--set` passes a decimal as a string; the schema used to refuse it (want number)."""
+    [config] = of_kind(
+        manifests("workers.fairShare=0.5", "workers.keyLeaseSeconds=0.5"), "ConfigMap"
+    ).values()
+    assert config["data"]["SHARDFLOW_FAIR_SHARE"] == "0.5"
+    assert config["data"]["SHARDFLOW_KEY_LEASE_S"] == "0.5"
+
+
 def test_draining_shards_keep_orchestrators_outside_the_ring() -> None:
     found = deployments(manifests("shards=2", "drainShards={2,3}"))
     assert sorted(name for name in found if "orchestrator" in name) == [
@@ -142,6 +154,7 @@ def test_draining_shards_keep_orchestrators_outside_the_ring() -> None:
     [
         # refused by the chart's templates
         (["shards=4", "drainShards={1}"], "drainShards: 1 is inside the ring 0..3"),
+        (["workers.keyLeaseSeconds=0.1"], "workers.keyLeaseSeconds: 0.1 is outside 0.3..3600"),
         (
             [
                 "workers.parallel.autoscaling.enabled=true",
@@ -166,6 +179,9 @@ def test_draining_shards_keep_orchestrators_outside_the_ring() -> None:
         (["orchestrator.replicasPerShard=0"], "at '/orchestrator/replicasPerShard': minimum"),
         (["orchestrator.podAntiAffinity=always"], "at '/orchestrator/podAntiAffinity': value must"),
         (["workers.parallel.concurrency=1001"], "at '/workers/parallel/concurrency': maximum"),
+        (["workers.fairShare=1.5"], "at '/workers/fairShare'"),
+        (["workers.fairShare=half"], "at '/workers/fairShare'"),
+        (["workers.keyLeaseSeconds=5000"], "at '/workers/keyLeaseSeconds'"),
         (["connection.amqpUrl=http://rabbitmq/"], "at '/connection/amqpUrl': 'http://rabbitmq/'"),
         (
             ["orchestrator.resources.limits.memory=lots"],
@@ -250,6 +266,24 @@ def test_named_pools_get_a_deployment_each_defaulting_to_the_parallel_workers() 
     labels = reports["spec"]["template"]["metadata"]["labels"]
     assert labels["app.kubernetes.io/component"] == "worker-reports"
     assert len(found) == 4 + 2 + 2 + 1  # shards, serial and parallel, named, the router
+
+
+def test_a_named_lane_defaults_to_the_serial_workers() -> None:
+    """A `serial-<name>` pool is a lane: one task at a time, standbys kept on other nodes and
+    by a PDB, as the serial pool's; it used to render as a parallel pool (--concurrency 16)."""
+    documents = manifests("workers.pools[0].name=serial-billing", "workers.parallel.replicas=5")
+    lane = deployments(documents)["demo-worker-serial-billing"]
+    assert container(lane)["args"] == ["worker", "--pool", "serial-billing", "--app", "tasks"]
+    assert lane["spec"]["replicas"] == 2  # workers.serial's, not the parallel pool's 5
+    spread = lane["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    [term] = spread["preferredDuringSchedulingIgnoredDuringExecution"]
+    labels = term["podAffinityTerm"]["labelSelector"]["matchLabels"]
+    assert labels["app.kubernetes.io/component"] == "worker-serial-billing"
+    budgets = of_kind(documents, "PodDisruptionBudget")
+    assert budgets["demo-worker-serial-billing"]["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/instance": "demo",
+        "app.kubernetes.io/component": "worker-serial-billing",
+    }
 
 
 @pytest.mark.parametrize(
@@ -415,9 +449,15 @@ def test_keda_and_the_service_monitor_are_optional() -> None:
     (scaled,) = of_kind(documents, "ScaledObject").values()
     assert scaled["spec"]["scaleTargetRef"] == {"name": "demo-worker-parallel"}
     assert scaled["spec"]["maxReplicaCount"] == 20
-    (trigger,) = scaled["spec"]["triggers"]
-    assert trigger["type"] == "rabbitmq"
-    assert trigger["metadata"]["queueName"] == "shop.tasks.parallel"
+    # One trigger for each of the pool's fair-share queues: a backlog in any of them counts.
+    triggers = scaled["spec"]["triggers"]
+    names = Names("shop")
+    assert [t["metadata"]["queueName"] for t in triggers] == [
+        names.task_queue(share_pool(PARALLEL, share)) for share in range(SHARES)
+    ]
+    assert {(t["type"], t["metadata"]["mode"], t["metadata"]["protocol"]) for t in triggers} == {
+        ("rabbitmq", "QueueLength", "amqp")
+    }
     (auth,) = of_kind(documents, "TriggerAuthentication").values()
     assert auth["spec"]["secretTargetRef"] == [
         {"parameter": "host", "name": "demo-connection", "key": "amqp-url"}
