@@ -95,6 +95,10 @@ def ladder_floor_ms(delay_s: float) -> int:
         scale *= 10
 
 
+class Unroutable(Exception):
+    """The broker returned a message: no queue is bound for it."""
+
+
 class TopologyError(RuntimeError):
     """A queue exists with other arguments than this configuration declares."""
 
@@ -372,10 +376,14 @@ class Bus:
             )
 
     async def publish_to_shard(self, owner: int, body: bytes, priority: int = GOING_ON) -> None:
-        """Publish to the owner shard's queue and wait for the broker's confirm."""
-        await self._send(
-            self.names.orchestrator_exchange, str(owner), body, _properties(priority=priority)
-        )
+        """Publish to the owner shard's queue and wait for the broker's confirm; Unroutable
+        when no queue takes it (a shard outside the ring that is not draining)."""
+        try:
+            await self._send(
+                self.names.orchestrator_exchange, str(owner), body, _properties(priority=priority)
+            )
+        except aio_pika.exceptions.PublishError:
+            raise Unroutable(f"shard {owner} has no queue (returned: NO_ROUTE)") from None
 
     async def publish_task(self, pool: str, body: bytes, priority: int = GOING_ON) -> None:
         """Publish to a pool's task queue (declared first) and wait for the broker's confirm."""

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from orchestrator.delivery import Poison, first_error
+from orchestrator.documents import ProgramError, load
 from orchestrator.keys import WORKFLOW_ID
-from orchestrator.program import MAX_BAG, MAX_LIMIT, MAX_LIMIT_KEY_CHARS, SIGNAL_NAME, TASK_NAME
+from orchestrator.program import (
+    MAX_BAG,
+    MAX_ITERATIONS,
+    MAX_LIMIT,
+    MAX_LIMIT_KEY_CHARS,
+    SIGNAL_NAME,
+    TASK_NAME,
+)
 from orchestrator.settings import MAX_SHARDS
 from orchestrator.store import MAX_ATTEMPTS
 
@@ -96,7 +105,8 @@ class Failed(_Message):
     # What a retry needs to send the task again.
     prev: Any = None
     prev_ref: bool = False
-    iteration: int = 0
+    # Bounded as the task message it rebuilds: a retry must be buildable from it.
+    iteration: int = Field(default=0, ge=0, lt=MAX_ITERATIONS)
     item: Any = None  # a map member's item
     epoch: Epoch = 0  # the run of the task that failed
 
@@ -184,7 +194,7 @@ class TaskMessage(_Message):
     # Large values stay in Redis: the input under `input`, the prev under the task's path.
     input_ref: bool = False
     prev_ref: bool = False
-    iteration: int = Field(default=0, ge=0)
+    iteration: int = Field(default=0, ge=0, lt=MAX_ITERATIONS)
     attempt: int = Field(default=0, ge=0, lt=MAX_ATTEMPTS)
     owner: int = Field(ge=0, lt=MAX_SHARDS)
     timeout_s: float | None = Field(default=None, gt=0, le=86400)
@@ -253,6 +263,19 @@ class MessageTooLarge(ValueError):
 def _fits(body: bytes) -> None:
     if len(body) > MAX_MESSAGE_BYTES:
         raise MessageError(f"a message of {len(body)} bytes, over {MAX_MESSAGE_BYTES}")
+    if _NON_FINITE.search(body):
+        # pydantic's parser takes NaN, Infinity and 1e400 into an Any field (an output, args),
+        # and they would reach Redis as text that is not JSON. Only a body that may hold one
+        # is parsed again, strictly (documents.load), so the common message costs one scan.
+        try:
+            load(body, "message", MAX_MESSAGE_BYTES)
+        except ProgramError as exc:
+            raise MessageError(str(exc)) from None
+
+
+# NaN, Infinity, or an exponent of three digits or more (1e400 is infinite); in a string too,
+# where the strict parse then finds nothing wrong.
+_NON_FINITE = re.compile(rb"NaN|Infinity|[0-9][eE][+-]?[0-9]{3}")
 
 
 def decode_shard_message(body: bytes) -> Start | Next | Failed | Deadline | Wake | Signalled:

@@ -36,6 +36,7 @@ from orchestrator.documents import (  # the documents' names stay importable fro
 
 TASK_NAME = r"^[A-Za-z_][A-Za-z0-9_.:-]{0,127}$"
 MAX_BAG = 1000
+MAX_ITERATIONS = 100_000  # of one loop
 # Parallel branches (a bag member that is a list of steps): bounds on their number in one
 # bag, on the steps of one branch's own list, on how deep branches nest in branches, and on
 # all of a program's branches (every branch of a bag holds a cursor of its own while it runs).
@@ -334,7 +335,7 @@ class Untiloop(_Model):
 
     id: StepId | None = None
     until: str = Field(min_length=1, max_length=MAX_SOURCE_CHARS)
-    max_iterations: int = Field(ge=1, le=100_000)
+    max_iterations: int = Field(ge=1, le=MAX_ITERATIONS)
     # Finished iterations whose outputs stay in Redis; older ones go as the loop moves on.
     keep_iterations: int = Field(
         default=1,

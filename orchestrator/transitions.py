@@ -287,6 +287,8 @@ class Transitions:
                 following = await self._woken(message, plan, steps)
             if isinstance(following, str):  # a step long gone, a sleep not yet due, a signal
                 self.counts[following] += 1
+                if following == "stale":
+                    _ignored(message, following)
                 return following
             outcome = following
         else:
@@ -294,6 +296,8 @@ class Transitions:
             if isinstance(failure, str):  # retried, or a stale report
                 self.counts[failure] += 1
                 metrics.failure_verdict(failure)
+                if failure == "stale":
+                    _ignored(message, failure)
                 return failure
             expected, outcome = message.path, failure
             epoch = run = message.epoch
@@ -330,13 +334,7 @@ class Transitions:
             elif ended:
                 log.info("%s: ended %s", message.wf, verdict.status)
         else:
-            log.info(
-                "%s: %s message for %r ignored (%s)",
-                message.wf,
-                message.kind,
-                expected,
-                verdict.verdict,
-            )
+            _ignored(message, verdict.verdict)
         if ended:
             self.plans.forget(message.wf)
             await self.store.untrack(message.wf, plan.owner)
@@ -481,7 +479,8 @@ class Transitions:
             return "stale"  # a timer of an earlier run (before a redrive)
         if state.get("status") != "running" or state.get("cursor") != message.path:
             return "stale"
-        assert step.timeout_s is not None, "a signal without a timeout sets no timer"
+        if step.timeout_s is None:  # no owner sets one: a forged or mistaken message
+            raise Poison(f"{message.wf}: step {message.path} is a signal without a timeout")
         began_ms = int(state.get("updated_ms") or 0)
         delay_ms = ladder_floor_ms(began_ms / 1000 + step.timeout_s - time.time())
         if delay_ms > 0:
@@ -956,3 +955,9 @@ class Transitions:
         delay_s = max(ladder_floor_ms(leaf.step.sleep_s), 1) / 1000
         body = encode(Wake(wf=wf, path=leaf.path, epoch=epoch))
         await self.bus.publish_to_shard_later(plan.owner, body, delay_s)
+
+
+def _ignored(message: Start | Next | Failed | Wake, verdict: str) -> None:
+    """Say so when a message changes nothing: a duplicate, a late one, or a forged one."""
+    path = getattr(message, "path", "")
+    log.info("%s: %s message for %r ignored (%s)", message.wf, message.kind, path, verdict)

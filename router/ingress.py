@@ -123,7 +123,11 @@ class Ingress(Service):
                     document = parse_document(
                         delivery.body, what="request", max_bytes=len(delivery.body)
                     )
-                except ProgramError:
+                except ProgramError as strict:
+                    # JSON to pydantic but not to the program format (NaN, a duplicate key):
+                    # that is the fault, not the fields a request of another kind would need.
+                    if exc.errors()[0]["type"] != "json_invalid":
+                        fault = str(strict)
                     document = None
                 if not isinstance(document, dict) or "signal" not in document:
                     raise Poison(fault) from None
@@ -160,7 +164,10 @@ class Ingress(Service):
         logs.bind(workflow_id=request.workflow_id)
         try:
             sent = await self.router.signal(
-                request.workflow_id, request.signal, request.data, request.signal_id or derived
+                request.workflow_id,
+                request.signal,
+                request.data,
+                derived if request.signal_id is None else request.signal_id,  # "" is refused
             )
         except (LookupError, ValueError) as exc:
             raise Poison(f"signal: {exc}") from None

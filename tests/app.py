@@ -155,6 +155,11 @@ async def blob(ctx: TaskContext) -> str:
     return "x" * ctx.args["n"]
 
 
+@task(name="not_json")
+async def not_json(ctx: TaskContext) -> float:
+    return float("nan")  # Python's json writes NaN; no JSON parser should read it
+
+
 @task()
 def exits(ctx: TaskContext) -> None:
     """Calls sys.exit: it must fail the task, never stop the worker."""

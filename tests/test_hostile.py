@@ -12,7 +12,7 @@ import pytest
 
 from orchestrator.bus import ladder_floor_ms, ladder_ms
 from orchestrator.connections import connected
-from orchestrator.keys import Names
+from orchestrator.keys import Keys, Names
 from orchestrator.messages import (
     MAX_ERROR,
     MessageError,
@@ -103,8 +103,10 @@ def settings_limit(settings: Settings) -> Settings:
 async def test_a_message_that_keeps_failing_is_dead_lettered_after_the_limit(
     settings_limit: Settings, registry: Any
 ) -> None:
-    """A task message naming an owner shard that does not exist can never be reported: on
-    classic queues it was requeued ~1000 times a second, forever."""
+    """A task message that fails every time, and not as poison (here its program's state is
+    not a hash: Redis answers WRONGTYPE), is dead-lettered after the limit: on classic queues
+    it was requeued ~1000 times a second, forever. (This test first used a task naming an
+    owner shard that does not exist; that is now poison, refused on its first delivery.)"""
     from shardflow.dev import Dev
 
     settings = settings_limit
@@ -112,17 +114,16 @@ async def test_a_message_that_keeps_failing_is_dead_lettered_after_the_limit(
         dev = Dev(settings, registry, store=store, bus=bus, concurrency=4)
         running = asyncio.create_task(dev.run())
         try:
-            # A program at its first step, whose task claims an owner shard nobody consumes.
-            plan = json.dumps({"program": {"steps": [{"task": "add"}]}, "input": 1, "owner": 0})
-            await store.submit("lost-owner", plan, 0, "", "digest")
-            await store.advance("lost-owner", "", "0", "running", leaf="task")
-            task = {"wf": "lost-owner", "path": "0", "task": "add", "owner": 999}
+            # A task whose program's state cannot be read: a string where a hash should be.
+            await store.client.set(Keys(settings.prefix).state("lost-owner"), "not a hash")
+            task = {"wf": "lost-owner", "path": "0", "task": "add", "owner": 0}
             await publish(settings, f"{settings.prefix}.tasks.parallel", json.dumps(task).encode())
             reasons = await dead_reasons(settings, 1)
         finally:
             dev.shutdown()
             await running
     assert len(reasons) == 1 and reasons[0].startswith("failed 3 times, the limit; last:")
+    assert "WRONGTYPE" in reasons[0], reasons
 
 
 async def test_an_ingress_request_delivered_twice_starts_one_program(
@@ -286,3 +287,53 @@ async def test_no_handler_runs_for_an_unknown_program_or_a_step_its_program_left
     assert await dead_reasons(settings, 1) == ["nobody: no such program"]
     starts = [(e["wf"], e["path"]) for e in trace.events() if e["event"] == "start"]
     assert starts == [("moved-on", "0"), ("moved-on", "1")]
+
+
+async def test_forged_messages_a_probe_found_looping_are_refused_on_their_first_delivery(
+    cluster: Router, settings: Settings, trace: Any
+) -> None:
+    """Each of these used to be tried SHARDFLOW_DELIVERY_LIMIT times (a forged task's handler
+    ran each time), or wedged its program; each is now refused as poison at once, with a
+    reason that names the fault, and the programs go on."""
+    names = Names(settings.prefix)
+    waiting = await cluster.submit({"steps": [{"signal": "go"}]}, None, "no-timer")
+    slow = {"steps": [{"task": "echo", "args": {"sleep_s": 1.0}}, {"task": "echo"}]}
+    running = await cluster.submit(slow, trace.as_input(), "foreign-owner")
+    other = (running.shard + 1) % settings.shards
+    for _ in range(100):  # a task for step 0 is current once step 0 runs (for 1 s)
+        if any(e["event"] == "start" for e in trace.events()):
+            break
+        await asyncio.sleep(0.05)
+    forged_task = {"wf": "foreign-owner", "path": "0", "task": "echo", "owner": other}
+    forged_task["input"] = trace.as_input()
+    await publish(settings, names.task_queue("parallel"), json.dumps(forged_task).encode())
+    to_shard = [
+        (waiting.shard, b'{"kind": "wake", "wf": "no-timer", "path": "0"}'),
+        (running.shard, b'{"kind": "failed", "wf": "foreign-owner", "path": "0", '
+                        b'"error": "forged", "iteration": -5}'),
+        (running.shard, b'{"kind": "next", "wf": "foreign-owner", "path": "0", '
+                        b'"output": {"v": NaN}}'),
+    ]  # fmt: skip
+    for shard, body in to_shard:
+        await publish(settings, str(shard), body, exchange=names.orchestrator_exchange)
+    reasons = sorted(await dead_reasons(settings, 4))
+    assert reasons == sorted([
+        f"foreign-owner: reports to shard {other}, but its owner is shard {running.shard}",
+        "no-timer: step 0 is a signal without a timeout",
+        "failed.iteration: Input should be greater than or equal to 0",
+        "message: NaN is not JSON",
+    ]), reasons  # fmt: skip
+    assert (await cluster.wait("foreign-owner", timeout_s=30))["status"] == "completed"
+    starts = [e["path"] for e in trace.events() if e["event"] == "start"]
+    assert starts == ["0", "1"]  # the forged task never ran
+    await cluster.signal("no-timer", "go", {"ok": True})
+    assert (await cluster.wait("no-timer", timeout_s=30))["result"] == {"ok": True}
+
+
+async def test_a_handler_returning_nan_fails_its_task_instead_of_reporting_non_json(
+    cluster: Router,
+) -> None:
+    await cluster.submit({"steps": [{"task": "not_json"}]}, None, "nan-output")
+    status = await cluster.wait("nan-output", timeout_s=30)
+    assert status["status"] == "failed"
+    assert "output is not JSON: Out of range float values" in status["error"], status["error"]

@@ -140,7 +140,7 @@ def test_untiloops_nest() -> None:
             "steps[0].args: Input should be a valid dictionary",
         ),
         ({"steps": "a"}, "steps: Input should be a valid list"),
-        ([1], "program: Input should be a valid dictionary"),
+        ([1], "program: a JSON object, not a list"),
         ({"steps": [{"map": "input", "task": "a"}]}, "steps[0].max_items: Field required"),
         ({"steps": [{"map": "input", "max_items": 2}]}, "steps[0].task: Field required"),
         (

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from orchestrator import limits, logs, metrics
-from orchestrator.bus import GOING_ON, Transport
+from orchestrator.bus import GOING_ON, Transport, Unroutable
 from orchestrator.delivery import UNREACHABLE, Delivery, Poison, process, redelivered
 from orchestrator.lifecycle import Service, format_counts
 from orchestrator.marks import Marks
@@ -169,7 +169,10 @@ class Worker(Service):
             else:
                 reports = await self.run_tasks(task.split(), redelivered=again, carry=carry)
             for report in reports:
-                await self.bus.publish_to_shard(task.owner, encode(report))
+                try:
+                    await self.bus.publish_to_shard(task.owner, encode(report))
+                except Unroutable as exc:  # trying again would run the handler again
+                    raise Poison(f"{task.wf}: its report: {exc}") from None
 
     async def _current(
         self, tasks: list[TaskMessage], *, redelivered: bool = False
@@ -189,7 +192,13 @@ class Worker(Service):
             or int(state.get("epoch") or 0) != tasks[0].epoch  # a run before a redrive
         ):
             self.counts["stale"] += len(tasks)
+            log.info("%s: task for %r ignored (stale)", tasks[0].wf, tasks[0].path)
             return []
+        if state.get("owner") != str(tasks[0].owner):  # its report would reach no owner
+            raise Poison(
+                f"{tasks[0].wf}: reports to shard {tasks[0].owner}, but its owner is shard "
+                f"{state.get('owner')}"
+            )
         return tasks
 
     async def _begin(self, tasks: list[TaskMessage], *, redelivered: bool) -> list[TaskMessage]:
@@ -448,7 +457,7 @@ class Worker(Service):
             raise _ProgramCancelled
         output = handler.result()
         try:
-            text = json.dumps(output)
+            text = json.dumps(output, allow_nan=False)  # NaN is not JSON: the owner refuses it
         except (TypeError, ValueError) as exc:
             raise _TaskError(f"output is not JSON: {exc}") from None
         if len(text) > self.settings.max_output_bytes:
