@@ -287,6 +287,9 @@ async def test_no_handler_runs_for_an_unknown_program_or_a_step_its_program_left
     assert await dead_reasons(settings, 1) == ["nobody: no such program"]
     starts = [(e["wf"], e["path"]) for e in trace.events() if e["event"] == "start"]
     assert starts == [("moved-on", "0"), ("moved-on", "1")]
+    # Nor does the lane say it runs them (it wrote the mark before checking, once).
+    mark = await cluster.store.client.get(cluster.store.keys.lane("serial"))
+    assert mark is not None and mark.startswith("moved-on 1 echo "), mark
 
 
 async def test_forged_messages_a_probe_found_looping_are_refused_on_their_first_delivery(

@@ -150,8 +150,6 @@ class Worker(Service):
         """Run one task message; ack only after the report to the owner is confirmed."""
         async with process(delivery, self.bus, source, limit=self.settings.delivery_limit):
             task = decode_task(delivery.body)
-            if is_lane(self.pool):
-                await self.marks.lane(task.wf, task.path, task.task, self.pool)
             again = redelivered(delivery)
             # Its owner records a single task's output with its advance (messages.CARRY).
             carry = (delivery.headers or {}).get(CARRY) == 1
@@ -175,6 +173,16 @@ class Worker(Service):
                     raise Poison(f"{task.wf}: its report: {exc}") from None
 
     async def _current(
+        self, tasks: list[TaskMessage], *, redelivered: bool = False
+    ) -> list[TaskMessage]:
+        """The tasks to run (see _still_current); a lane marks the one it runs, once it is
+        known to be current, so a forged task of no program marks nothing."""
+        current = await self._still_current(tasks, redelivered=redelivered)
+        if current and is_lane(self.pool):
+            await self.marks.lane(current[0].wf, current[0].path, current[0].task, self.pool)
+        return current
+
+    async def _still_current(
         self, tasks: list[TaskMessage], *, redelivered: bool = False
     ) -> list[TaskMessage]:
         """The tasks to run: all when the program is still at their step, in their run, else
