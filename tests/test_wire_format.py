@@ -2,12 +2,14 @@
 from-scratch MurmurHash3 (the 20 lines another language would port)."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from orchestrator.machine import Leaf, first
 from orchestrator.messages import (
+    MessageError,
     Next,
     Start,
     TaskMessage,
@@ -182,3 +184,27 @@ def test_the_epoch_of_a_redriven_run_travels_only_when_it_is_not_0() -> None:
         assert decode_shard_message(encode(carried)) == carried
     with pytest.raises(MessageError, match="epoch"):
         decode_shard_message(b'{"kind": "next", "wf": "w", "path": "0", "epoch": -1}')
+
+
+@pytest.mark.parametrize(
+    ("body", "fault"),
+    [
+        (b'{"kind": "next", "wf": "w", "path": "0", "output": {"v": NaN}}', "NaN is not JSON"),
+        (b'{"kind": "next", "wf": "w", "path": "0", "output": [-Infinity]}', "Infinity"),
+        (b'{"kind": "next", "wf": "w", "path": "0", "output": 1E+400}', "'1E+400' is out of"),
+        (b'{"kind": "failed", "wf": "w", "path": "0", "error": "x", "iteration": -5}', "iter"),
+        (b'{"kind": "failed", "wf": "w", "path": "0", "error": "x", "iteration": 100000}', "iter"),
+    ],
+)
+def test_a_shard_message_holding_what_json_cannot_carry_is_refused(body: bytes, fault: str) -> None:
+    with pytest.raises(MessageError, match=re.escape(fault)):
+        decode_shard_message(body)
+
+
+def test_the_words_nan_and_infinity_and_big_exponents_in_strings_are_kept() -> None:
+    body = b'{"kind": "next", "wf": "w", "path": "0", "output": ["NaN", "Infinity", "e400"]}'
+    assert decode_shard_message(body).output == ["NaN", "Infinity", "e400"]  # type: ignore[union-attr]
+    task = b'{"wf": "w", "path": "0", "task": "t", "owner": 0, "args": {"x": 1e308}}'
+    assert decode_task(task).args == {"x": 1e308}
+    with pytest.raises(MessageError, match="NaN is not JSON"):
+        decode_task(b'{"wf": "w", "path": "0", "task": "t", "owner": 0, "prev": NaN}')
