@@ -140,7 +140,37 @@ SWEEP_BOUND = (
 BACKLOG_UPSTREAM = "tests/test_backlog.py::test_programs_waiting_for_their_owner_go_out_in_chunks"
 BACKLOG_PURE = "tests/test_backlog.py::test_messages_waiting_for_the_owner_count_as_a_backlog"
 
+FORGED = (
+    "tests/test_hostile.py::"
+    "test_forged_messages_a_probe_found_looping_are_refused_on_their_first_delivery"
+)
+NOT_JSON = (
+    "tests/test_wire_format.py::test_a_shard_message_holding_what_json_cannot_carry_is_refused"
+)
+
 MUTANTS = {
+    # A worker runs a current task whatever owner shard it names: a forged one runs its
+    # handler, and again on every delivery, its report unroutable.
+    "task-owner-unchecked": (
+        "worker/pool.py",
+        'if state.get("owner") != str(tasks[0].owner):',
+        "if False:",
+        (FORGED,),
+    ),
+    # A failed report's iteration unbounded at the door: the retry cannot be built from it.
+    "failed-iteration-unbounded": (
+        "orchestrator/messages.py",
+        "    iteration: int = Field(default=0, ge=0, lt=MAX_ITERATIONS)\n    item: Any = None",
+        "    iteration: int = 0\n    item: Any = None",
+        (NOT_JSON, FORGED),
+    ),
+    # NaN and infinities pass the door into outputs, and reach Redis as text that is not JSON.
+    "non-finite-values-pass": (
+        "orchestrator/messages.py",
+        'if b"NaN" in body or b"Infinity" in body or _EXPONENT.search(body):',
+        "if False:",
+        (NOT_JSON, FORGED),
+    ),
     "bare-counter-barrier": (
         "lua/complete.lua",
         """local verdict = "again"
