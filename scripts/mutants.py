@@ -140,6 +140,10 @@ SWEEP_BOUND = (
 BACKLOG_UPSTREAM = "tests/test_backlog.py::test_programs_waiting_for_their_owner_go_out_in_chunks"
 BACKLOG_PURE = "tests/test_backlog.py::test_messages_waiting_for_the_owner_count_as_a_backlog"
 
+# Deterministic beside SAGAS, whose drawn programs undo two steps only now and then.
+LAST_FIRST = (
+    "tests/test_saga.py::test_a_failure_undoes_the_completed_steps_last_first_a_bags_side_by_side"
+)
 FORGED = (
     "tests/test_hostile.py::"
     "test_forged_messages_a_probe_found_looping_are_refused_on_their_first_delivery"
@@ -567,7 +571,7 @@ end""",
         "orchestrator/saga.py",
         "    for n, members in reversed(program.compensations):",
         "    for n, members in program.compensations:",
-        (SAGAS,),
+        (SAGAS, LAST_FIRST),
     ),
     # The saga's cursor moves whatever the status: a late start after the end runs the
     # compensations again.
