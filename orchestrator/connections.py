@@ -8,6 +8,8 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from aiormq.exceptions import ChannelNotFoundEntity
+
 from orchestrator.bus import Bus
 from orchestrator.delivery import UNREACHABLE
 from orchestrator.redis_store import RedisStore
@@ -35,8 +37,10 @@ async def connected(
                 await store.load_scripts()
                 await bus.connect()
                 break
-            except UNREACHABLE as exc:
-                if time.monotonic() + pause > deadline:
+            except (*UNREACHABLE, ChannelNotFoundEntity) as exc:
+                # RabbitMQ answers a declare of a queue whose process died with NOT_FOUND "has
+                # crashed and failed to restart", and restarts it soon: wait for it too.
+                if not _passing(exc) or time.monotonic() + pause > deadline:
                     raise
                 log.warning("%s: waiting for RabbitMQ and Redis: %s", name, exc)
                 await bus.close()
@@ -46,3 +50,8 @@ async def connected(
     finally:
         await bus.close()
         await store.close()
+
+
+def _passing(exc: BaseException) -> bool:
+    """A fault that goes away by itself: a service away, or a queue the broker restarts."""
+    return not isinstance(exc, ChannelNotFoundEntity) or "has crashed" in str(exc)
