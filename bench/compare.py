@@ -53,7 +53,7 @@ from aio_pika.abc import AbstractIncomingMessage  # noqa: E402
 from redis.asyncio import Redis  # noqa: E402
 
 from bench.cpu import Meter, cpu_s  # noqa: E402
-from bench.floor import floor_step_ms  # noqa: E402
+from bench.floor import floor_loaded, floor_step_ms  # noqa: E402
 from bench.services import AMQP, drop_vhost, vhost  # noqa: E402
 from orchestrator.connections import connected  # noqa: E402
 from orchestrator.keys import Names  # noqa: E402
@@ -510,6 +510,7 @@ async def chain_rounds(out: dict[str, dict[str, Any]], sf: Shardflow, celery: Ce
     steps: dict[str, list[dict[str, Any]]] = {name: [] for name in out}
     loaded: dict[str, list[dict[str, Any]]] = {name: [] for name in out}
     floors: list[float] = []
+    loaded_floors: list[dict[str, Any]] = []
 
     async def shardflow() -> dict[str, float]:
         sf.start(orchestrators=2)
@@ -524,7 +525,12 @@ async def chain_rounds(out: dict[str, dict[str, Any]], sf: Shardflow, celery: Ce
     async def floor() -> dict[str, float]:
         # No shardflow process runs while the floor does, as none of Celery's does.
         floors.append(await asyncio.to_thread(floor_step_ms, per_round, 20))
-        return {"step_p50_ms": floors[-1]}
+        loaded_floors.append(await asyncio.to_thread(floor_loaded, small, 20))
+        return {
+            "step_p50_ms": floors[-1],
+            "tasks_per_s": loaded_floors[-1]["tasks_per_s"],
+            "cpu_s_per_1000_tasks": loaded_floors[-1]["cpu_s_per_1000_tasks"],
+        }
 
     def pool(name: str, kind: str, concurrency: int) -> Callable[[], Awaitable[dict[str, float]]]:
         async def run() -> dict[str, float]:
@@ -557,6 +563,8 @@ async def chain_rounds(out: dict[str, dict[str, Any]], sf: Shardflow, celery: Ce
         out[name][f"B_M{small}"] = ordered[len(ordered) // 2]
         out[name]["B_rounds"] = rounds[name]
     out["shardflow"]["B_M1_floor"] = {"step_p50_ms": round(statistics.median(floors), 3)}
+    ordered_floors = sorted(loaded_floors, key=lambda run: run["tasks_per_s"])
+    out["shardflow"][f"B_M{small}_floor"] = ordered_floors[len(ordered_floors) // 2]
     out["shardflow"]["B_floor_rounds"] = rounds["floor"]
 
 
@@ -667,6 +675,14 @@ def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool,
     ratios["B_M1_step_over_floor"] = median_ratio(
         sf["B_rounds"], [sf["B_floor_rounds"]], "step_p50_ms", False
     )
+    # The same at M=small: what the design allows for chains under load, and what of it
+    # shardflow's code takes.
+    ratios[f"B_M{small}_floor_over_celery"] = per_round("tasks_per_s", True, "B_floor_rounds")
+    for figure, name, higher in (("tasks_per_s", "tasks_per_s", True),
+                                 ("cpu_s_per_1000_tasks", "cpu_per_task", False)):  # fmt: skip
+        ratios[f"B_M{small}_{name}_over_floor"] = median_ratio(
+            sf["B_rounds"], [sf["B_floor_rounds"]], figure, higher
+        )
     # Against Celery with publisher confirms, as shardflow publishes (not a target's ratio).
     confirming = [out[CONFIRMING]["B_rounds"]]
     ratios["B_M1_step_p50_same_guarantee"] = median_ratio(
@@ -737,6 +753,10 @@ def table(out: dict[str, dict[str, Any]], big: int, small: int) -> str:
              ("B M=1: step p99 ms", "B_M1", "step_p99_ms"),
              (f"B M={small}: tasks/s", f"B_M{small}", "tasks_per_s")]  # fmt: skip
     rows += [(f"B M={small}: {name}", f"B_M{small}", figure) for name, figure in cost]
+    rows += [
+        (f"B M={small}: floor tasks/s", f"B_M{small}_floor", "tasks_per_s"),
+        (f"B M={small}: floor CPU-s/1000", f"B_M{small}_floor", "cpu_s_per_1000_tasks"),
+    ]
     rows += [(f"{shape}: broker {kind}/task", f"messages_{shape}", f"{kind}_per_task")
              for shape in ("A", "A_chunk1", "A_chunk10", "B")
              for kind in ("published", "delivered")]  # fmt: skip

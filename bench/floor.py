@@ -8,11 +8,13 @@ current (one read) and reports back to the owning shard. This runs exactly that 
 bare processes, as shardflow's own are set up (uvloop, aio-pika's consumers, publishes
 through aiormq, persistent messages, publisher confirms, classic queues with priorities, ack
 after the confirm, one process a side), and times a step as bench/compare.py's shape B does:
-a chain's wall time over its steps, median of `--chains` chains.
+a chain's wall time over its steps, median of `--chains` chains. Then it runs 200 chains at
+once, as shape B at M=200, each side handling up to 16 messages at once (shardflow's
+defaults), for tasks/s and the CPU seconds of every process involved per 1,000 tasks.
 
-The figure is what a step cannot go below whatever shardflow's own Python does: shardflow's
-step over it is the cost of shardflow's code, and it over Celery's step is the cost of the
-design (bench/compare.py prints both).
+The figures are what shardflow cannot beat whatever its own Python does: its step over the
+floor's is the cost of shardflow's code, and the floor's over Celery's step is the cost of
+the design; the same for chains at M=200 (bench/compare.py prints each).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aio_pika
 import aiormq
@@ -47,6 +49,9 @@ return {1, ARGV[2]}
 # two priorities, a pool's task queue ten.
 SHARD_QUEUE = {"x-max-priority": 1, "x-single-active-consumer": True}
 TASK_QUEUE = {"x-max-priority": 9}
+PREFETCH = 16  # messages each side holds at once, as shardflow's default prefetch and pool
+LOADED_WAIT_S = 300.0
+LOADED = 200  # chains at once in the loaded run, as bench/compare.py's shape B at M=200
 
 
 async def _publish(channel: aio_pika.abc.AbstractChannel, queue: str, body: bytes) -> None:
@@ -76,27 +81,38 @@ def _ack_later(
 
 
 async def worker(url: str, prefix: str) -> None:
-    """Take a task, check its step is current (one read), report to the owner's queue."""
+    """Take a task, check its step is current (one read), report to the owner's queue; up to
+    PREFETCH tasks at once, each in a task of its own, as a shardflow worker runs them."""
     redis = Redis.from_url(REDIS_URL)
     async with await aio_pika.connect(url) as connection:
         channel = await connection.channel(publisher_confirms=True)
-        await channel.set_qos(prefetch_count=16)
+        await channel.set_qos(prefetch_count=PREFETCH)
         tasks = await channel.declare_queue(f"{prefix}.tasks", durable=True, arguments=TASK_QUEUE)
         pending: set[asyncio.Task[None]] = set()
+
+        async def run(message: aio_pika.abc.AbstractIncomingMessage, task: dict[str, Any]) -> None:
+            cursor = await redis.hget(f"{prefix}:{task['wf']}", "cursor")
+            if cursor is not None and cursor.decode() == task["path"]:
+                report = {"wf": task["wf"], "path": task["path"], "output": {"k": 1}}
+                await _publish(channel, f"{prefix}.shard", json.dumps(report).encode())
+            await message.ack()
+
         async with tasks.iterator() as messages:
             async for message in messages:
                 task = json.loads(message.body)
                 if task.get("stop"):
                     await message.ack()
                     break
-                cursor = await redis.hget(f"{prefix}:{task['wf']}", "cursor")
-                publishing = None
-                if cursor is not None and cursor.decode() == task["path"]:
-                    report = {"wf": task["wf"], "path": task["path"], "output": {"k": 1}}
-                    publishing = _publish(channel, f"{prefix}.shard", json.dumps(report).encode())
-                _ack_later(pending, publishing, message)
+                _hold(pending, run(message, task))
         await asyncio.gather(*pending)
     await redis.aclose()
+
+
+def _hold(pending: set[asyncio.Task[None]], work: Any) -> None:
+    """Run `work` beside the consumer loop, held in `pending` until done."""
+    task = asyncio.ensure_future(work)
+    pending.add(task)
+    task.add_done_callback(pending.discard)
 
 
 async def owner(url: str, prefix: str, chains: int, steps: int) -> list[float]:
@@ -140,8 +156,79 @@ async def owner(url: str, prefix: str, chains: int, steps: int) -> list[float]:
     return per_step[1:]
 
 
-async def run(chains: int, steps: int) -> list[float]:
-    """Both sides in their own processes, as a shardflow owner and worker are."""
+async def owner_loaded(url: str, prefix: str, m: int, steps: int) -> dict[str, Any]:
+    """`m` chains at once: each report handled in a task of its own (at most PREFETCH at
+    once, as a shardflow owner), acked after the next task's confirm; tasks/s and the CPU of
+    every process (this owner, the worker, RabbitMQ, Redis) per 1,000 tasks."""
+    from bench.cpu import Meter
+
+    redis = Redis.from_url(REDIS_URL)
+    advance = redis.register_script(ADVANCE)
+    async with await aio_pika.connect(url) as connection:
+        channel = await connection.channel(publisher_confirms=True)
+        await channel.set_qos(prefetch_count=PREFETCH)
+        shard = await channel.declare_queue(f"{prefix}.shard", durable=True, arguments=SHARD_QUEUE)
+        await channel.declare_queue(f"{prefix}.tasks", durable=True, arguments=TASK_QUEUE)
+        pending: set[asyncio.Task[None]] = set()
+        ended = asyncio.Event()
+        left = m
+
+        async def on_report(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            nonlocal left
+            report = json.loads(message.body)
+            k, last = int(report["path"]), int(report["path"]) + 1 == steps
+            moved, _ = await advance(
+                keys=[f"{prefix}:{report['wf']}"],
+                args=[str(k), "end" if last else str(k + 1), time.time_ns()],
+            )
+            if moved and not last:
+                task = json.dumps({"wf": report["wf"], "path": str(k + 1)}).encode()
+                await _publish(channel, f"{prefix}.tasks", task)
+            await message.ack()
+            if moved and last:
+                left -= 1
+                if not left:
+                    ended.set()
+
+        async def consume() -> None:
+            async with shard.iterator() as messages:
+                async for message in messages:
+                    _hold(pending, on_report(message))
+
+        wfs = [uuid.uuid4().hex for _ in range(m)]
+        for wf in wfs:
+            await redis.hset(f"{prefix}:{wf}", mapping={"cursor": "0", "updated_ms": "0"})
+        consumer = asyncio.ensure_future(consume())
+        meter = Meter({"floor worker": _worker_pids})
+        meter.start()
+        started = time.monotonic()
+        await asyncio.gather(
+            *(_publish(channel, f"{prefix}.tasks", json.dumps({"wf": wf, "path": "0"}).encode())
+              for wf in wfs)
+        )  # fmt: skip
+        await asyncio.wait_for(ended.wait(), LOADED_WAIT_S)
+        wall = time.monotonic() - started
+        used, calls = meter.used(), meter.calls()
+        consumer.cancel()
+        await asyncio.gather(consumer, *pending, return_exceptions=True)
+        await _publish(channel, f"{prefix}.tasks", b'{"stop": true}')
+        await redis.delete(*(f"{prefix}:{wf}" for wf in wfs))
+    await redis.aclose()
+    tasks = m * steps
+    return {
+        "tasks_per_s": round(tasks / wall, 1),
+        "cpu_s_per_1000_tasks": round(sum(used.values()) * 1000 / tasks, 3),
+        "cpu_s_per_1000_tasks_by_group": {k: round(v * 1000 / tasks, 3) for k, v in used.items()},
+        "syscalls_per_task_by_group": {k: round(v / tasks, 2) for k, v in calls.items()},
+    }
+
+
+_worker_pids: list[int] = []  # the floor worker of the run under way, for the CPU meter
+
+
+async def run(chains: int, steps: int, loaded: int = 0) -> Any:
+    """Both sides in their own processes, as a shardflow owner and worker are: `chains`
+    chains one after another (per-step ms), or `loaded` chains at once (owner_loaded)."""
     name = "shardflow-floor"
     url = vhost(name)
     prefix = f"floor{uuid.uuid4().hex[:6]}"
@@ -149,8 +236,11 @@ async def run(chains: int, steps: int) -> list[float]:
         side = await asyncio.create_subprocess_exec(
             sys.executable, __file__, "--worker", url, prefix
         )
+        _worker_pids[:] = [side.pid]
         await asyncio.sleep(1.5)  # imports and its queue declared
         try:
+            if loaded:
+                return await owner_loaded(url, prefix, loaded, steps)
             return await owner(url, prefix, chains, steps)
         finally:
             try:
@@ -169,11 +259,21 @@ def floor_step_ms(chains: int = 10, steps: int = 20) -> float:
     return round(statistics.median(uvloop.run(run(chains, steps))), 3)
 
 
+def floor_loaded(m: int = 200, steps: int = 20) -> dict[str, Any]:
+    """`m` chains of `steps` at once on the floor: tasks/s and CPU-s per 1,000 tasks."""
+    import uvloop
+
+    return cast(dict[str, Any], uvloop.run(run(0, steps, loaded=m)))
+
+
 def main() -> None:
     args = chain_arguments(__doc__)
     step = floor_step_ms(args.chains, args.steps)
     print(f"floor step, median of {args.chains} chains of {args.steps}: {step} ms")
-    figures = {"chains": args.chains, "steps": args.steps, "floor_step_ms": step}
+    loaded = floor_loaded(LOADED, args.steps)
+    print(f"floor, {LOADED} chains at once: {loaded}")
+    figures = {"chains": args.chains, "steps": args.steps, "floor_step_ms": step,
+               f"floor_M{LOADED}": loaded}  # fmt: skip
     write_result(f"floor-{args.stamp}", figures)
 
 

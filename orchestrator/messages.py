@@ -261,21 +261,36 @@ class MessageTooLarge(ValueError):
 
 
 def _fits(body: bytes) -> None:
+    """Refuse a body over MAX_MESSAGE_BYTES, or one holding a number that is not finite."""
     if len(body) > MAX_MESSAGE_BYTES:
         raise MessageError(f"a message of {len(body)} bytes, over {MAX_MESSAGE_BYTES}")
-    if b"NaN" in body or b"Infinity" in body or _EXPONENT.search(body):
-        # pydantic's parser takes NaN, Infinity and 1e400 into an Any field (an output, args),
-        # and they would reach Redis as text that is not JSON. Only a body that may hold one
-        # is parsed again, strictly (documents.load), so the common message costs one scan.
+    if _may_not_be_finite(body):
+        # pydantic's parser takes NaN, Infinity, 1e400 and a float of 309 digits into an Any
+        # field (an output, args) as a float that is not finite, which would reach Redis as
+        # text that is not JSON. Only a body that may hold one is parsed again, strictly
+        # (documents.load), so the common message costs a few scans.
         try:
             load(body, "message", MAX_MESSAGE_BYTES)
         except ProgramError as exc:
             raise MessageError(str(exc)) from None
 
 
-# An exponent of three digits or more (1e400 is infinite). This, NaN or Infinity may be in a
-# string too ("image001"), where the strict parse then finds nothing wrong: it only costs time.
-_EXPONENT = re.compile(rb"[eE][+-]?[0-9]{3}")
+def _may_not_be_finite(body: bytes) -> bool:
+    if b"NaN" in body or b"Infinity" in body or _LONG_DIGITS.search(body):
+        return True
+    # The cheap scan first: a hex id ("a89de851") matches it one time in three, the exact
+    # one (a number token's exponent) only where a number may be infinite.
+    return _E3.search(body) is not None and _EXPONENT.search(body) is not None
+
+
+# An exponent of three digits or more (1e400 is infinite), anywhere; then only in a number
+# token (after neither a letter nor a digit). A string holding one ("x 1e400") is parsed
+# strictly to find nothing wrong: it only costs time.
+_E3 = re.compile(rb"[eE][+-]?[0-9]{3}")
+_EXPONENT = re.compile(rb"(?<![0-9A-Za-z_.])-?[0-9]+(?:\.[0-9]*)?[eE][+-]?[0-9]{3}")
+# 300 digits in a row, from the first of a run (linear time): 1 and 308 zeros, then ".5", is
+# infinite as a float.
+_LONG_DIGITS = re.compile(rb"(?<![0-9])[0-9]{300}")
 
 
 def decode_shard_message(body: bytes) -> Start | Next | Failed | Deadline | Wake | Signalled:

@@ -151,6 +151,9 @@ FORGED = (
 NOT_JSON = (
     "tests/test_wire_format.py::test_a_shard_message_holding_what_json_cannot_carry_is_refused"
 )
+ONCE = (
+    "tests/test_wire_format.py::test_only_a_body_that_may_hold_an_infinite_number_is_parsed_twice"
+)
 
 MUTANTS = {
     # A worker runs a current task whatever owner shard it names: a forged one runs its
@@ -171,9 +174,23 @@ MUTANTS = {
     # NaN and infinities pass the door into outputs, and reach Redis as text that is not JSON.
     "non-finite-values-pass": (
         "orchestrator/messages.py",
-        'if b"NaN" in body or b"Infinity" in body or _EXPONENT.search(body):',
-        "if False:",
+        "    if _may_not_be_finite(body):",
+        "    if False:",
         (NOT_JSON, FORGED),
+    ),
+    # A float of 309 digits and no exponent passes as infinity.
+    "long-floats-pass": (
+        "orchestrator/messages.py",
+        'if b"NaN" in body or b"Infinity" in body or _LONG_DIGITS.search(body):',
+        'if b"NaN" in body or b"Infinity" in body:',
+        (NOT_JSON,),
+    ),
+    # Only the cheap scan: every hex id holding "e851" is parsed twice.
+    "exponent-scan-loose": (
+        "orchestrator/messages.py",
+        "return _E3.search(body) is not None and _EXPONENT.search(body) is not None",
+        "return _E3.search(body) is not None",
+        (ONCE,),
     ),
     "bare-counter-barrier": (
         "lua/complete.lua",

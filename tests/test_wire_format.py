@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator import messages
 from orchestrator.machine import Leaf, first
 from orchestrator.messages import (
     MessageError,
@@ -192,6 +193,9 @@ def test_the_epoch_of_a_redriven_run_travels_only_when_it_is_not_0() -> None:
         (b'{"kind": "next", "wf": "w", "path": "0", "output": {"v": NaN}}', "NaN is not JSON"),
         (b'{"kind": "next", "wf": "w", "path": "0", "output": [-Infinity]}', "Infinity"),
         (b'{"kind": "next", "wf": "w", "path": "0", "output": 1E+400}', "'1E+400' is out of"),
+        (b'{"kind": "next", "wf": "w", "path": "0", "output": [-2.5E+0999]}', "out of range"),
+        # No exponent: 309 digits before the point make an infinite float too.
+        (b'{"kind": "next", "wf": "w", "path": "0", "output": 1' + b"0" * 320 + b".5}", "range"),
         (b'{"kind": "failed", "wf": "w", "path": "0", "error": "x", "iteration": -5}', "iter"),
         (b'{"kind": "failed", "wf": "w", "path": "0", "error": "x", "iteration": 100000}', "iter"),
     ],
@@ -208,3 +212,18 @@ def test_the_words_nan_and_infinity_and_big_exponents_in_strings_are_kept() -> N
     assert decode_task(task).args == {"x": 1e308}
     with pytest.raises(MessageError, match="NaN is not JSON"):
         decode_task(b'{"wf": "w", "path": "0", "task": "t", "owner": 0, "prev": NaN}')
+
+
+def test_only_a_body_that_may_hold_an_infinite_number_is_parsed_twice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    strict: list[bytes] = []
+    monkeypatch.setattr(messages, "load", lambda body, *_: strict.append(body))
+    # A hex id holds "e851" one time in three: an exponent only in the cheap scan.
+    plain = b'{"kind": "next", "wf": "40c1a89de851", "path": "0", "output": [1.5e10, "x1e400"]}'
+    decode_shard_message(plain)
+    assert strict == []
+    for number in (b"1e400", b"-0.5E+308", b"7" * 300):
+        body = b'{"kind": "next", "wf": "w", "path": "0", "output": ' + number + b"}"
+        decode_shard_message(body)
+        assert strict[-1] == body
