@@ -411,6 +411,9 @@ class Bus:
         self, pool: str, bodies: list[bytes], priority: int, headers: dict[str, Any] | None
     ) -> None:
         queue = self.names.task_queue(pool)
+        if len(bodies) == 1:  # a chain's step: without gather's task and its turn of the loop
+            await self._send("", queue, bodies[0], _properties(headers, priority))
+            return
         await asyncio.gather(
             *(self._send("", queue, body, _properties(headers, priority)) for body in bodies)
         )
