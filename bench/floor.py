@@ -9,8 +9,9 @@ bare processes, as shardflow's own are set up (uvloop, aio-pika's consumers, pub
 through aiormq, persistent messages, publisher confirms, classic queues with priorities, ack
 after the confirm, one process a side), and times a step as bench/compare.py's shape B does:
 a chain's wall time over its steps, median of `--chains` chains. Then it runs 200 chains at
-once, as shape B at M=200, each side handling up to 16 messages at once (shardflow's
-defaults), for tasks/s and the CPU seconds of every process involved per 1,000 tasks.
+once, as shape B at M=200, over 4 shard queues, each side handling up to 16 messages of a
+queue at once (shardflow's defaults), for tasks/s and the CPU seconds of every process
+involved per 1,000 tasks.
 
 The figures are what shardflow cannot beat whatever its own Python does: its step over the
 floor's is the cost of shardflow's code, and the floor's over Celery's step is the cost of
@@ -51,6 +52,7 @@ SHARD_QUEUE = {"x-max-priority": 1, "x-single-active-consumer": True}
 TASK_QUEUE = {"x-max-priority": 9}
 PREFETCH = 16  # messages each side holds at once, as shardflow's default prefetch and pool
 LOADED_WAIT_S = 300.0
+SHARDS = 4  # shard queues in the loaded run, as shardflow's default SHARDFLOW_SHARDS
 LOADED = 200  # chains at once in the loaded run, as bench/compare.py's shape B at M=200
 
 
@@ -94,7 +96,8 @@ async def worker(url: str, prefix: str) -> None:
             cursor = await redis.hget(f"{prefix}:{task['wf']}", "cursor")
             if cursor is not None and cursor.decode() == task["path"]:
                 report = {"wf": task["wf"], "path": task["path"], "output": {"k": 1}}
-                await _publish(channel, f"{prefix}.shard", json.dumps(report).encode())
+                shard = f"{prefix}.shard{task.get('shard', 0)}"
+                await _publish(channel, shard, json.dumps(report).encode())
             await message.ack()
 
         async with tasks.iterator() as messages:
@@ -123,7 +126,7 @@ async def owner(url: str, prefix: str, chains: int, steps: int) -> list[float]:
     async with await aio_pika.connect(url) as connection:
         channel = await connection.channel(publisher_confirms=True)
         await channel.set_qos(prefetch_count=16)
-        shard = await channel.declare_queue(f"{prefix}.shard", durable=True, arguments=SHARD_QUEUE)
+        shard = await channel.declare_queue(f"{prefix}.shard0", durable=True, arguments=SHARD_QUEUE)
         await channel.declare_queue(f"{prefix}.tasks", durable=True, arguments=TASK_QUEUE)
         pending: set[asyncio.Task[None]] = set()
         async with shard.iterator() as messages:
@@ -166,9 +169,16 @@ async def owner_loaded(url: str, prefix: str, m: int, steps: int) -> dict[str, A
     advance = redis.register_script(ADVANCE)
     async with await aio_pika.connect(url) as connection:
         channel = await connection.channel(publisher_confirms=True)
-        await channel.set_qos(prefetch_count=PREFETCH)
-        shard = await channel.declare_queue(f"{prefix}.shard", durable=True, arguments=SHARD_QUEUE)
         await channel.declare_queue(f"{prefix}.tasks", durable=True, arguments=TASK_QUEUE)
+        shards = []  # each shard's queue on a channel of its own, as a shardflow owner's
+        for number in range(SHARDS):
+            consuming = await connection.channel(publisher_confirms=False)
+            await consuming.set_qos(prefetch_count=PREFETCH)
+            shards.append(
+                await consuming.declare_queue(
+                    f"{prefix}.shard{number}", durable=True, arguments=SHARD_QUEUE
+                )
+            )
         pending: set[asyncio.Task[None]] = set()
         ended = asyncio.Event()
         left = m
@@ -182,35 +192,38 @@ async def owner_loaded(url: str, prefix: str, m: int, steps: int) -> dict[str, A
                 args=[str(k), "end" if last else str(k + 1), time.time_ns()],
             )
             if moved and not last:
-                task = json.dumps({"wf": report["wf"], "path": str(k + 1)}).encode()
-                await _publish(channel, f"{prefix}.tasks", task)
+                task = {"wf": report["wf"], "path": str(k + 1), "shard": shard_of[report["wf"]]}
+                await _publish(channel, f"{prefix}.tasks", json.dumps(task).encode())
             await message.ack()
             if moved and last:
                 left -= 1
                 if not left:
                     ended.set()
 
-        async def consume() -> None:
+        async def consume(shard: aio_pika.abc.AbstractQueue) -> None:
             async with shard.iterator() as messages:
                 async for message in messages:
                     _hold(pending, on_report(message))
 
         wfs = [uuid.uuid4().hex for _ in range(m)]
+        shard_of = {wf: number % SHARDS for number, wf in enumerate(wfs)}
         for wf in wfs:
             await redis.hset(f"{prefix}:{wf}", mapping={"cursor": "0", "updated_ms": "0"})
-        consumer = asyncio.ensure_future(consume())
+        consumers = [asyncio.ensure_future(consume(shard)) for shard in shards]
         meter = Meter({"floor worker": _worker_pids})
         meter.start()
         started = time.monotonic()
         await asyncio.gather(
-            *(_publish(channel, f"{prefix}.tasks", json.dumps({"wf": wf, "path": "0"}).encode())
+            *(_publish(channel, f"{prefix}.tasks",
+                       json.dumps({"wf": wf, "path": "0", "shard": shard_of[wf]}).encode())
               for wf in wfs)
         )  # fmt: skip
         await asyncio.wait_for(ended.wait(), LOADED_WAIT_S)
         wall = time.monotonic() - started
         used, calls = meter.used(), meter.calls()
-        consumer.cancel()
-        await asyncio.gather(consumer, *pending, return_exceptions=True)
+        for consumer in consumers:
+            consumer.cancel()
+        await asyncio.gather(*consumers, *pending, return_exceptions=True)
         await _publish(channel, f"{prefix}.tasks", b'{"stop": true}')
         await redis.delete(*(f"{prefix}:{wf}" for wf in wfs))
     await redis.aclose()
