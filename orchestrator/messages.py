@@ -279,10 +279,14 @@ def _may_not_be_finite(body: bytes) -> bool:
     if b"NaN" in body or b"Infinity" in body or _LONG_DIGITS.search(body):
         return True
     # The cheap scan first: a hex id ("a89de851") matches it one time in three, the exact
-    # one (a number token's exponent) only where a number may be infinite.
-    return _E3.search(body) is not None and _EXPONENT.search(body) is not None
+    # one (a number token's exponent) only where a number may be infinite. The exact one
+    # costs about twice the strict parse a byte, so a large body goes to that parse at once.
+    if _E3.search(body) is None:
+        return False
+    return len(body) > EXACT_SCAN_BYTES or _EXPONENT.search(body) is not None
 
 
+EXACT_SCAN_BYTES = 65536
 # An exponent of three digits or more (1e400 is infinite), anywhere; then only in a number
 # token (after neither a letter nor a digit). A string holding one ("x 1e400") is parsed
 # strictly to find nothing wrong: it only costs time.

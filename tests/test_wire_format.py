@@ -227,3 +227,7 @@ def test_only_a_body_that_may_hold_an_infinite_number_is_parsed_twice(
         body = b'{"kind": "next", "wf": "w", "path": "0", "output": ' + number + b"}"
         decode_shard_message(body)
         assert strict[-1] == body
+    # A large body is parsed strictly at once: the exact scan would cost more than the parse.
+    large = plain.replace(b'"x1e400"', b'"' + b"x" * messages.EXACT_SCAN_BYTES + b'"')
+    decode_shard_message(large)
+    assert strict[-1] == large
