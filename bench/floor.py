@@ -5,13 +5,13 @@
 A shardflow chain step is two broker crossings and two Redis round trips: the owner decides
 the step (one script in Redis) and publishes the task; the worker checks that the step is
 current (one read) and reports back to the owning shard. This runs exactly that between two
-bare processes, as shardflow's own are set up (uvloop, aio-pika's consumers, publishes
-through aiormq, persistent messages, publisher confirms, classic queues with priorities, ack
-after the confirm, one process a side), and times a step as bench/compare.py's shape B does:
-a chain's wall time over its steps, median of `--chains` chains. Then it runs 200 chains at
-once, as shape B at M=200, over 4 shard queues, each side handling up to 16 messages of a
-queue at once (shardflow's defaults), for tasks/s and the CPU seconds of every process
-involved per 1,000 tasks.
+bare processes, as shardflow's own are set up (uvloop, aio-pika's consumers on a connection
+that writes a turn's frames at once, publishes through aiormq, persistent messages,
+publisher confirms, classic queues with priorities, ack after the confirm, one process a
+side), and times a step as bench/compare.py's shape B does: a chain's wall time over its
+steps, median of `--chains` chains. Then it runs 200 chains at once, as shape B at M=200,
+over 4 shard queues, each side handling up to 16 messages of a queue at once (shardflow's
+defaults), for tasks/s and the CPU seconds of every process involved per 1,000 tasks.
 
 The figures are what shardflow cannot beat whatever its own Python does: its step over the
 floor's is the cost of shardflow's code, and the floor's over Celery's step is the cost of
@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.services import chain_arguments, drop_vhost, vhost, write_result  # noqa: E402
+from orchestrator.coalescing import CoalescingConnection  # noqa: E402
 
 REDIS_URL = "redis://127.0.0.1:6379/2"
 # The owner's compare-and-advance, reduced to its shape: read the cursor, move it, return it.
@@ -54,6 +55,14 @@ PREFETCH = 16  # messages each side holds at once, as shardflow's default prefet
 LOADED_WAIT_S = 300.0
 SHARDS = 4  # shard queues in the loaded run, as shardflow's default SHARDFLOW_SHARDS
 LOADED = 200  # chains at once in the loaded run, as bench/compare.py's shape B at M=200
+
+
+async def _connect(url: str) -> aio_pika.abc.AbstractRobustConnection:
+    """A connection as shardflow's processes open one by default: the frames written in one
+    event-loop turn go out in one write (orchestrator/coalescing.py)."""
+    connection = CoalescingConnection(aio_pika.connection.make_url(url))
+    await connection.connect()
+    return connection
 
 
 async def _publish(channel: aio_pika.abc.AbstractChannel, queue: str, body: bytes) -> None:
@@ -86,7 +95,7 @@ async def worker(url: str, prefix: str) -> None:
     """Take a task, check its step is current (one read), report to the owner's queue; up to
     PREFETCH tasks at once, each in a task of its own, as a shardflow worker runs them."""
     redis = Redis.from_url(REDIS_URL)
-    async with await aio_pika.connect(url) as connection:
+    async with await _connect(url) as connection:
         channel = await connection.channel(publisher_confirms=True)
         await channel.set_qos(prefetch_count=PREFETCH)
         tasks = await channel.declare_queue(f"{prefix}.tasks", durable=True, arguments=TASK_QUEUE)
@@ -123,7 +132,7 @@ async def owner(url: str, prefix: str, chains: int, steps: int) -> list[float]:
     redis = Redis.from_url(REDIS_URL)
     advance = redis.register_script(ADVANCE)
     per_step = []
-    async with await aio_pika.connect(url) as connection:
+    async with await _connect(url) as connection:
         channel = await connection.channel(publisher_confirms=True)
         await channel.set_qos(prefetch_count=16)
         shard = await channel.declare_queue(f"{prefix}.shard0", durable=True, arguments=SHARD_QUEUE)
@@ -167,7 +176,7 @@ async def owner_loaded(url: str, prefix: str, m: int, steps: int) -> dict[str, A
 
     redis = Redis.from_url(REDIS_URL)
     advance = redis.register_script(ADVANCE)
-    async with await aio_pika.connect(url) as connection:
+    async with await _connect(url) as connection:
         channel = await connection.channel(publisher_confirms=True)
         await channel.declare_queue(f"{prefix}.tasks", durable=True, arguments=TASK_QUEUE)
         shards = []  # each shard's queue on a channel of its own, as a shardflow owner's
@@ -183,7 +192,16 @@ async def owner_loaded(url: str, prefix: str, m: int, steps: int) -> dict[str, A
         ended = asyncio.Event()
         left = m
 
+        failures: list[BaseException] = []
+
         async def on_report(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            try:
+                await advance_and_publish(message)
+            except Exception as exc:  # end the run now, naming it, not at LOADED_WAIT_S
+                failures.append(exc)
+                ended.set()
+
+        async def advance_and_publish(message: aio_pika.abc.AbstractIncomingMessage) -> None:
             nonlocal left
             report = json.loads(message.body)
             k, last = int(report["path"]), int(report["path"]) + 1 == steps
@@ -219,6 +237,8 @@ async def owner_loaded(url: str, prefix: str, m: int, steps: int) -> dict[str, A
               for wf in wfs)
         )  # fmt: skip
         await asyncio.wait_for(ended.wait(), LOADED_WAIT_S)
+        if failures:
+            raise failures[0]
         wall = time.monotonic() - started
         used, calls = meter.used(), meter.calls()
         for consumer in consumers:

@@ -12,6 +12,11 @@ another, as bench/compare.py's shape B with M=1. Each step k is then cut into it
     worker  got task k .. current? .. handler .. record .. publish of the report (to confirm)
     broker  the worker's publish began .. the owner got the report of step k
 
+Each crossing is also cut in three: the publish up to its frames handed to the socket; the
+broker, both kernels and the receiver's connection reader up to its channel's handling of
+the delivery frame; and from there through aio-pika and shardflow's consumer loop to the
+handler (`handle` or `handle_shard_message`).
+
 Prints each part's median in microseconds, and writes bench/results/timeline-<date>.json.
 The probes cost a few microseconds each; the step's total is also measured without them
 (from the programs' own timestamps) to show what they add.
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import bisect
 import json
 import os
 import statistics
@@ -74,6 +80,31 @@ def _install_probes(out: str) -> None:
     probe(RedisStore, "record", "record", lambda s, wf, path, *a, **k: path)
     probe(Bus, "publish_to_shard", "worker publish", lambda s, o, body, *a, **k: path_of(body))
 
+    # Two moments inside a crossing: the publish's frames handed to the socket, and the
+    # delivery's frame read by aiormq (private names: a bench probe, not product code).
+    side = "owner" if "orchestrator" in sys.argv else "worker"
+    from aiormq.channel import Channel
+
+    from orchestrator.coalescing import CoalescingTransport
+
+    flush = CoalescingTransport.flush
+
+    def flushed(self: CoalescingTransport) -> None:
+        if self._held:
+            now = time.time_ns()
+            stamps.append((f"{side} socket write", now, now, ""))
+        flush(self)
+
+    CoalescingTransport.flush = flushed  # type: ignore[method-assign]
+    deliver = Channel._on_deliver_frame
+
+    async def delivered(self: Channel, frame: Any) -> None:
+        now = time.time_ns()
+        stamps.append((f"{side} delivery frame", now, now, ""))
+        await deliver(self, frame)
+
+    Channel._on_deliver_frame = delivered  # type: ignore[method-assign]
+
     def dump() -> None:
         Path(out).write_text(json.dumps(stamps))
 
@@ -86,7 +117,29 @@ def parts(stamps: list[tuple[str, int, int, str]], steps: int) -> dict[str, list
     by: dict[tuple[str, str], list[tuple[int, int]]] = {}
     for kind, start, end, path in stamps:
         by.setdefault((kind, path), []).append((start, end))
+    moments: dict[str, list[int]] = {}  # the crossings' moments (no path), by kind
+    for kind, start, _, _ in stamps:
+        if kind.endswith(("socket write", "delivery frame")):
+            moments.setdefault(kind, []).append(start)
+    for times in moments.values():
+        times.sort()
     cut: dict[str, list[float]] = {}
+
+    def first(kind: str, after: int) -> int | None:
+        """The first moment of `kind` at or after `after` (ns)."""
+        times = moments.get(kind, [])
+        found = bisect.bisect_left(times, after)
+        return times[found] if found < len(times) else None
+
+    def crossing(sender: str, receiver: str, published: int, got: int) -> None:
+        """A crossing in three parts (see the module's docstring)."""
+        written = first(f"{sender} socket write", published)
+        read = first(f"{receiver} delivery frame", written) if written is not None else None
+        if written is None or read is None or read > got:
+            return
+        add(f"  {sender}: publish .. frames to the socket", written - published)
+        add(f"  broker: socket .. {receiver}'s delivery frame", read - written)
+        add(f"  {receiver}: delivery frame .. handler", got - read)
 
     def add(name: str, ns: float) -> None:
         cut.setdefault(name, []).append(ns / 1000)
@@ -112,6 +165,7 @@ def parts(stamps: list[tuple[str, int, int, str]], steps: int) -> dict[str, list
             add("owner: advance (Redis)", adv[1] - adv[0])
             add("owner: advance .. publish", pub[0] - adv[1])
             add("broker: owner's publish .. worker got task", got[0] - pub[0])
+            crossing("owner", "worker", pub[0], got[0])
             add("owner: publish .. confirmed", pub[1] - pub[0])
             add("worker: got task .. current?", chk[0] - got[0])
             add("worker: current? (Redis)", chk[1] - chk[0])
@@ -124,6 +178,7 @@ def parts(stamps: list[tuple[str, int, int, str]], steps: int) -> dict[str, list
                 add("worker: record (Redis)", rec[1] - rec[0])
                 add("worker: record .. publish", rep[0] - rec[1])
             add("broker: worker's publish .. owner got report", nxt[0] - rep[0])
+            crossing("worker", "owner", rep[0], nxt[0])
             add("worker: publish .. confirmed", rep[1] - rep[0])
             add("step: owner got report k-1 .. owner got report k", nxt[0] - turn[0])
     return cut

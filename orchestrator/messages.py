@@ -265,7 +265,7 @@ def _fits(body: bytes) -> None:
     if len(body) > MAX_MESSAGE_BYTES:
         raise MessageError(f"a message of {len(body)} bytes, over {MAX_MESSAGE_BYTES}")
     if _may_not_be_finite(body):
-        # pydantic's parser takes NaN, Infinity, 1e400 and a float of 309 digits into an Any
+        # pydantic's parser takes NaN, Infinity, 1e400 and 9...9e99 (210 digits) into an Any
         # field (an output, args) as a float that is not finite, which would reach Redis as
         # text that is not JSON. Only a body that may hold one is parsed again, strictly
         # (documents.load), so the common message costs a few scans.
@@ -279,8 +279,9 @@ def _may_not_be_finite(body: bytes) -> bool:
     if b"NaN" in body or b"Infinity" in body or _LONG_DIGITS.search(body):
         return True
     # The cheap scan first: a hex id ("a89de851") matches it one time in three, the exact
-    # one (a number token's exponent) only where a number may be infinite. The exact one
-    # costs about twice the strict parse a byte, so a large body goes to that parse at once.
+    # one (a number token's exponent) only where a number may be infinite. On a hostile body
+    # the exact scan costs about what the strict parse does: a large body goes to the parse
+    # at once, so it costs one parse at most, never a scan and a parse.
     if _E3.search(body) is None:
         return False
     return len(body) > EXACT_SCAN_BYTES or _EXPONENT.search(body) is not None
@@ -288,13 +289,14 @@ def _may_not_be_finite(body: bytes) -> bool:
 
 EXACT_SCAN_BYTES = 65536
 # An exponent of three digits or more (1e400 is infinite), anywhere; then only in a number
-# token (after neither a letter nor a digit). A string holding one ("x 1e400") is parsed
-# strictly to find nothing wrong: it only costs time.
+# token (after neither a letter, a digit, a point nor a quote). A string holding one
+# ("x 1e400") is parsed strictly to find nothing wrong: it only costs time.
 _E3 = re.compile(rb"[eE][+-]?[0-9]{3}")
-_EXPONENT = re.compile(rb"(?<![0-9A-Za-z_.])-?[0-9]+(?:\.[0-9]*)?[eE][+-]?[0-9]{3}")
-# 300 digits in a row, from the first of a run (linear time): 1 and 308 zeros, then ".5", is
-# infinite as a float.
-_LONG_DIGITS = re.compile(rb"(?<![0-9])[0-9]{300}")
+_EXPONENT = re.compile(rb'(?<![0-9A-Za-z_."])-?[0-9]+(?:\.[0-9]*)?[eE][+-]?[0-9]{3}')
+# 200 digits in a row, from the first of a run (linear time): with an exponent of two digits
+# at most, a number needs 210 digits before its point to be infinite (9 and 209 nines, e99),
+# and 309 with none (1 and 308 zeros, then ".5").
+_LONG_DIGITS = re.compile(rb"(?<![0-9])[0-9]{200}")
 
 
 def decode_shard_message(body: bytes) -> Start | Next | Failed | Deadline | Wake | Signalled:
