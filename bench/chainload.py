@@ -1,0 +1,135 @@
+"""Chains under load on one orchestrator and one worker, with the CPU of each process.
+
+    .venv/bin/python bench/chainload.py [--programs 200] [--rounds 3] [--spy SECONDS]
+                                        [--stamp NAME]
+
+Starts one orchestrator (every shard) and one parallel worker, submits `--programs` chains of
+20 no-op tasks at once and waits for them all, `--rounds` times. Prints each round's tasks/s
+and CPU seconds per 1,000 tasks by process (owner, worker, RabbitMQ, Redis, this client), as
+bench/floor.py's loaded run does for the floor. `--spy S` also records both processes with
+py-spy for S seconds (200 samples a second, raw stacks) into bench/results/logs/, for a
+profile of where a chain task's CPU goes. Writes bench/results/chainload-<stamp>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import time
+import uuid
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.compare import spawn, stop  # noqa: E402
+from bench.cpu import Meter  # noqa: E402
+from bench.services import drop_vhost, vhost, write_result  # noqa: E402
+from orchestrator.settings import Settings  # noqa: E402
+
+STEPS = 20
+WAIT_S = 300.0
+
+
+async def rounds(settings: Settings, programs: int, count: int, pids: dict[str, int]) -> list[Any]:
+    from orchestrator.connections import connected
+    from router.client import Router
+
+    program = {"name": "B", "steps": [{"task": "step", "pool": "parallel"}] * STEPS}
+    found = []
+    async with connected(settings, "bench-chainload") as (store, bus):
+        router = Router(settings, store=store, bus=bus)
+        for number in range(count):
+            meter = Meter({name: [pid] for name, pid in pids.items()})
+            meter.start()
+            started = time.monotonic()
+            ids = [(await router.submit(program)).workflow_id for _ in range(programs)]
+            for wf in ids:
+                status = await router.wait(wf, timeout_s=WAIT_S)
+                assert status["status"] == "completed", status
+            wall, used = time.monotonic() - started, meter.used()
+            tasks = programs * STEPS
+            figures = {
+                "tasks_per_s": round(tasks / wall, 1),
+                "cpu_s_per_1000_tasks": round(sum(used.values()) * 1000 / tasks, 3),
+                "cpu_s_per_1000_tasks_by_group": {
+                    name: round(seconds * 1000 / tasks, 3) for name, seconds in used.items()
+                },
+            }
+            print(f"round {number + 1}: {figures}", flush=True)
+            found.append(figures)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--programs", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--spy", type=int, default=0, help="py-spy seconds (0: none)")
+    parser.add_argument("--stamp", default=date.today().isoformat(), help="results' file name")
+    args = parser.parse_args()
+    name = "shardflow-chainload"
+    settings = Settings(
+        amqp_url=vhost(name),
+        redis_url="redis://127.0.0.1:6379/2",
+        prefix=f"sfc{uuid.uuid4().hex[:6]}",
+    )
+    env = {
+        "SHARDFLOW_AMQP_URL": settings.amqp_url,
+        "SHARDFLOW_REDIS_URL": settings.redis_url,
+        "SHARDFLOW_PREFIX": settings.prefix,
+        "SHARDFLOW_LOG_LEVEL": "WARNING",
+        "SHARDFLOW_METRICS_PORT": "0",
+    }
+    logs = ROOT / "bench" / "results" / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    cli = [sys.executable, "-m", "shardflow"]
+    shards = ",".join(map(str, range(settings.shards)))
+    owner = [*cli, "orchestrator", "--shards", shards]
+    worker = [*cli, "worker", "--pool", "parallel", "--app", "bench.tasks"]
+    processes = {
+        "owner": spawn(owner, env, logs / "chainload-owner.log"),
+        "worker": spawn(worker, env, logs / "chainload-worker.log"),
+    }
+    spies = []
+    try:
+        time.sleep(2.5)  # imports and connections
+        if args.spy:
+            spy = str(Path(sys.executable).with_name("py-spy"))
+            spies = [
+                subprocess.Popen(
+                    [
+                        spy,
+                        "record",
+                        "-d",
+                        str(args.spy),
+                        "-r",
+                        "200",
+                        "-f",
+                        "raw",
+                        "-o",
+                        str(logs / f"chainload-{args.stamp}-{part}.txt"),
+                        "-p",
+                        str(process.pid),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                )
+                for part, process in processes.items()
+            ]
+        pids = {part: process.pid for part, process in processes.items()}
+        found = asyncio.run(rounds(settings, args.programs, args.rounds, pids))
+        for process in spies:
+            process.wait()
+    finally:
+        stop(list(processes.values()))
+        subprocess.run(["redis-cli", "-n", "2", "flushdb"], capture_output=True)
+        drop_vhost(name)
+    write_result(f"chainload-{args.stamp}", {"programs": args.programs, "rounds": found})
+
+
+if __name__ == "__main__":
+    main()
