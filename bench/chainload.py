@@ -18,7 +18,6 @@ import asyncio
 import subprocess
 import sys
 import time
-import uuid
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.compare import spawn, stop  # noqa: E402
 from bench.cpu import Meter  # noqa: E402
-from bench.services import drop_vhost, vhost, write_result  # noqa: E402
+from bench.services import drop_vhost, fleet, write_result  # noqa: E402
 from orchestrator.settings import Settings  # noqa: E402
 
 STEPS = 20
@@ -73,18 +72,7 @@ def main() -> None:
     parser.add_argument("--stamp", default=date.today().isoformat(), help="results' file name")
     args = parser.parse_args()
     name = "shardflow-chainload"
-    settings = Settings(
-        amqp_url=vhost(name),
-        redis_url="redis://127.0.0.1:6379/2",
-        prefix=f"sfc{uuid.uuid4().hex[:6]}",
-    )
-    env = {
-        "SHARDFLOW_AMQP_URL": settings.amqp_url,
-        "SHARDFLOW_REDIS_URL": settings.redis_url,
-        "SHARDFLOW_PREFIX": settings.prefix,
-        "SHARDFLOW_LOG_LEVEL": "WARNING",
-        "SHARDFLOW_METRICS_PORT": "0",
-    }
+    settings, env = fleet(name, "sfc")
     logs = ROOT / "bench" / "results" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     cli = [sys.executable, "-m", "shardflow"]

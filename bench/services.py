@@ -1,5 +1,6 @@
-"""What the benchmark scripts share: a fresh RabbitMQ vhost (dropped after), the machine's
-name, Redis keys cleared, the chain scripts' arguments, and writing a result's JSON."""
+"""What the benchmark scripts share: a fresh RabbitMQ vhost (dropped after), a fleet's
+settings, the machine's name, Redis keys cleared, the chain scripts' arguments, and writing
+a result's JSON."""
 
 import argparse
 import json
@@ -8,7 +9,10 @@ import subprocess
 import sys
 from datetime import date
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported where used: bench/floor.py runs no shardflow code
+    from orchestrator.settings import Settings
 
 AMQP = "amqp://guest:guest@127.0.0.1:5672/"
 
@@ -32,6 +36,29 @@ def queue_version(name: str, version: int) -> None:
          "shardflow-queue-version", ".*", json.dumps({"queue-version": version})],
         check=True, capture_output=True,
     )  # fmt: skip
+
+
+def fleet(name: str, tag: str) -> "tuple[Settings, dict[str, str]]":
+    """Settings for a benchmark's own shardflow processes on a fresh vhost `name` and Redis
+    database 2 (keys under a new prefix starting with `tag`), and the environment that gives
+    the processes the same (quiet logs, no metrics port)."""
+    import uuid
+
+    from orchestrator.settings import Settings
+
+    settings = Settings(
+        amqp_url=vhost(name),
+        redis_url="redis://127.0.0.1:6379/2",
+        prefix=f"{tag}{uuid.uuid4().hex[:6]}",
+    )
+    env = {
+        "SHARDFLOW_AMQP_URL": settings.amqp_url,
+        "SHARDFLOW_REDIS_URL": settings.redis_url,
+        "SHARDFLOW_PREFIX": settings.prefix,
+        "SHARDFLOW_LOG_LEVEL": "WARNING",
+        "SHARDFLOW_METRICS_PORT": "0",
+    }
+    return settings, env
 
 
 def drop_vhost(name: str) -> None:

@@ -204,22 +204,10 @@ async def drive(chains: int, steps: int, settings: Any) -> list[float]:
 
 def main() -> None:
     from bench.compare import spawn, stop
-    from bench.services import chain_arguments, drop_vhost, vhost, write_result
-    from orchestrator.settings import Settings
+    from bench.services import chain_arguments, drop_vhost, fleet, write_result
 
     args = chain_arguments(__doc__)
-    settings = Settings(
-        amqp_url=vhost("shardflow-timeline"),
-        redis_url="redis://127.0.0.1:6379/2",
-        prefix=f"sft{uuid.uuid4().hex[:6]}",
-    )
-    env = {
-        "SHARDFLOW_AMQP_URL": settings.amqp_url,
-        "SHARDFLOW_REDIS_URL": settings.redis_url,
-        "SHARDFLOW_PREFIX": settings.prefix,
-        "SHARDFLOW_LOG_LEVEL": "WARNING",
-        "SHARDFLOW_METRICS_PORT": "0",
-    }
+    settings, env = fleet("shardflow-timeline", "sft")
     logs = ROOT / "bench" / "results" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
