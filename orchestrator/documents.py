@@ -42,6 +42,21 @@ def check_input(value: Any, *, max_bytes: int = 256 * 1024) -> None:
     check_value(value, "input", max_bytes)
 
 
+def check_numbers(text: bytes, what: str) -> None:
+    """Refuse JSON text holding a number JSON cannot carry: NaN, an infinity, one out of a
+    double's range (1e400), an integer of more digits than Python converts. Nothing else: for
+    text whose every other rule another parser checks (the queues' messages, whose values
+    are nested a level or two below a user's, so MAX_DEPTH is not theirs)."""
+    try:
+        json.loads(text, parse_constant=_no_constant, parse_float=_finite_float, parse_int=_integer)
+    except RecursionError:  # the C parser recurses once per level, to about 1,000
+        raise ProgramError([f"{what}: nested too deep to read"]) from None
+    except _NotAllowed as exc:
+        raise ProgramError([f"{what}: {exc}"]) from None
+    except ValueError as exc:  # not JSON, or bytes that are not UTF-8
+        raise ProgramError([f"{what}: not JSON: {exc}"]) from None
+
+
 class _NotAllowed(ValueError):
     """Valid for Python's json module, refused here (its message names the fault)."""
 

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from orchestrator.delivery import Poison, first_error
-from orchestrator.documents import ProgramError, load
+from orchestrator.documents import ProgramError, check_numbers
 from orchestrator.keys import WORKFLOW_ID
 from orchestrator.program import (
     MAX_BAG,
@@ -267,10 +267,11 @@ def _fits(body: bytes) -> None:
     if _may_not_be_finite(body):
         # pydantic's parser takes NaN, Infinity, 1e400 and 9...9e99 (210 digits) into an Any
         # field (an output, args) as a float that is not finite, which would reach Redis as
-        # text that is not JSON. Only a body that may hold one is parsed again, strictly
-        # (documents.load), so the common message costs a few scans.
+        # text that is not JSON. Only a body that may hold one is parsed again for its
+        # numbers alone (documents.check_numbers: a user's value 64 levels deep is deeper
+        # here), so the common message costs a few scans.
         try:
-            load(body, "message", MAX_MESSAGE_BYTES)
+            check_numbers(body, "message")
         except ProgramError as exc:
             raise MessageError(str(exc)) from None
 
@@ -280,8 +281,8 @@ def _may_not_be_finite(body: bytes) -> bool:
         return True
     # The cheap scan first: a hex id ("a89de851") matches it one time in three, the exact
     # one (a number token's exponent) only where a number may be infinite. On a hostile body
-    # the exact scan costs about what the strict parse does: a large body goes to the parse
-    # at once, so it costs one parse at most, never a scan and a parse.
+    # the exact scan costs about what the parse does: a large body goes to the parse at once,
+    # so it costs one parse at most, never a scan and a parse.
     if _E3.search(body) is None:
         return False
     return len(body) > EXACT_SCAN_BYTES or _EXPONENT.search(body) is not None

@@ -154,6 +154,10 @@ NOT_JSON = (
 ONCE = (
     "tests/test_wire_format.py::test_only_a_body_that_may_hold_an_infinite_number_is_parsed_twice"
 )
+DEEP = (
+    "tests/test_wire_format.py::"
+    "test_a_users_value_as_deep_as_the_ingress_takes_passes_in_messages_with_big_numbers"
+)
 
 MUTANTS = {
     # A worker runs a current task whatever owner shard it names: a forged one runs its
@@ -192,6 +196,14 @@ MUTANTS = {
         "return len(body) > EXACT_SCAN_BYTES or _EXPONENT.search(body) is not None",
         "return True",
         (ONCE,),
+    ),
+    # The number check parses as strictly as a user's document: a value as deep as the
+    # ingress takes is too deep inside a message, and its program's messages are refused.
+    "number-check-depth": (
+        "orchestrator/messages.py",
+        'check_numbers(body, "message")',
+        '__import__("orchestrator.documents").documents.load(body, "message", MAX_MESSAGE_BYTES)',
+        (DEEP,),
     ),
     "bare-counter-barrier": (
         "lua/complete.lua",

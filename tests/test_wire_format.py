@@ -4,6 +4,7 @@ from-scratch MurmurHash3 (the 20 lines another language would port)."""
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -222,11 +223,25 @@ def test_the_words_nan_and_infinity_and_big_exponents_in_strings_are_kept() -> N
         decode_task(b'{"wf": "w", "path": "0", "task": "t", "owner": 0, "prev": NaN}')
 
 
+def test_a_users_value_as_deep_as_the_ingress_takes_passes_in_messages_with_big_numbers() -> None:
+    # The ingress takes 64 levels; a message holds the value a level or two deeper, and
+    # 1e100 sends it to the number check, which once refused it as too deep.
+    value: Any = 1e100
+    for _ in range(64):
+        value = [value]
+    task = TaskMessage(wf="w", path="0", task="t", owner=0, input=value, prev={"a": value})
+    assert decode_task(encode(task)) == task
+    report = Next(wf="w", path="0", output={"a": value})
+    assert decode_shard_message(encode(report)) == report
+    with pytest.raises(MessageError, match="number '1e400' is out of range"):
+        decode_task(encode(task).replace(b"1e+100", b"1e400"))
+
+
 def test_only_a_body_that_may_hold_an_infinite_number_is_parsed_twice(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     strict: list[bytes] = []
-    monkeypatch.setattr(messages, "load", lambda body, *_: strict.append(body))
+    monkeypatch.setattr(messages, "check_numbers", lambda body, *_: strict.append(body))
     # A hex id holds "e851" one time in three: an exponent only in the cheap scan.
     plain = b'{"kind": "next", "wf": "40c1a89de851", "path": "0", "output": [1.5e10, "x1e400"]}'
     decode_shard_message(plain)
