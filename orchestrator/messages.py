@@ -291,7 +291,7 @@ def _may_not_be_finite(body: bytes) -> bool:
 EXACT_SCAN_BYTES = 65536
 # An exponent of three digits or more (1e400 is infinite), anywhere; then only in a number
 # token (after neither a letter, a digit, a point nor a quote). A string holding one
-# ("x 1e400") is parsed strictly to find nothing wrong: it only costs time.
+# ("x 1e400") is parsed for its numbers to find nothing wrong: it only costs time.
 _E3 = re.compile(rb"[eE][+-]?[0-9]{3}")
 _EXPONENT = re.compile(rb'(?<![0-9A-Za-z_."])-?[0-9]+(?:\.[0-9]*)?[eE][+-]?[0-9]{3}')
 # 200 digits in a row, from the first of a run (linear time): with an exponent of two digits
