@@ -158,6 +158,10 @@ DEEP = (
     "tests/test_wire_format.py::"
     "test_a_users_value_as_deep_as_the_ingress_takes_passes_in_messages_with_big_numbers"
 )
+DEEP_RUN = (
+    "tests/test_hostile.py::"
+    "test_an_input_as_deep_as_the_ingress_takes_with_a_big_number_runs_to_its_end"
+)
 
 MUTANTS = {
     # A worker runs a current task whatever owner shard it names: a forged one runs its
@@ -203,7 +207,7 @@ MUTANTS = {
         "orchestrator/messages.py",
         'check_numbers(body, "message")',
         '__import__("orchestrator.documents").documents.load(body, "message", MAX_MESSAGE_BYTES)',
-        (DEEP,),
+        (DEEP, DEEP_RUN),
     ),
     "bare-counter-barrier": (
         "lua/complete.lua",

@@ -340,3 +340,18 @@ async def test_a_handler_returning_nan_fails_its_task_instead_of_reporting_non_j
     status = await cluster.wait("nan-output", timeout_s=30)
     assert status["status"] == "failed"
     assert "output is not JSON: Out of range float values" in status["error"], status["error"]
+
+
+async def test_an_input_as_deep_as_the_ingress_takes_with_a_big_number_runs_to_its_end(
+    cluster: Router,
+) -> None:
+    # Its task messages hold the input a level deeper than 64, and 1e100 sends them to the
+    # number check, which once refused them as too deep: the program never ran a step.
+    value: Any = 1e100
+    for _ in range(64):
+        value = [value]
+    program = {"steps": [{"task": "echo"}, {"task": "echo"}]}
+    await cluster.submit(program, value, "deep-input")
+    status = await cluster.wait("deep-input", timeout_s=30)
+    assert status["status"] == "completed", status
+    assert status["result"]["prev"] == {"args": {}, "prev": None}
