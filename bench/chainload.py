@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.compare import spawn, stop  # noqa: E402
-from bench.cpu import Meter  # noqa: E402
+from bench.cpu import Meter, cost  # noqa: E402
 from bench.services import drop_vhost, fleet, write_result  # noqa: E402
 from orchestrator.settings import Settings  # noqa: E402
 
@@ -50,15 +50,9 @@ async def rounds(settings: Settings, programs: int, count: int, pids: dict[str, 
             for wf in ids:
                 status = await router.wait(wf, timeout_s=WAIT_S)
                 assert status["status"] == "completed", status
-            wall, used = time.monotonic() - started, meter.used()
             tasks = programs * STEPS
-            figures = {
-                "tasks_per_s": round(tasks / wall, 1),
-                "cpu_s_per_1000_tasks": round(sum(used.values()) * 1000 / tasks, 3),
-                "cpu_s_per_1000_tasks_by_group": {
-                    name: round(seconds * 1000 / tasks, 3) for name, seconds in used.items()
-                },
-            }
+            wall = time.monotonic() - started
+            figures = {"tasks_per_s": round(tasks / wall, 1), **cost(meter, started, tasks)}
             print(f"round {number + 1}: {figures}", flush=True)
             found.append(figures)
     return found

@@ -52,7 +52,7 @@ import aio_pika  # noqa: E402
 from aio_pika.abc import AbstractIncomingMessage  # noqa: E402
 from redis.asyncio import Redis  # noqa: E402
 
-from bench.cpu import Meter, cpu_s  # noqa: E402
+from bench.cpu import Meter, cost, cpu_s  # noqa: E402
 from bench.floor import floor_loaded, floor_step_ms  # noqa: E402
 from bench.services import AMQP, drop_vhost, vhost  # noqa: E402
 from orchestrator.connections import connected  # noqa: E402
@@ -127,22 +127,6 @@ def figures(m: int, tasks_per_program: int, started: float, submits: list[float]
         "tasks_per_s": round(m * tasks_per_program / wall, 1),
         "latency_p50_ms": round(cuts[49], 1),
         "latency_p99_ms": round(cuts[98], 1),
-    }
-
-
-def cost(meter: Meter, started: float, tasks: int) -> dict[str, Any]:
-    """What a run cost: CPU seconds per 1,000 tasks (in all, and by group), cores used."""
-    used, wall = meter.used(), time.monotonic() - started
-    calls = meter.calls()
-    total = sum(used.values())
-    return {
-        "cpu_s_per_1000_tasks": round(total * 1000 / tasks, 3),
-        "cpu_cores": round(total / wall, 2),
-        # the whole machine, to see what the groups above leave out (kernel, other processes)
-        "machine_cores": round(meter.machine_s / wall, 2),
-        "cpu_s_per_1000_tasks_by_group": {k: round(v * 1000 / tasks, 3) for k, v in used.items()},
-        # read and write system calls per task (/proc/<pid>/io), by group
-        "syscalls_per_task_by_group": {k: round(v / tasks, 2) for k, v in calls.items()},
     }
 
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -137,6 +138,22 @@ class Meter:
     def calls(self) -> dict[str, int]:
         """Read and write system calls of each group since `start()` (call after `used()`)."""
         return {name: value - self.calls_before[name] for name, value in self._calls().items()}
+
+
+def cost(meter: Meter, started: float, tasks: int) -> dict[str, Any]:
+    """What a run cost: CPU seconds per 1,000 tasks (in all, and by group), cores used."""
+    used, wall = meter.used(), time.monotonic() - started
+    calls = meter.calls()
+    total = sum(used.values())
+    return {
+        "cpu_s_per_1000_tasks": round(total * 1000 / tasks, 3),
+        "cpu_cores": round(total / wall, 2),
+        # the whole machine, to see what the groups above leave out (kernel, other processes)
+        "machine_cores": round(meter.machine_s / wall, 2),
+        "cpu_s_per_1000_tasks_by_group": {k: round(v * 1000 / tasks, 3) for k, v in used.items()},
+        # read and write system calls per task (/proc/<pid>/io), by group
+        "syscalls_per_task_by_group": {k: round(v / tasks, 2) for k, v in calls.items()},
+    }
 
 
 async def main() -> None:

@@ -168,11 +168,13 @@ async def owner(url: str, prefix: str, chains: int, steps: int) -> list[float]:
     return per_step[1:]
 
 
-async def owner_loaded(url: str, prefix: str, m: int, steps: int) -> dict[str, Any]:
+async def owner_loaded(
+    url: str, prefix: str, m: int, steps: int, worker_pid: int
+) -> dict[str, Any]:
     """`m` chains at once: each report handled in a task of its own (at most PREFETCH at
     once, as a shardflow owner), acked after the next task's confirm; tasks/s and the CPU of
     every process (this owner, the worker, RabbitMQ, Redis) per 1,000 tasks."""
-    from bench.cpu import Meter
+    from bench.cpu import Meter, cost
 
     redis = Redis.from_url(REDIS_URL)
     advance = redis.register_script(ADVANCE)
@@ -228,7 +230,7 @@ async def owner_loaded(url: str, prefix: str, m: int, steps: int) -> dict[str, A
         for wf in wfs:
             await redis.hset(f"{prefix}:{wf}", mapping={"cursor": "0", "updated_ms": "0"})
         consumers = [asyncio.ensure_future(consume(shard)) for shard in shards]
-        meter = Meter({"floor worker": _worker_pids})
+        meter = Meter({"floor worker": [worker_pid]})
         meter.start()
         started = time.monotonic()
         await asyncio.gather(
@@ -239,24 +241,17 @@ async def owner_loaded(url: str, prefix: str, m: int, steps: int) -> dict[str, A
         await asyncio.wait_for(ended.wait(), LOADED_WAIT_S)
         if failures:
             raise failures[0]
-        wall = time.monotonic() - started
-        used, calls = meter.used(), meter.calls()
+        figures = {
+            "tasks_per_s": round(m * steps / (time.monotonic() - started), 1),
+            **cost(meter, started, m * steps),
+        }
         for consumer in consumers:
             consumer.cancel()
         await asyncio.gather(*consumers, *pending, return_exceptions=True)
         await _publish(channel, f"{prefix}.tasks", b'{"stop": true}')
         await redis.delete(*(f"{prefix}:{wf}" for wf in wfs))
     await redis.aclose()
-    tasks = m * steps
-    return {
-        "tasks_per_s": round(tasks / wall, 1),
-        "cpu_s_per_1000_tasks": round(sum(used.values()) * 1000 / tasks, 3),
-        "cpu_s_per_1000_tasks_by_group": {k: round(v * 1000 / tasks, 3) for k, v in used.items()},
-        "syscalls_per_task_by_group": {k: round(v / tasks, 2) for k, v in calls.items()},
-    }
-
-
-_worker_pids: list[int] = []  # the floor worker of the run under way, for the CPU meter
+    return figures
 
 
 async def run(chains: int, steps: int, loaded: int = 0) -> Any:
@@ -269,11 +264,10 @@ async def run(chains: int, steps: int, loaded: int = 0) -> Any:
         side = await asyncio.create_subprocess_exec(
             sys.executable, __file__, "--worker", url, prefix
         )
-        _worker_pids[:] = [side.pid]
         await asyncio.sleep(1.5)  # imports and its queue declared
         try:
             if loaded:
-                return await owner_loaded(url, prefix, loaded, steps)
+                return await owner_loaded(url, prefix, loaded, steps, side.pid)
             return await owner(url, prefix, chains, steps)
         finally:
             try:
