@@ -17,12 +17,12 @@ from aio_pika.abc import (
     AbstractChannel,
     AbstractIncomingMessage,
     AbstractQueue,
-    AbstractQueueIterator,
     AbstractRobustConnection,
 )
 from aio_pika.connection import make_url
 
 from orchestrator.coalescing import CoalescingConnection
+from orchestrator.consuming import Deliveries
 from orchestrator.keys import Names
 from orchestrator.lifecycle import within
 from orchestrator.program import MAX_PRIORITY, PARALLEL, SERIAL, is_lane
@@ -141,13 +141,13 @@ class Consumer(Protocol):
 
     names: Names
 
-    async def consume(self, queue_name: str, prefetch: int) -> AbstractQueueIterator: ...
+    async def consume(self, queue_name: str, prefetch: int) -> Deliveries: ...
 
-    async def consume_pool(self, pool: str, prefetch: int) -> AbstractQueueIterator: ...
+    async def consume_pool(self, pool: str, prefetch: int) -> Deliveries: ...
 
-    async def consume_control(self) -> AbstractQueueIterator: ...
+    async def consume_control(self) -> Deliveries: ...
 
-    async def stop_consuming(self, iterator: AbstractQueueIterator) -> None: ...
+    async def stop_consuming(self, iterator: Deliveries) -> None: ...
 
 
 class Transport(Publisher, Consumer, Protocol):
@@ -165,7 +165,7 @@ class Bus:
         self._publisher: AbstractChannel | None = None
         self._delay_queues: set[str] = set()
         self._pools: set[str] = set()  # task queues declared on this connection
-        self._consumer_channels: dict[AbstractQueueIterator, AbstractChannel] = {}
+        self._consumer_channels: dict[Deliveries, AbstractChannel] = {}
         self._task_arguments: dict[str, dict[str, Any]] = {}  # by task queue, once checked
         self._unconfirmed = asyncio.Semaphore(MAX_UNCONFIRMED)
         self._probe: AbstractChannel | None = None  # for queue_state
@@ -313,7 +313,7 @@ class Bus:
             try:
                 # aiormq's declare: aio-pika's robust channel answers a passive declare of a
                 # queue it declared before from its cache, without asking the broker.
-                underlay = await probe.get_underlay_channel()
+                underlay = await _underlay(probe)
                 result = await within(underlay.queue_declare(name, passive=True), PROBE_TIMEOUT_S)
             except aio_pika.exceptions.ChannelClosed:
                 self._probe = None
@@ -364,7 +364,7 @@ class Bus:
         if self._channel.is_closed:
             raise aiormq.exceptions.ChannelInvalidStateError(f"{self._channel!r} closed")
         # aiormq's own channel, whose publish takes `wait` (its abstract base does not say so).
-        channel = cast(aiormq.Channel, await self._channel.get_underlay_channel())
+        channel = await _underlay(self._channel)
         async with self._unconfirmed:
             await channel.basic_publish(
                 body,
@@ -479,12 +479,13 @@ class Bus:
         """Tell every worker (e.g. a program was cancelled); nobody listening is fine."""
         await self._send(self.names.control_exchange, "", body, _properties(), mandatory=False)
 
-    async def consume_control(self) -> AbstractQueueIterator:
+    async def consume_control(self) -> Deliveries:
         """This process's own queue on the control exchange, gone when it disconnects."""
         channel = await self._consumer_channel()
         queue = await channel.declare_queue(exclusive=True, auto_delete=True)
         await queue.bind(self.names.control_exchange)
-        iterator = queue.iterator(no_ack=True)
+        iterator = Deliveries(await _underlay(channel), queue.name, no_ack=True)
+        await iterator.consume()
         self._consumer_channels[iterator] = channel
         return iterator
 
@@ -516,17 +517,17 @@ class Bus:
         finally:
             await channel.close()
 
-    async def consume(self, queue_name: str, prefetch: int) -> AbstractQueueIterator:
+    async def consume(self, queue_name: str, prefetch: int) -> Deliveries:
         """A consumer on its own channel, so the prefetch applies to this queue alone."""
         return await self._consuming(
             lambda channel: channel.get_queue(queue_name, ensure=True), prefetch
         )
 
-    async def consume_pool(self, pool: str, prefetch: int) -> AbstractQueueIterator:
+    async def consume_pool(self, pool: str, prefetch: int) -> Deliveries:
         """Consume a pool's task queue, declaring it first: a named pool may be new."""
         return await self._consuming(lambda channel: self._declare_pool(channel, pool), prefetch)
 
-    async def consume_shard(self, shard: int, prefetch: int) -> AbstractQueueIterator:
+    async def consume_shard(self, shard: int, prefetch: int) -> Deliveries:
         """Consume a shard's queue, declaring it first: it may lie outside today's ring."""
         return await self._consuming(lambda channel: self._declare_shard(channel, shard), prefetch)
 
@@ -534,7 +535,7 @@ class Bus:
         self,
         queue_of: Callable[[AbstractChannel], Awaitable[AbstractQueue]],
         prefetch: int,
-    ) -> AbstractQueueIterator:
+    ) -> Deliveries:
         """Declare a queue on a channel of its own and start consuming it.
 
         RabbitMQ 3.10 answers a consume on a quorum queue that another client is declaring at
@@ -544,7 +545,8 @@ class Bus:
         for attempt in range(1, CONSUME_ATTEMPTS + 1):
             channel = await self._consumer_channel(prefetch)
             try:
-                iterator = (await queue_of(channel)).iterator()
+                queue = await queue_of(channel)
+                iterator = Deliveries(await _underlay(channel), queue.name)
                 await iterator.consume()
                 self._consumer_channels[iterator] = channel
                 return iterator
@@ -563,7 +565,7 @@ class Bus:
                 await asyncio.wait_for(self._connection.connected.wait(), RECONNECT_WAIT_S)
         raise AssertionError("unreachable")
 
-    async def stop_consuming(self, iterator: AbstractQueueIterator) -> None:
+    async def stop_consuming(self, iterator: Deliveries) -> None:
         """Stop a consumer for good, closing its channel too: a robust channel left open would
         start the consumer again after a reconnect, holding messages nobody reads."""
         channel = self._consumer_channels.pop(iterator, None)
@@ -582,6 +584,11 @@ class Bus:
         if prefetch:
             await channel.set_qos(prefetch_count=prefetch)
         return channel
+
+
+async def _underlay(channel: AbstractChannel) -> aiormq.Channel:
+    """aiormq's channel under aio-pika's, which consumes (orchestrator/consuming.py)."""
+    return cast(aiormq.Channel, await channel.get_underlay_channel())
 
 
 async def _close_quietly(channel: AbstractChannel) -> None:

@@ -9,8 +9,9 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from aio_pika.abc import AbstractIncomingMessage, AbstractQueueIterator
 from aiormq.exceptions import ChannelInvalidStateError
+
+from orchestrator.consuming import Deliveries, Incoming
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,9 +64,9 @@ async def _end(tasks: list[asyncio.Task[Any]], what: str) -> None:
 
 
 async def _started(
-    start: Callable[[], Awaitable[AbstractQueueIterator]],
-    stop: Callable[[AbstractQueueIterator], Awaitable[None]],
-) -> AbstractQueueIterator:
+    start: Callable[[], Awaitable[Deliveries]],
+    stop: Callable[[Deliveries], Awaitable[None]],
+) -> Deliveries:
     """A consumer `start` opened within CONSUMER_RPC_TIMEOUT_S, else TimeoutError. A start
     given up (a timeout, a stop) is cancelled, and if it still opens its consumer (aio-pika
     may finish an RPC it was cancelled in) that consumer is stopped: left open, it would hold
@@ -83,10 +84,10 @@ async def _started(
 
 
 async def _abandon(
-    starting: asyncio.Future[AbstractQueueIterator],
-    stop: Callable[[AbstractQueueIterator], Awaitable[None]],
+    starting: asyncio.Future[Deliveries],
+    stop: Callable[[Deliveries], Awaitable[None]],
 ) -> None:
-    def stop_late(done: asyncio.Future[AbstractQueueIterator]) -> None:
+    def stop_late(done: asyncio.Future[Deliveries]) -> None:
         if not done.cancelled() and done.exception() is None:
             task = asyncio.ensure_future(stop(done.result()))
             _left.add(task)
@@ -117,7 +118,7 @@ class Service:
     def __init__(self, grace_s: float) -> None:
         self.grace_s = grace_s
         self._stop = asyncio.Event()
-        self._iterators: set[AbstractQueueIterator] = set()
+        self._iterators: set[Deliveries] = set()
         self._in_flight: set[asyncio.Task[Any]] = set()
         # One consumer start at a time: a worker starts one per share queue, and several
         # opening channels and declaring at once on one connection only contend.
@@ -128,12 +129,12 @@ class Service:
 
     async def _messages(
         self,
-        start: Callable[[], Awaitable[AbstractQueueIterator]],
-        stop: Callable[[AbstractQueueIterator], Awaitable[None]],
-    ) -> AsyncIterator[AbstractIncomingMessage]:
-        """The messages of a consumer that `start` opens, until shutdown. aio-pika's robust
-        iterator consumes again after a reconnect, but one whose channel closed as the broker
-        went down may end or raise instead: then `stop` it (its channel too) and start again."""
+        start: Callable[[], Awaitable[Deliveries]],
+        stop: Callable[[Deliveries], Awaitable[None]],
+    ) -> AsyncIterator[Incoming]:
+        """The messages of a consumer that `start` opens, until shutdown. One that fails (its
+        channel closed: a reconnect) or ends (the broker cancelled it) is stopped, its channel
+        too, and started again (orchestrator/consuming.py)."""
         while True:
             try:
                 async with self._starting:
@@ -191,8 +192,8 @@ class Service:
         finally:
             log.info("%s: stopping: no new work", self.name)
             self._stop.set()  # a consumer that ends now is not started again
-            # Stop the loops first: an iterator closed while a loop waits on it may consume
-            # again (aio-pika's robust iterator). Then cancel the consumers; messages they
+            # Stop the loops first: an iterator closed while a loop waits on it would end it,
+            # and the loop would consume again. Then cancel the consumers; messages they
             # hold but never started go back to the queue. Neither is waited for without
             # bound: a cancelled aio-pika call may wait on an RPC the broker never answers.
             # A loop cancelled while it waits for a message forgets its iterator: taken first.

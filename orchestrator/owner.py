@@ -9,11 +9,10 @@ import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 
-from aio_pika.abc import AbstractIncomingMessage, AbstractQueueIterator
-
 from orchestrator import logs, metrics
 from orchestrator.backlog import Backlog
 from orchestrator.bus import NEW, Bus, Publisher
+from orchestrator.consuming import Deliveries, Incoming
 from orchestrator.delivery import UNREACHABLE, Delivery, process, redelivered, settle
 from orchestrator.lifecycle import Service, format_counts, raise_if_cancelled
 from orchestrator.machine import PathError
@@ -240,7 +239,7 @@ class Orchestrator(Service):
     async def _consume(self, shard: int) -> None:
         queue = self.bus.names.shard_queue(shard)
 
-        async def start() -> AbstractQueueIterator:
+        async def start() -> Deliveries:
             iterator = await self.bus.consume_shard(shard, self.settings.prefetch)
             log.info("orchestrator: consuming %s", queue)
             return iterator
@@ -251,7 +250,7 @@ class Orchestrator(Service):
         slots = asyncio.Semaphore(self.settings.prefetch)
         order = ProgramOrder()
 
-        async def handle(message: AbstractIncomingMessage, decoded: ShardMessage | None) -> None:
+        async def handle(message: Incoming, decoded: ShardMessage | None) -> None:
             async def begin() -> None:
                 if self._stop.is_set():  # stopping: never begun, handed back now, in order
                     await settle(message, ok=False)

@@ -18,11 +18,11 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from aio_pika.abc import AbstractQueueIterator
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from orchestrator import logs, metrics
 from orchestrator.bus import Bus
+from orchestrator.consuming import Deliveries
 from orchestrator.delivery import Delivery, Poison, first_error, process
 from orchestrator.documents import ProgramError, parse_document
 from orchestrator.lifecycle import Service, format_counts
@@ -78,7 +78,7 @@ class Ingress(Service):
     async def _consume(self) -> None:
         queue = self.bus.names.ingress_queue
 
-        async def start() -> AbstractQueueIterator:
+        async def start() -> Deliveries:
             iterator = await self.bus.consume(queue, INGRESS_PREFETCH)
             log.info("router: consuming %s", queue)
             return iterator

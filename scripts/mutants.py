@@ -52,6 +52,7 @@ AGAIN = (
     "test_a_member_of_a_complete_step_reports_it_again_only_when_redelivered"
 )
 
+CONSUMING = "tests/test_consuming.py::"
 SLEEP = "tests/test_sleep_e2e.py::test_a_sleep_waits_and_passes_its_prev_on"
 SIGNALS = (
     "tests/test_signal_e2e.py::test_signals_sent_early_are_kept_and_each_is_taken_once_in_order"
@@ -208,6 +209,33 @@ MUTANTS = {
         'check_numbers(body, "message")',
         '__import__("orchestrator.documents").documents.load(body, "message", MAX_MESSAGE_BYTES)',
         (DEEP, DEEP_RUN),
+    ),
+    # The lean consumer (orchestrator/consuming.py): a second ack reaches the broker (which
+    # closes the channel), a closed consumer keeps what it held unread, one whose queue was
+    # deleted or whose channel closed waits for ever.
+    "settle-twice": (
+        "orchestrator/consuming.py",
+        "        if self._settled:\n",
+        "        if False:\n",
+        (CONSUMING + "test_a_second_settle_is_refused_here_and_the_channel_lives_on",),
+    ),
+    "close-keeps-unread": (
+        "orchestrator/consuming.py",
+        "        for message in left if not self._no_ack else ():",
+        "        for message in ():",
+        (CONSUMING + "test_closing_hands_back_what_it_holds_unread",),
+    ),
+    "broker-cancel-ignored": (
+        "orchestrator/consuming.py",
+        "        if frame.consumer_tag == self._tag:",
+        "        if False:",
+        (CONSUMING + "test_a_deleted_queue_ends_its_consumer",),
+    ),
+    "closed-channel-unseen": (
+        "orchestrator/consuming.py",
+        "        self._watch.add_done_callback(self._on_channel_closed)",
+        "        pass",
+        (CONSUMING + "test_a_channel_closed_under_it_fails_its_reader",),
     ),
     "bare-counter-barrier": (
         "lua/complete.lua",
