@@ -141,8 +141,6 @@ class Consumer(Protocol):
 
     names: Names
 
-    async def consume(self, queue_name: str, prefetch: int) -> Deliveries: ...
-
     async def consume_pool(self, pool: str, prefetch: int) -> Deliveries: ...
 
     async def consume_control(self) -> Deliveries: ...
@@ -481,13 +479,13 @@ class Bus:
 
     async def consume_control(self) -> Deliveries:
         """This process's own queue on the control exchange, gone when it disconnects."""
-        channel = await self._consumer_channel()
-        queue = await channel.declare_queue(exclusive=True, auto_delete=True)
-        await queue.bind(self.names.control_exchange)
-        iterator = Deliveries(await _underlay(channel), queue.name, no_ack=True)
-        await iterator.consume()
-        self._consumer_channels[iterator] = channel
-        return iterator
+
+        async def queue_of(channel: AbstractChannel) -> AbstractQueue:
+            queue = await channel.declare_queue(exclusive=True, auto_delete=True)
+            await queue.bind(self.names.control_exchange)
+            return queue
+
+        return await self._consuming(queue_of, 0, no_ack=True)
 
     async def requeue(
         self, queue: str, body: bytes, headers: dict[str, Any], priority: int | None
@@ -517,10 +515,15 @@ class Bus:
         finally:
             await channel.close()
 
-    async def consume(self, queue_name: str, prefetch: int) -> Deliveries:
-        """A consumer on its own channel, so the prefetch applies to this queue alone."""
+    async def consume_ingress(self, prefetch: int) -> Deliveries:
+        """Consume the ingress queue, declaring it first (with the arguments `declare` gives
+        it): a consumer started again after its queue was deleted brings it back."""
+        queue = self.names.ingress_queue
         return await self._consuming(
-            lambda channel: channel.get_queue(queue_name, ensure=True), prefetch
+            lambda channel: channel.declare_queue(
+                queue, durable=True, arguments=self._queue_arguments()
+            ),
+            prefetch,
         )
 
     async def consume_pool(self, pool: str, prefetch: int) -> Deliveries:
@@ -535,6 +538,8 @@ class Bus:
         self,
         queue_of: Callable[[AbstractChannel], Awaitable[AbstractQueue]],
         prefetch: int,
+        *,
+        no_ack: bool = False,
     ) -> Deliveries:
         """Declare a queue on a channel of its own and start consuming it.
 
@@ -546,15 +551,8 @@ class Bus:
             channel = await self._consumer_channel(prefetch)
             try:
                 queue = await queue_of(channel)
-                iterator = Deliveries(await _underlay(channel), queue.name)
+                iterator = Deliveries(await _underlay(channel), queue.name, no_ack=no_ack)
                 await iterator.consume()
-                self._consumer_channels[iterator] = channel
-                return iterator
-            except (asyncio.CancelledError, TimeoutError):
-                # Given up (a start's timeout, a stop): a robust channel left open would
-                # start the consumer after a reconnect, holding messages nobody reads.
-                await _close_quietly(channel)
-                raise
             except _CONSUME_RACE as exc:
                 await _close_quietly(channel)
                 if attempt == CONSUME_ATTEMPTS:
@@ -563,11 +561,19 @@ class Bus:
                 await asyncio.sleep(CONSUME_BACKOFF_S * attempt)
                 assert self._connection is not None
                 await asyncio.wait_for(self._connection.connected.wait(), RECONNECT_WAIT_S)
+                continue
+            except BaseException:
+                # Given up (refused, a timeout, a stop): a robust channel left open is opened
+                # again on every reconnect, a channel nobody uses.
+                await _close_quietly(channel)
+                raise
+            self._consumer_channels[iterator] = channel
+            return iterator
         raise AssertionError("unreachable")
 
     async def stop_consuming(self, iterator: Deliveries) -> None:
-        """Stop a consumer for good, closing its channel too: a robust channel left open would
-        start the consumer again after a reconnect, holding messages nobody reads."""
+        """Stop a consumer for good, closing its channel too: a robust channel left open is
+        opened again on every reconnect, a channel nobody uses."""
         channel = self._consumer_channels.pop(iterator, None)
         with contextlib.suppress(Exception):
             await within(iterator.close(), CLOSE_TIMEOUT_S)
@@ -577,12 +583,25 @@ class Bus:
     async def _consumer_channel(self, prefetch: int = 0) -> AbstractChannel:
         if self._connection is None:
             raise RuntimeError("Bus.connect() was not called")
+        if not self._connection.connected.is_set():  # no channel to make and close again
+            raise ConnectionError("the broker connection is down; it reconnects by itself")
+        # aio-pika and aiormq while the connection is down: "Connection was not opened",
+        # "<Connection ...> closed".
         try:
-            channel = await self._connection.channel(publisher_confirms=False)
-        except RuntimeError as exc:  # aio-pika while it reconnects: "Connection was not opened"
+            channel = self._connection.channel(publisher_confirms=False)
+        except RuntimeError as exc:
             raise ConnectionError(f"the broker connection is down: {exc}") from exc
-        if prefetch:
-            await channel.set_qos(prefetch_count=prefetch)
+        try:
+            await channel
+            if prefetch:
+                await channel.set_qos(prefetch_count=prefetch)
+        except BaseException as exc:
+            # One that failed to open is still the robust connection's: closed, or it is
+            # opened again on the next reconnect, a channel nobody uses.
+            await _close_quietly(channel)
+            if isinstance(exc, RuntimeError):
+                raise ConnectionError(f"the broker connection is down: {exc}") from exc
+            raise
         return channel
 
 

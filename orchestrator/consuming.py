@@ -1,11 +1,11 @@
 """A queue's deliveries read straight from aiormq's channel, one lean object each.
 
 aio-pika's queue iterator hands each delivery through two more tasks, an asyncio.Queue and an
-`IncomingMessage` built for it: about a twentieth of an owner's or a worker's CPU under load
-(bench/README.md). Here aiormq's own task for the delivery appends it to a deque and wakes the
-reader. What aio-pika's robust consumer did after a reconnect, `Service._messages` does: a
-consumer whose channel closed ends with ChannelInvalidStateError, and is started again on a
-new channel; one the broker cancelled (its queue was deleted) ends, and is started again too.
+`IncomingMessage` built for it: about 7% of an owner's and of a worker's CPU a chain task at
+M=200 (bench/README.md). Here aiormq's own task for the delivery appends it to a deque and
+wakes the reader. What aio-pika's robust consumer did after a reconnect, `Service._messages`
+does: a consumer whose channel closed fails with ChannelInvalidStateError, one the broker
+cancelled (its queue was deleted) ends, and either is started again on a new channel.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections import deque
 from typing import Any
 
@@ -46,7 +47,7 @@ class Incoming:
 
     @property
     def priority(self) -> int | None:
-        return self._message.header.properties.priority
+        return self._message.header.properties.priority or 0  # as aio-pika's: 0 when none
 
     @property
     def reply_to(self) -> str | None:
@@ -79,7 +80,8 @@ class Incoming:
 
 class Deliveries:
     """The deliveries of one consumer on `channel` (aiormq's), in order, until `close()`, the
-    channel closing (ChannelInvalidStateError) or the broker cancelling it (the end)."""
+    channel closing (ChannelInvalidStateError) or the broker cancelling it (the end, once
+    what it held is read)."""
 
     def __init__(self, channel: aiormq.Channel, queue: str, *, no_ack: bool = False) -> None:
         self._channel = channel
@@ -87,27 +89,37 @@ class Deliveries:
         self._no_ack = no_ack
         self._ready: deque[DeliveredMessage] = deque()
         self._waiter: asyncio.Future[None] | None = None
-        self._tag: str | None = None
-        self._closed = False  # by close() or the broker: no more deliveries
+        # Chosen here, so a cancel from the broker that comes with the answer to the consume
+        # (its queue deleted at once) is known to be ours.
+        self._tag = f"shardflow.{uuid.uuid4().hex}"
+        self._ended = False  # the broker cancelled it
+        self._closed = False  # close() was called: nothing more is handed on
+        self._drained = False  # close() took what it held: a later delivery goes back at once
         self._lost: BaseException | None = None  # the channel closed under it
         self._watch: asyncio.Future[Any] | None = None
 
     @property
-    def consumer_tag(self) -> str | None:
+    def consumer_tag(self) -> str:
         return self._tag
 
     async def consume(self) -> None:
-        """Start the consumer (one RPC)."""
-        ok = await self._channel.basic_consume(self._queue, self._on_message, no_ack=self._no_ack)
-        self._tag = ok.consumer_tag
+        """Start the consumer (one RPC), watching for its end from before it is sent."""
         self._channel.on_consumer_cancel_callbacks.add(self._on_cancel)
         self._watch = self._channel.closing
         self._watch.add_done_callback(self._on_channel_closed)
+        try:
+            await self._channel.basic_consume(
+                self._queue, self._on_message, no_ack=self._no_ack, consumer_tag=self._tag
+            )
+        except BaseException:
+            self._forget()
+            raise
 
     async def _on_message(self, message: DeliveredMessage) -> None:
-        if self._closed and not self._no_ack:  # in flight as it was cancelled: back it goes
-            with contextlib.suppress(Exception):
-                await Incoming(message, self._channel, False).nack(requeue=True)
+        if self._drained:  # in flight as it was cancelled: back it goes
+            if not self._no_ack:
+                with contextlib.suppress(Exception):
+                    await Incoming(message, self._channel, False).nack(requeue=True)
             return
         self._ready.append(message)
         self._wake()
@@ -115,7 +127,7 @@ class Deliveries:
     def _on_cancel(self, frame: aiormq.spec.Basic.Cancel) -> None:
         if frame.consumer_tag == self._tag:
             log.warning("the broker cancelled the consumer of %s", self._queue)
-            self._closed = True
+            self._ended = True
             self._wake()
 
     def _on_channel_closed(self, closing: asyncio.Future[Any]) -> None:
@@ -128,33 +140,45 @@ class Deliveries:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
+    def _forget(self) -> None:
+        """Take its callbacks off the channel, which may outlive it."""
+        self._channel.on_consumer_cancel_callbacks.discard(self._on_cancel)
+        if self._watch is not None:
+            self._watch.remove_done_callback(self._on_channel_closed)
+            self._watch.cancel()  # an observer: cancelling it leaves the channel be
+            self._watch = None
+
     def __aiter__(self) -> Deliveries:
         return self
 
     async def __anext__(self) -> Incoming:
-        while not self._ready:
+        while True:
             if self._lost is not None:
                 raise self._lost
             if self._closed:
+                raise StopAsyncIteration
+            if self._ready:
+                return Incoming(self._ready.popleft(), self._channel, self._no_ack)
+            if self._ended:
                 raise StopAsyncIteration
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
-        return Incoming(self._ready.popleft(), self._channel, self._no_ack)
 
     async def close(self) -> None:
-        """Cancel the consumer and hand back what it holds unread; the end of the iteration."""
+        """Cancel the consumer and hand back, in order, what it holds unread (with what
+        reaches it until the broker confirms the cancel); the end of the iteration."""
         self._closed = True
         self._wake()
-        self._channel.on_consumer_cancel_callbacks.discard(self._on_cancel)
-        if self._watch is not None:
-            self._watch.remove_done_callback(self._on_channel_closed)
-            self._watch.cancel()  # an observer: cancelling it leaves the channel be
-        left, self._ready = list(self._ready), deque()
-        if self._tag is None or self._channel.is_closed:
+        try:
+            if not self._channel.is_closed and not self._ended and self._lost is None:
+                await self._channel.basic_cancel(self._tag)
+        finally:
+            self._forget()
+            left, self._ready, self._drained = list(self._ready), deque(), True
+        if self._no_ack or self._channel.is_closed:
             return
-        await self._channel.basic_cancel(self._tag)
-        for message in left if not self._no_ack else ():
+        for message in left:
             await Incoming(message, self._channel, False).nack(requeue=True)

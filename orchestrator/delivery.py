@@ -49,7 +49,7 @@ class Poison(Exception):
 
 
 class Delivery(Protocol):
-    """One received message; aio-pika's IncomingMessage is one."""
+    """One received message; `consuming.Incoming` is one (and aio-pika's IncomingMessage)."""
 
     @property
     def body(self) -> bytes: ...

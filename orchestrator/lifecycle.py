@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from aiormq.exceptions import ChannelInvalidStateError
+from aiormq.exceptions import ChannelInvalidStateError, ChannelNotFoundEntity
 
 from orchestrator.consuming import Deliveries, Incoming
 
@@ -25,6 +25,8 @@ CONSUMER_RPC_TIMEOUT_S = 30.0
 LOOP_END_S = 10.0
 # A lost connection (aiormq's errors are OSErrors), as a consumer sees it.
 _LOST = (OSError, ChannelInvalidStateError)
+# Starting one, also: a queue declared but not there (404: in a cluster, its node is down).
+_NOT_YET = (TimeoutError, *_LOST, ChannelNotFoundEntity)
 
 
 def raise_if_cancelled() -> None:
@@ -139,7 +141,7 @@ class Service:
             try:
                 async with self._starting:
                     iterator = await _started(start, stop)
-            except (TimeoutError, *_LOST) as exc:
+            except _NOT_YET as exc:
                 raise_if_cancelled()
                 log.warning("%s: a consumer did not start (%r); trying again", self.name, exc)
                 await asyncio.sleep(RECONSUME_S)

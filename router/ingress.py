@@ -79,7 +79,7 @@ class Ingress(Service):
         queue = self.bus.names.ingress_queue
 
         async def start() -> Deliveries:
-            iterator = await self.bus.consume(queue, INGRESS_PREFETCH)
+            iterator = await self.bus.consume_ingress(INGRESS_PREFETCH)
             log.info("router: consuming %s", queue)
             return iterator
 

@@ -221,7 +221,7 @@ MUTANTS = {
     ),
     "close-keeps-unread": (
         "orchestrator/consuming.py",
-        "        for message in left if not self._no_ack else ():",
+        "        for message in left:",
         "        for message in ():",
         (CONSUMING + "test_closing_hands_back_what_it_holds_unread",),
     ),

@@ -5,13 +5,21 @@ each of which must leave no message unread and unsettled."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+import json
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any
 
 import pytest
 from aiormq.exceptions import ChannelInvalidStateError
 
 from orchestrator.bus import Bus
 from orchestrator.consuming import Deliveries, Incoming
+from orchestrator.lifecycle import Service
 from orchestrator.settings import Settings
 from tests.polling import until
 
@@ -115,3 +123,148 @@ async def test_a_channel_closed_under_it_fails_its_reader(bus: Bus) -> None:
 
 async def _state(bus: Bus) -> dict[str, int]:
     return {"ready": await _ready(bus)}
+
+
+class _Part(Service):
+    """A part consuming one queue as the worker and the router do: each message acked by a
+    task of its own, after a pause (so some are in hand when the connection drops)."""
+
+    name = "part"
+
+    def __init__(self, start: Callable[[], Awaitable[Deliveries]], bus: Bus) -> None:
+        super().__init__(grace_s=2)
+        self.start, self.bus, self.acked = start, bus, set[bytes]()
+
+    async def _start(self) -> list[Coroutine[Any, Any, None]]:
+        return [self._read()]
+
+    async def _read(self) -> None:
+        async for message in self._messages(self.start, self.bus.stop_consuming):
+            self._spawn(self._ack(message))
+
+    async def _ack(self, message: Incoming) -> None:
+        await asyncio.sleep(0.2)
+        with contextlib.suppress(Exception):  # its channel gone: it comes again
+            await message.ack()
+            self.acked.add(message.body)
+
+
+def _rabbitmqctl(*args: str) -> str:
+    return subprocess.run(
+        ["rabbitmqctl", "-q", *args], capture_output=True, text=True, check=True, timeout=30
+    ).stdout
+
+
+def _connections(name: str) -> list[tuple[str, int]]:
+    """(pid, channels) of the broker's connections that `name` opened."""
+    listed = json.loads(
+        _rabbitmqctl("list_connections", "name", "channels", "client_properties",
+                     "--formatter", "json")
+    )  # fmt: skip
+    ours = {found["name"]: int(found["channels"]) for found in listed
+            if name in json.dumps(found["client_properties"])}  # fmt: skip
+    pids = {}
+    for line in _rabbitmqctl("list_connections", "--no-table-headers", "pid", "name").splitlines():
+        pid, connection = line.split("\t", 1)
+        pids[connection] = pid
+    return [(pids[connection], channels) for connection, channels in ours.items()]
+
+
+@pytest.mark.skipif(shutil.which("rabbitmqctl") is None, reason="closes a connection by pid")
+async def test_a_part_consumes_again_after_its_connection_drops_and_keeps_no_stray_channel(
+    settings: Settings,
+) -> None:
+    """The broker closes the part's connection: it consumes again once the connection is
+    back, every message is acked, and the connection holds the publisher's channel and the
+    consumer's: none of the tries made while it was down is opened again with it."""
+    name = f"test-consuming-{uuid.uuid4().hex[:8]}"
+    bus, publisher = Bus(settings, name=name), Bus(settings)
+    await bus.connect()
+    await publisher.connect()
+    part = _Part(lambda: bus.consume_pool(POOL, 5), bus)
+    running = asyncio.ensure_future(part.run())
+    try:
+        ours = await asyncio.to_thread(_connections, name)
+        assert len(ours) == 1
+        bodies = [b"%d" % n for n in range(30)]
+        await publisher.publish_all(POOL, bodies)
+        await until(_acked(part), lambda found: len(found["acked"]) >= 5)
+        await asyncio.to_thread(_rabbitmqctl, "close_connection", ours[0][0], "a test drops it")
+        await until(_dropped(bus), bool)
+
+        async def state() -> dict[str, Any]:
+            found = await publisher.queue_state(bus.names.task_queue(POOL))
+            return {"acked": len(part.acked), "ready": found[0] if found else -1}
+
+        await until(state, lambda now: now["acked"] == 30 and now["ready"] == 0, timeout_s=60)
+        assert part.acked == set(bodies)
+        channels = [n for _, n in await asyncio.to_thread(_connections, name)]
+        assert channels == [2], channels  # the publisher's and the consumer's
+    finally:
+        part.shutdown()
+        await running
+        await bus.close()
+        await publisher.close()
+
+
+async def test_a_part_whose_queue_is_deleted_declares_it_again_and_consumes(bus: Bus) -> None:
+    """Before, a deleted ingress queue ended the router (a passive declare's 404)."""
+    part = _Part(lambda: bus.consume_ingress(5), bus)
+    running = asyncio.ensure_future(part.run())
+    try:
+        await until(_consuming(part), bool)
+        assert bus._publisher is not None
+        await bus._publisher.queue_delete(bus.names.ingress_queue)
+        await asyncio.sleep(0.2)
+        await until(_consuming(part), bool, timeout_s=10)
+        await bus.requeue(bus.names.ingress_queue, b"again", {}, None)
+        await until(_acked(part), lambda found: b"again" in found["acked"])
+        assert not running.done()
+    finally:
+        part.shutdown()
+        await running
+
+
+async def test_a_cancel_that_comes_with_the_consume_answer_ends_the_consumer(bus: Bus) -> None:
+    """The queue deleted as the consumer starts, both answers read in one turn of a busy loop:
+    the cancel names a tag the consumer knows, and it ends, where it waited for ever."""
+    assert bus._publisher is not None
+    admin = await bus._publisher.get_underlay_channel()
+    for _ in range(5):
+        queue = f"{bus.names.prefix}.race.{uuid.uuid4().hex[:8]}"
+        await admin.queue_declare(queue, auto_delete=True)
+        channel = await bus._consumer_channel()
+        deliveries = Deliveries(await channel.get_underlay_channel(), queue)
+        consuming = asyncio.ensure_future(deliveries.consume())
+        deleting = asyncio.ensure_future(admin.queue_delete(queue))
+        for _ in range(4):
+            await asyncio.sleep(0)
+        # The loop busy elsewhere: both answers wait to be read together.
+        time.sleep(0.1)  # noqa: ASYNC251
+        await consuming
+        await deleting
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(deliveries.__anext__(), 5)
+        await deliveries.close()
+        await channel.close()
+
+
+def _consuming(part: Service) -> Callable[[], Awaitable[dict[str, Any] | None]]:
+    async def check() -> dict[str, Any] | None:
+        return {"consuming": True} if part.consuming else None
+
+    return check
+
+
+def _dropped(bus: Bus) -> Callable[[], Awaitable[dict[str, Any] | None]]:
+    async def check() -> dict[str, Any] | None:
+        return None if bus.is_connected else {"dropped": True}
+
+    return check
+
+
+def _acked(part: _Part) -> Callable[[], Awaitable[dict[str, Any] | None]]:
+    async def check() -> dict[str, Any] | None:
+        return {"acked": set(part.acked)}
+
+    return check
