@@ -16,8 +16,9 @@ from aio_pika import RobustConnection
 from aio_pika.abc import (
     AbstractChannel,
     AbstractIncomingMessage,
-    AbstractQueue,
+    AbstractRobustChannel,
     AbstractRobustConnection,
+    AbstractRobustQueue,
 )
 from aio_pika.connection import make_url
 
@@ -63,6 +64,8 @@ CLOSE_TIMEOUT_S = 10.0  # closing a consumer's channel, which a lost connection 
 # without waiting for the socket (orchestrator/coalescing.py), so while the broker reads
 # nothing (a memory or disk alarm) this, not the socket, bounds what a process holds.
 MAX_UNCONFIRMED = 1024
+# A control queue no consumer uses is deleted after this long.
+CONTROL_QUEUE_EXPIRES_MS = 60_000
 # A lost connection (INTERNAL_ERROR, a ConnectionInternalError, is one) or a closed channel.
 _CONSUME_RACE = (aiormq.exceptions.AMQPConnectionError, aiormq.exceptions.ChannelInvalidStateError)
 
@@ -160,13 +163,13 @@ class Bus:
         self.names = Names(settings.prefix)
         self._name = name
         self._connection: AbstractRobustConnection | None = None
-        self._publisher: AbstractChannel | None = None
+        self._publisher: AbstractRobustChannel | None = None
         self._delay_queues: set[str] = set()
         self._pools: set[str] = set()  # task queues declared on this connection
-        self._consumer_channels: dict[Deliveries, AbstractChannel] = {}
+        self._consumer_channels: dict[Deliveries, AbstractRobustChannel] = {}
         self._task_arguments: dict[str, dict[str, Any]] = {}  # by task queue, once checked
         self._unconfirmed = asyncio.Semaphore(MAX_UNCONFIRMED)
-        self._probe: AbstractChannel | None = None  # for queue_state
+        self._probe: AbstractRobustChannel | None = None  # for queue_state
         self._probing = asyncio.Lock()
 
     async def connect(self) -> None:
@@ -214,7 +217,7 @@ class Bus:
             await self._connection.close()
             self._connection = None
 
-    async def declare(self, channel: AbstractChannel) -> None:
+    async def declare(self, channel: AbstractRobustChannel) -> None:
         """Every exchange and queue, with the same arguments wherever it is declared."""
         names = self.names
         dead = await channel.declare_exchange(
@@ -238,13 +241,17 @@ class Bus:
         for pool in POOLS:
             await self._declare_pool(channel, pool)
 
-    async def _declare_pool(self, channel: AbstractChannel, pool: str) -> AbstractQueue:
-        """A pool's task queue: a serial lane's has a single active consumer, any other many."""
+    async def _declare_pool(
+        self, channel: AbstractRobustChannel, pool: str, *, robust: bool = True
+    ) -> AbstractRobustQueue:
+        """A pool's task queue: a serial lane's has a single active consumer, any other many.
+        `robust`: declared again by the channel after a reconnect (a consumer's is not: it
+        is started again on a new channel, orchestrator/consuming.py)."""
         name = self.names.task_queue(pool)
         arguments = self._task_arguments.get(name)
         if arguments is None:
             arguments = await self._task_queue_arguments(name, is_lane(pool))
-        queue = await channel.declare_queue(name, durable=True, arguments=arguments)
+        queue = await channel.declare_queue(name, durable=True, arguments=arguments, robust=robust)
         self._pools.add(pool)
         return queue
 
@@ -279,13 +286,24 @@ class Bus:
             await self._declare_pool(self._channel, pool)
             log.info("declared the task queue of pool %r", pool)
 
-    async def _declare_shard(self, channel: AbstractChannel, shard: int) -> AbstractQueue:
+    async def _declare_shard(
+        self, channel: AbstractRobustChannel, shard: int, *, robust: bool = True
+    ) -> AbstractRobustQueue:
+        """A shard's queue, bound to the orchestrator exchange (declared first: a consumer
+        started again after the exchange was deleted brings it back)."""
+        await channel.declare_exchange(
+            self.names.orchestrator_exchange,
+            aio_pika.ExchangeType.DIRECT,
+            durable=True,
+            robust=robust,
+        )
         queue = await channel.declare_queue(
             self.names.shard_queue(shard),
             durable=True,
             arguments=self._queue_arguments(single_active=True, max_priority=GOING_ON),
+            robust=robust,
         )
-        await queue.bind(self.names.orchestrator_exchange, routing_key=str(shard))
+        await queue.bind(self.names.orchestrator_exchange, routing_key=str(shard), robust=robust)
         return queue
 
     async def shard_queue_state(self, shard: int) -> tuple[int, int] | None:
@@ -340,7 +358,7 @@ class Bus:
         return arguments
 
     @property
-    def _channel(self) -> AbstractChannel:
+    def _channel(self) -> AbstractRobustChannel:
         if self._publisher is None:
             raise RuntimeError("Bus.connect() was not called")
         return self._publisher
@@ -480,9 +498,20 @@ class Bus:
     async def consume_control(self) -> Deliveries:
         """This process's own queue on the control exchange, gone when it disconnects."""
 
-        async def queue_of(channel: AbstractChannel) -> AbstractQueue:
-            queue = await channel.declare_queue(exclusive=True, auto_delete=True)
-            await queue.bind(self.names.control_exchange)
+        async def queue_of(channel: AbstractRobustChannel) -> AbstractRobustQueue:
+            exchange = self.names.control_exchange
+            await channel.declare_exchange(
+                exchange, aio_pika.ExchangeType.FANOUT, durable=True, robust=False
+            )
+            # Deleted once unused for a while: one left unconsumed by a start that failed
+            # half-way would gather every control message until the connection closed.
+            queue = await channel.declare_queue(
+                exclusive=True,
+                auto_delete=True,
+                arguments={"x-expires": CONTROL_QUEUE_EXPIRES_MS},
+                robust=False,
+            )
+            await queue.bind(exchange, robust=False)
             return queue
 
         return await self._consuming(queue_of, 0, no_ack=True)
@@ -521,22 +550,26 @@ class Bus:
         queue = self.names.ingress_queue
         return await self._consuming(
             lambda channel: channel.declare_queue(
-                queue, durable=True, arguments=self._queue_arguments()
+                queue, durable=True, arguments=self._queue_arguments(), robust=False
             ),
             prefetch,
         )
 
     async def consume_pool(self, pool: str, prefetch: int) -> Deliveries:
         """Consume a pool's task queue, declaring it first: a named pool may be new."""
-        return await self._consuming(lambda channel: self._declare_pool(channel, pool), prefetch)
+        return await self._consuming(
+            lambda channel: self._declare_pool(channel, pool, robust=False), prefetch
+        )
 
     async def consume_shard(self, shard: int, prefetch: int) -> Deliveries:
         """Consume a shard's queue, declaring it first: it may lie outside today's ring."""
-        return await self._consuming(lambda channel: self._declare_shard(channel, shard), prefetch)
+        return await self._consuming(
+            lambda channel: self._declare_shard(channel, shard, robust=False), prefetch
+        )
 
     async def _consuming(
         self,
-        queue_of: Callable[[AbstractChannel], Awaitable[AbstractQueue]],
+        queue_of: Callable[[AbstractRobustChannel], Awaitable[AbstractRobustQueue]],
         prefetch: int,
         *,
         no_ack: bool = False,
@@ -548,7 +581,9 @@ class Bus:
         wait for the robust connection to come back and try again, a bounded number of times.
         """
         for attempt in range(1, CONSUME_ATTEMPTS + 1):
-            channel = await self._consumer_channel(prefetch)
+            # Waits for a connection that is down (a start's own timeout bounds it), so a
+            # consumer starts again as soon as it is back, not at its next try.
+            channel = await self._consumer_channel(prefetch, RECONNECT_WAIT_S)
             try:
                 queue = await queue_of(channel)
                 iterator = Deliveries(await _underlay(channel), queue.name, no_ack=no_ack)
@@ -580,11 +615,19 @@ class Bus:
         if channel is not None:
             await _close_quietly(channel)
 
-    async def _consumer_channel(self, prefetch: int = 0) -> AbstractChannel:
+    async def _consumer_channel(
+        self, prefetch: int = 0, wait_s: float = 0
+    ) -> AbstractRobustChannel:
+        """A channel of its own; while the connection is down, after waiting up to `wait_s`
+        for it to come back, ConnectionError (no channel made and closed again)."""
         if self._connection is None:
             raise RuntimeError("Bus.connect() was not called")
-        if not self._connection.connected.is_set():  # no channel to make and close again
-            raise ConnectionError("the broker connection is down; it reconnects by itself")
+        if not self._connection.connected.is_set():
+            with contextlib.suppress(TimeoutError):
+                if wait_s > 0:
+                    await asyncio.wait_for(self._connection.connected.wait(), wait_s)
+            if not self._connection.connected.is_set():
+                raise ConnectionError("the broker connection is down; it reconnects by itself")
         # aio-pika and aiormq while the connection is down: "Connection was not opened",
         # "<Connection ...> closed".
         try:
