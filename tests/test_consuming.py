@@ -150,6 +150,23 @@ class _Part(Service):
             self.acked.add(message.body)
 
 
+@contextlib.asynccontextmanager
+async def _started(
+    start: Callable[[], Awaitable[Deliveries]], bus: Bus
+) -> AsyncIterator[tuple[_Part, set[Deliveries]]]:
+    """A part running until the block ends (and alive at its end), once it consumes; its
+    first consumers."""
+    part = _Part(start, bus)
+    running = asyncio.ensure_future(part.run())
+    try:
+        await until(_consuming(part), bool)
+        yield part, set(part._iterators)
+        assert not running.done()
+    finally:
+        part.shutdown()
+        await running
+
+
 def _rabbitmqctl(*args: str) -> str:
     return subprocess.run(
         ["rabbitmqctl", "-q", *args], capture_output=True, text=True, check=True, timeout=30
@@ -210,20 +227,12 @@ async def test_a_part_consumes_again_after_its_connection_drops_and_keeps_no_str
 
 async def test_a_part_whose_queue_is_deleted_declares_it_again_and_consumes(bus: Bus) -> None:
     """Before, a deleted ingress queue ended the router (a passive declare's 404)."""
-    part = _Part(lambda: bus.consume_ingress(5), bus)
-    running = asyncio.ensure_future(part.run())
-    try:
-        await until(_consuming(part), bool)
-        first = set(part._iterators)
+    async with _started(lambda: bus.consume_ingress(5), bus) as (part, first):
         assert bus._publisher is not None
         await bus._publisher.queue_delete(bus.names.ingress_queue)
         await until(_restarted(part, first), bool, timeout_s=10)
         await bus.requeue(bus.names.ingress_queue, b"again", {}, None)
         await until(_acked(part), lambda found: b"again" in found["acked"])
-        assert not running.done()
-    finally:
-        part.shutdown()
-        await running
 
 
 async def test_a_control_consumer_whose_exchange_and_queue_were_deleted_brings_both_back(
@@ -231,11 +240,7 @@ async def test_a_control_consumer_whose_exchange_and_queue_were_deleted_brings_b
 ) -> None:
     """Its start declares the exchange before binding to it: it used to retry the bind's 404
     each second for ever, leaving a new unconsumed queue behind each time."""
-    part = _Part(bus.consume_control, bus)
-    running = asyncio.ensure_future(part.run())
-    try:
-        await until(_consuming(part), bool)
-        first = set(part._iterators)
+    async with _started(bus.consume_control, bus) as (part, first):
         assert bus._publisher is not None
         await bus._publisher.exchange_delete(bus.names.control_exchange)
         (deliveries,) = first
@@ -243,9 +248,6 @@ async def test_a_control_consumer_whose_exchange_and_queue_were_deleted_brings_b
         await until(_restarted(part, first), bool, timeout_s=10)
         await bus.publish_control(b'{"wf": "w"}')  # consumed without acks: seen is enough
         await until(_seen(part), lambda found: b'{"wf": "w"}' in found["seen"])
-    finally:
-        part.shutdown()
-        await running
 
 
 async def test_a_cancel_that_comes_with_the_consume_answer_ends_the_consumer(bus: Bus) -> None:
