@@ -622,12 +622,11 @@ class Bus:
         for it to come back, ConnectionError (no channel made and closed again)."""
         if self._connection is None:
             raise RuntimeError("Bus.connect() was not called")
-        if not self._connection.connected.is_set():
+        if not self._connection.connected.is_set() and wait_s > 0:
             with contextlib.suppress(TimeoutError):
-                if wait_s > 0:
-                    await asyncio.wait_for(self._connection.connected.wait(), wait_s)
-            if not self._connection.connected.is_set():
-                raise ConnectionError("the broker connection is down; it reconnects by itself")
+                await asyncio.wait_for(self._connection.connected.wait(), wait_s)
+        if not self._connection.connected.is_set():
+            raise ConnectionError("the broker connection is down; it reconnects by itself")
         # aio-pika and aiormq while the connection is down: "Connection was not opened",
         # "<Connection ...> closed".
         try:

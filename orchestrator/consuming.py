@@ -23,6 +23,10 @@ from aiormq.exceptions import ChannelInvalidStateError
 
 log = logging.getLogger(__name__)
 
+# A consumer without acks has no prefetch, so what it holds unread is bounded here: its
+# messages are hints (the control queue's notices, which anyone on the vhost may publish).
+MAX_UNREAD_NO_ACK = 1024
+
 
 class Incoming:
     """One delivery (a `delivery.Delivery`), settled at most once: a second ack of one
@@ -34,7 +38,7 @@ class Incoming:
         self._message = message
         self._channel = channel
         self._no_ack = no_ack
-        self._settled = no_ack
+        self._settled = False
         self.body: bytes = message.body
 
     @property
@@ -62,9 +66,10 @@ class Incoming:
         return self._message.header.properties.message_id
 
     def _tag(self) -> int:
+        if self._no_ack:
+            raise RuntimeError("a message consumed without acks is not settled")
         if self._settled:
-            raise RuntimeError("the message was settled already" if not self._no_ack else
-                               "a message consumed without acks is not settled")  # fmt: skip
+            raise RuntimeError("the message was settled already")
         tag = self._message.delivery_tag
         if tag is None:
             raise RuntimeError("a delivery without a delivery tag")
@@ -97,10 +102,7 @@ class Deliveries:
         self._drained = False  # close() took what it held: a later delivery goes back at once
         self._lost: BaseException | None = None  # the channel closed under it
         self._watch: asyncio.Future[Any] | None = None
-
-    @property
-    def consumer_tag(self) -> str:
-        return self._tag
+        self.dropped = 0  # unread over MAX_UNREAD_NO_ACK, without acks
 
     async def consume(self) -> None:
         """Start the consumer (one RPC), watching for its end from before it is sent."""
@@ -117,12 +119,21 @@ class Deliveries:
 
     async def _on_message(self, message: DeliveredMessage) -> None:
         if self._drained:  # in flight as it was cancelled: back it goes
-            if not self._no_ack:
-                with contextlib.suppress(Exception):
-                    await Incoming(message, self._channel, False).nack(requeue=True)
+            with contextlib.suppress(Exception):
+                await self._hand_back(message)
+            return
+        if self._no_ack and len(self._ready) >= MAX_UNREAD_NO_ACK:
+            if not self.dropped % 1000:
+                log.warning("%s: %d unread, dropping more", self._queue, len(self._ready))
+            self.dropped += 1
             return
         self._ready.append(message)
         self._wake()
+
+    async def _hand_back(self, message: DeliveredMessage) -> None:
+        """Back to its queue (nothing to do for a message consumed without acks)."""
+        if not self._no_ack:
+            await Incoming(message, self._channel, False).nack(requeue=True)
 
     def _on_cancel(self, frame: aiormq.spec.Basic.Cancel) -> None:
         if frame.consumer_tag == self._tag:
@@ -178,7 +189,7 @@ class Deliveries:
         finally:
             self._forget()
             left, self._ready, self._drained = list(self._ready), deque(), True
-        if self._no_ack or self._channel.is_closed:
+        if self._channel.is_closed:
             return
         for message in left:
-            await Incoming(message, self._channel, False).nack(requeue=True)
+            await self._hand_back(message)

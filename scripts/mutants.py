@@ -225,6 +225,12 @@ MUTANTS = {
         "        for message in ():",
         (CONSUMING + "test_closing_hands_back_what_it_holds_unread",),
     ),
+    "unread-unbounded": (
+        "orchestrator/consuming.py",
+        "        if self._no_ack and len(self._ready) >= MAX_UNREAD_NO_ACK:",
+        "        if False:",
+        (CONSUMING + "test_a_consumer_without_acks_holds_at_most_its_bound_unread",),
+    ),
     "broker-cancel-ignored": (
         "orchestrator/consuming.py",
         "        if frame.consumer_tag == self._tag:",

@@ -18,7 +18,7 @@ import pytest
 from aiormq.exceptions import ChannelInvalidStateError, ChannelNotFoundEntity
 
 from orchestrator.bus import Bus
-from orchestrator.consuming import Deliveries, Incoming
+from orchestrator.consuming import MAX_UNREAD_NO_ACK, Deliveries, Incoming
 from orchestrator.lifecycle import Service
 from orchestrator.settings import Settings
 from tests.polling import until
@@ -77,6 +77,23 @@ async def test_a_second_settle_is_refused_here_and_the_channel_lives_on(bus: Bus
     await second.ack()  # the channel still works
     await bus.stop_consuming(deliveries)
     assert await _ready(bus) == 0
+
+
+async def test_a_consumer_without_acks_holds_at_most_its_bound_unread(bus: Bus) -> None:
+    """A control queue has no prefetch: a flood of notices nobody reads yet is held up to
+    MAX_UNREAD_NO_ACK, and the rest dropped (they are hints), not held without bound."""
+    deliveries = await bus.consume_control()
+    sent = MAX_UNREAD_NO_ACK + 300
+    for n in range(sent):
+        await bus.publish_control(b"%d" % n)
+
+    async def held() -> dict[str, Any]:
+        return {"held": len(deliveries._ready), "dropped": deliveries.dropped}
+
+    await until(held, lambda now: now["held"] + now["dropped"] == sent)
+    assert (await held()) == {"held": MAX_UNREAD_NO_ACK, "dropped": 300}
+    assert (await _next(deliveries)).body == b"0"  # the first ones are kept, in order
+    await bus.stop_consuming(deliveries)
 
 
 async def test_closing_hands_back_what_it_holds_unread(bus: Bus) -> None:
