@@ -6,6 +6,10 @@ M=200, and shape B at M=1 ten times (per-step latency). Medians over the rounds 
     .venv/bin/python bench/ab.py --set SHARDFLOW_PREFETCH=1,16 [--rounds 3] [--programs 400]
     .venv/bin/python bench/ab.py --set SHARDFLOW_AMQP_COALESCING=false,true --chunk 1
     .venv/bin/python bench/ab.py --ref HEAD~3 [--set ...]    # that commit's code against this
+    .venv/bin/python bench/ab.py --set fleet=2x2,1x1         # orchestrators x workers
+
+`fleet` is no setting but the fleet's shape: orchestrators (splitting the shards) x workers;
+2x2 unless set.
 
 Every value is a whole configuration: the other `--set`s keep their first value, and a
 `--set` of several names (`--set A,B=1:2,3:4`) moves them together. `--ref REF` runs each
@@ -29,7 +33,16 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from bench.compare import ROOT, SHAPE_B, Shardflow, _per_step, check_a, check_b, shape_a
+from bench.compare import (
+    ROOT,
+    SHAPE_B,
+    SHARDS,
+    Shardflow,
+    _per_step,
+    check_a,
+    check_b,
+    shape_a,
+)
 
 
 def _line(name: str, r: dict[str, Any]) -> str:
@@ -57,6 +70,17 @@ def _configurations(sets: list[str]) -> list[dict[str, str]]:
     for options in parsed:
         found += [{**base, **option} for option in options[1:]]
     return found
+
+
+def _fleet(text: str) -> tuple[int, int]:
+    """`fleet=OxW`: orchestrators (1 to the shards) and workers (1 to 8)."""
+    try:
+        orchestrators, workers = (int(part) for part in text.split("x"))
+    except ValueError:
+        raise SystemExit(f"fleet={text!r}: expected OxW, such as 2x2") from None
+    if not 1 <= orchestrators <= SHARDS or not 1 <= workers <= 8:
+        raise SystemExit(f"fleet={text!r}: 1 to {SHARDS} orchestrators, 1 to 8 workers")
+    return orchestrators, workers
 
 
 def _worktree(ref: str) -> Path:
@@ -106,10 +130,12 @@ async def main() -> None:
             await asyncio.to_thread(
                 subprocess.run, ["redis-cli", "-n", "2", "flushdb"], check=True, capture_output=True
             )
-            settings = {k: v for k, v in configuration.items() if k != "tree"}
+            settings = {k: v for k, v in configuration.items() if k not in ("tree", "fleet")}
             os.environ.update(settings)  # the fleet inherits it
             sf = Shardflow(logs, Path(configuration.get("tree", ROOT)))
-            sf.start(orchestrators=2)
+            fleet = configuration.get("fleet", "2x2")
+            orchestrators, workers = _fleet(fleet)
+            sf.start(orchestrators=orchestrators, workers=workers)
             run: dict[str, Any] = {"round": round_ + 1, "set": configuration}
             try:
                 run["A"] = await sf.run(shape_a(args.chunk), args.programs, 12, check_a)

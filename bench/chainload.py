@@ -1,14 +1,16 @@
 """Chains under load on one orchestrator and one worker, with the CPU of each process.
 
     .venv/bin/python bench/chainload.py [--programs 200] [--rounds 3] [--spy SECONDS]
-                                        [--stamp NAME]
+                                        [--orchestrators 1] [--workers 1] [--stamp NAME]
 
-Starts one orchestrator (every shard) and one parallel worker, submits `--programs` chains of
-20 no-op tasks at once and waits for them all, `--rounds` times. Prints each round's tasks/s
-and CPU seconds per 1,000 tasks by process (owner, worker, RabbitMQ, Redis, this client), as
-bench/floor.py's loaded run does for the floor. `--spy S` also records both processes with
-py-spy for S seconds (200 samples a second, raw stacks) into bench/results/logs/, for a
-profile of where a chain task's CPU goes. Writes bench/results/chainload-<stamp>.json.
+Starts one orchestrator (every shard) and one parallel worker, or `--orchestrators` splitting
+the shards and `--workers` (bench/compare.py's fleet is 2 and 2), submits `--programs` chains
+of 20 no-op tasks at once and waits for them all, `--rounds` times. Prints each round's
+tasks/s and CPU seconds per 1,000 tasks by group (owners, workers, RabbitMQ, Redis, this
+client), as bench/floor.py's loaded run does for the floor. `--spy S` also records each
+process with py-spy for S seconds (200 samples a second, raw stacks) into
+bench/results/logs/, for a profile of where a chain task's CPU goes. Writes
+bench/results/chainload-<stamp>.json.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ STEPS = 20
 WAIT_S = 300.0
 
 
-async def rounds(settings: Settings, programs: int, count: int, pids: dict[str, int]) -> list[Any]:
+async def rounds(
+    settings: Settings, programs: int, count: int, pids: dict[str, list[int]]
+) -> list[Any]:
     from orchestrator.connections import connected
     from router.client import Router
 
@@ -43,7 +47,7 @@ async def rounds(settings: Settings, programs: int, count: int, pids: dict[str, 
     async with connected(settings, "bench-chainload") as (store, bus):
         router = Router(settings, store=store, bus=bus)
         for number in range(count):
-            meter = Meter({name: [pid] for name, pid in pids.items()})
+            meter = Meter(pids)
             meter.start()
             started = time.monotonic()
             ids = [(await router.submit(program)).workflow_id for _ in range(programs)]
@@ -63,6 +67,8 @@ def main() -> None:
     parser.add_argument("--programs", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--spy", type=int, default=0, help="py-spy seconds (0: none)")
+    parser.add_argument("--orchestrators", type=int, default=1, help="the shards split among")
+    parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--stamp", default=date.today().isoformat(), help="results' file name")
     args = parser.parse_args()
     name = "shardflow-chainload"
@@ -70,12 +76,19 @@ def main() -> None:
     logs = ROOT / "bench" / "results" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     cli = [sys.executable, "-m", "shardflow"]
-    shards = ",".join(map(str, range(settings.shards)))
-    owner = [*cli, "orchestrator", "--shards", shards]
+    if not 1 <= args.orchestrators <= settings.shards or not 1 <= args.workers <= 8:
+        parser.error(f"--orchestrators: 1 to {settings.shards}; --workers: 1 to 8")
+    shards = list(range(settings.shards))
     worker = [*cli, "worker", "--pool", "parallel", "--app", "bench.tasks"]
     processes = {
-        "owner": spawn(owner, env, logs / "chainload-owner.log"),
-        "worker": spawn(worker, env, logs / "chainload-worker.log"),
+        f"owner{i}": spawn(
+            [*cli, "orchestrator", "--shards", ",".join(map(str, shards[i :: args.orchestrators]))],
+            env,
+            logs / "chainload-owner.log",
+        )
+        for i in range(args.orchestrators)
+    } | {
+        f"worker{i}": spawn(worker, env, logs / "chainload-worker.log") for i in range(args.workers)
     }
     spies = []
     try:
@@ -102,7 +115,9 @@ def main() -> None:
                 )
                 for part, process in processes.items()
             ]
-        pids = {part: process.pid for part, process in processes.items()}
+        pids: dict[str, list[int]] = {"owner": [], "worker": []}
+        for part, process in processes.items():
+            pids[part.rstrip("0123456789")].append(process.pid)
         found = asyncio.run(rounds(settings, args.programs, args.rounds, pids))
         for process in spies:
             process.wait()
@@ -110,7 +125,15 @@ def main() -> None:
         stop(list(processes.values()))
         subprocess.run(["redis-cli", "-n", "2", "flushdb"], capture_output=True)
         drop_vhost(name)
-    write_result(f"chainload-{args.stamp}", {"programs": args.programs, "rounds": found})
+    write_result(
+        f"chainload-{args.stamp}",
+        {
+            "programs": args.programs,
+            "orchestrators": args.orchestrators,
+            "workers": args.workers,
+            "rounds": found,
+        },
+    )
 
 
 if __name__ == "__main__":
