@@ -1,5 +1,5 @@
 """Settings against each other in one run, alternating, shardflow alone: for each round and
-each value, bench/compare.py's fleet (2 orchestrators over 4 shards, 2 workers of 16) runs
+each value, bench/compare.py's fleet (1 orchestrator owning 4 shards, 1 worker of 16) runs
 shape A at M programs (no chunk: the default, unless --chunk), shape B (a 20-task chain) at
 M=200, and shape B at M=1 ten times (per-step latency). Medians over the rounds at the end.
 
@@ -9,7 +9,7 @@ M=200, and shape B at M=1 ten times (per-step latency). Medians over the rounds 
     .venv/bin/python bench/ab.py --set fleet=2x2,1x1         # orchestrators x workers
 
 `fleet` is no setting but the fleet's shape: orchestrators (splitting the shards) x workers;
-2x2 unless set.
+bench/compare.py's (1x1) unless set.
 
 Every value is a whole configuration: the other `--set`s keep their first value, and a
 `--set` of several names (`--set A,B=1:2,3:4`) moves them together. `--ref REF` runs each
@@ -34,9 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.compare import (
+    ORCHESTRATORS,
     ROOT,
     SHAPE_B,
     SHARDS,
+    WORKERS,
     Shardflow,
     _per_step,
     check_a,
@@ -133,7 +135,7 @@ async def main() -> None:
             settings = {k: v for k, v in configuration.items() if k not in ("tree", "fleet")}
             os.environ.update(settings)  # the fleet inherits it
             sf = Shardflow(logs, Path(configuration.get("tree", ROOT)))
-            fleet = configuration.get("fleet", "2x2")
+            fleet = configuration.get("fleet", f"{ORCHESTRATORS}x{WORKERS}")
             orchestrators, workers = _fleet(fleet)
             sf.start(orchestrators=orchestrators, workers=workers)
             run: dict[str, Any] = {"round": round_ + 1, "set": configuration}

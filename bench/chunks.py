@@ -1,6 +1,6 @@
 """Adaptive chunks against a chunk named in the program, shardflow alone: shape A at M programs
 with no chunk (the default, adaptive), `"chunk": 1` (the default before) and `"chunk": 10`, each
-twice, in one run on one cluster (2 orchestrators, 2 workers of 16, as bench/compare.py).
+twice, in one run on one cluster (bench/compare.py's fleet).
 
     .venv/bin/python bench/chunks.py [M]      (default M=400; about a minute)
 
@@ -25,7 +25,7 @@ async def main() -> None:
     logs = ROOT / "bench" / "results" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     sf = Shardflow(logs)
-    sf.start(orchestrators=2)
+    sf.start()
     try:
         for _ in range(2):
             for variant, shape in A_VARIANTS:

@@ -18,12 +18,12 @@ returning small dicts; every result is checked):
      around each A and B run (bench/cpu.py); broker messages per task, counted in a separate
      short run with RabbitMQ's firehose; during shape A at the larger M, each orchestrator's
      CPU share and each shard queue's depth every 0.5 s
-shardflow runs every task on its parallel pool (2 worker processes, 16 each); Celery runs a
-prefork pool of 2 and a threads pool of 16 (acks_late, Redis result backend), and ratios are
-against the better of the two. Shape B's rounds also run Celery's prefork pool with publisher
-confirms, as shardflow publishes (the broker confirms a persistent message once it is on disk):
-the `*_same_guarantee` ratios, never counted as Celery's best. Latency is from submit to the
-last task's own clock.
+shardflow runs one orchestrator and one worker of 16 (ORCHESTRATORS, WORKERS: a process per
+core), every task on its parallel pool; Celery runs a prefork pool of 2 and a threads pool of
+16 (acks_late, Redis result backend), and ratios are against the better of the two. Shape B's
+rounds also run Celery's prefork pool with publisher confirms, as shardflow publishes (the
+broker confirms a persistent message once it is on disk): the `*_same_guarantee` ratios, never
+counted as Celery's best. Latency is from submit to the last task's own clock.
 """
 
 from __future__ import annotations
@@ -78,6 +78,12 @@ SHAPE_A, SHAPE_A_CHUNKED, SHAPE_A_CHUNK1 = shape_a(), shape_a(chunk=10), shape_a
 A_VARIANTS = (("", SHAPE_A), ("_chunk1", SHAPE_A_CHUNK1), ("_chunk10", SHAPE_A_CHUNKED))
 SHAPE_B = {"name": "B", "steps": [{"task": "step", "pool": "parallel"}] * 20}
 SHARDS = 4
+# The fleet every shardflow figure here runs on, unless a run names its own: one orchestrator
+# (owning the SHARDS shards) and one worker of 16, a Python process per core on this 2-core
+# machine, as Celery's prefork pool of 2 runs a child per core. Two and two (the fleet until
+# 2026-12-03) ran every shape slower and at more CPU a task, four processes taking turns on
+# two cores: bench/README.md, `bench/ab.py --set fleet=2x2,1x1`.
+ORCHESTRATORS, WORKERS = 1, 1
 COUNTED = 50  # programs in each run that counts broker messages (not a timed run)
 # Shape B's rounds: every system in turn, each round's chains a share of `repeats`.
 ROUNDS = 5
@@ -194,7 +200,12 @@ class Shardflow:
         self.orchestrators: list[subprocess.Popen[bytes]] = []
         self.shards: list[list[int]] = []  # each orchestrator's shards
 
-    def start(self, orchestrators: int, worker_concurrency: int = 16, workers: int = 2) -> None:
+    def start(
+        self,
+        orchestrators: int = ORCHESTRATORS,
+        worker_concurrency: int = 16,
+        workers: int = WORKERS,
+    ) -> None:
         self.shards = [list(range(SHARDS))[i::orchestrators] for i in range(orchestrators)]
         cli = [sys.executable, "-m", "shardflow"]
         self.orchestrators = [
@@ -425,7 +436,7 @@ def check_b(result: Any) -> bool:
 async def shapes_a_and_c(out: dict[str, dict[str, Any]], sf: Shardflow, celery: CeleryRun,
                          big: int, small: int, quick: bool) -> None:  # fmt: skip
     """Shapes A and C, memory and broker messages: each system once, one after the other."""
-    sf.start(orchestrators=2)
+    sf.start()
     try:
         for m in (small, big):
             for variant, shape in A_VARIANTS:
@@ -497,7 +508,7 @@ async def chain_rounds(out: dict[str, dict[str, Any]], sf: Shardflow, celery: Ce
     loaded_floors: list[dict[str, Any]] = []
 
     async def shardflow() -> dict[str, float]:
-        sf.start(orchestrators=2)
+        sf.start()
         try:
             runs = [await sf.run(SHAPE_B, 1, 20, check_b) for _ in range(per_round)]
             loaded["shardflow"].append(await sf.run(SHAPE_B, small, 20, check_b))

@@ -1,6 +1,6 @@
 """Shape A on shardflow alone, with the CPU each process used: where a program's cost goes.
 
-    .venv/bin/python bench/cpu.py [--programs 1000] [--chunk N] [--orchestrators 2]
+    .venv/bin/python bench/cpu.py [--programs 1000] [--chunk N] [--orchestrators 1]
 
 Uses `bench/compare.py`'s setup (fresh vhost, Redis database 2). Prints the run's figures and
 the cores each group of processes used over it (orchestrators, workers, RabbitMQ, Redis, this
@@ -164,7 +164,7 @@ async def main() -> None:
     parser.add_argument(
         "--chunk", type=int, default=None, help="the bag's chunk (default: none, adaptive)"
     )
-    parser.add_argument("--orchestrators", type=int, default=2)
+    parser.add_argument("--orchestrators", type=int, default=1, help="with one worker")
     args = parser.parse_args()
     shape = shape_a(args.chunk)
     await asyncio.to_thread(

@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/growth.py [--sizes 1000,10000] [--iterations 10000] [--sweep-s S]
 
-Uses `bench/compare.py`'s setup (fresh vhost, Redis database 2, 2 orchestrator and 2 worker
-processes, restarted and database emptied for each size) and its figures (`bench/cpu.py`'s CPU):
+Uses `bench/compare.py`'s setup (fresh vhost, Redis database 2, its fleet of processes,
+restarted and database emptied for each size) and its figures (`bench/cpu.py`'s CPU):
 
 - shape A at each M of `--sizes`, submitted at once: tasks/s, latency p50/p99, CPU seconds per
   1,000 tasks of every process; every 0.5 s, each orchestrator's RSS, Redis `used_memory` and
@@ -101,7 +101,7 @@ async def _flush() -> None:
 async def shape_a_at(sf: Shardflow, m: int) -> dict[str, Any]:
     """One size of shape A, with a fresh database and fresh orchestrators."""
     await _flush()
-    sf.start(orchestrators=2)
+    sf.start()
     try:
         async with connected(sf.settings, "bench-growth") as (store, _):
             assert isinstance(store, RedisStore)
@@ -124,7 +124,7 @@ async def shape_a_at(sf: Shardflow, m: int) -> dict[str, Any]:
 
 async def long_loop(sf: Shardflow, iterations: int) -> dict[str, Any]:
     await _flush()
-    sf.start(orchestrators=2)
+    sf.start()
     try:
         async with connected(sf.settings, "bench-growth") as (store, bus):
             assert isinstance(store, RedisStore)
