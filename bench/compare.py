@@ -84,6 +84,7 @@ SHARDS = 4
 # 2026-12-03) ran every shape slower and at more CPU a task, four processes taking turns on
 # two cores: bench/README.md, `bench/ab.py --set fleet=2x2,1x1`.
 ORCHESTRATORS, WORKERS = 1, 1
+CONCURRENCY = 16  # a worker's parallel tasks at once: shardflow's default
 COUNTED = 50  # programs in each run that counts broker messages (not a timed run)
 # Shape B's rounds: every system in turn, each round's chains a share of `repeats`.
 ROUNDS = 5
@@ -203,7 +204,7 @@ class Shardflow:
     def start(
         self,
         orchestrators: int = ORCHESTRATORS,
-        worker_concurrency: int = 16,
+        worker_concurrency: int = CONCURRENCY,
         workers: int = WORKERS,
     ) -> None:
         self.shards = [list(range(SHARDS))[i::orchestrators] for i in range(orchestrators)]
@@ -698,6 +699,8 @@ def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool,
         f"Python {platform.python_version()}",
         "command": "make bench" + (" (--quick)" if quick else "")
         + ("" if full else " (--chains)"),
+        # shardflow's processes (shape C and the RSS figures name their own)
+        "fleet": {"orchestrators": ORCHESTRATORS, "workers": WORKERS, "concurrency": CONCURRENCY},
         "note": "shardflow runs every task on its parallel pool in these shapes; "
         "A_*: the bag with no chunk (the default: adaptive); A_*_chunk1: one member per "
         "message (\"chunk\": 1, the default before adaptive chunks); A_*_chunk10: the same bag "
