@@ -124,21 +124,22 @@ async def main() -> None:
     if args.ref:  # the baseline first: the commit's code, then this checkout's
         tree = str(_worktree(args.ref))
         configurations = [c for base in configurations for c in ({**base, "tree": tree}, base)]
+    default_fleet = f"{ORCHESTRATORS}x{WORKERS}"
+    fleets = [_fleet(c.get("fleet", default_fleet)) for c in configurations]  # checked first
     logs = ROOT / "bench" / "results" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
     for round_ in range(args.rounds):
-        for configuration in configurations:
+        for configuration, (orchestrators, workers) in zip(configurations, fleets, strict=True):
             await asyncio.to_thread(
                 subprocess.run, ["redis-cli", "-n", "2", "flushdb"], check=True, capture_output=True
             )
             settings = {k: v for k, v in configuration.items() if k not in ("tree", "fleet")}
             os.environ.update(settings)  # the fleet inherits it
             sf = Shardflow(logs, Path(configuration.get("tree", ROOT)))
-            fleet = configuration.get("fleet", f"{ORCHESTRATORS}x{WORKERS}")
-            orchestrators, workers = _fleet(fleet)
             sf.start(orchestrators=orchestrators, workers=workers)
-            run: dict[str, Any] = {"round": round_ + 1, "set": configuration}
+            fleet = f"{orchestrators}x{workers}"  # recorded even when not set
+            run: dict[str, Any] = {"round": round_ + 1, "set": configuration, "fleet": fleet}
             try:
                 run["A"] = await sf.run(shape_a(args.chunk), args.programs, 12, check_a)
                 if not args.no_chains:
@@ -154,9 +155,9 @@ async def main() -> None:
                 print(f"  B M=1 step p50 {run['B_M1']['step_p50_ms']} ms", flush=True)
             runs.append(run)
     medians = []
-    for configuration in configurations:
+    for configuration, (orchestrators, workers) in zip(configurations, fleets, strict=True):
         mine = [run for run in runs if run["set"] == configuration]
-        row: dict[str, Any] = {"set": configuration}
+        row: dict[str, Any] = {"set": configuration, "fleet": f"{orchestrators}x{workers}"}
         for part in ("A", "B_M200") if not args.no_chains else ("A",):
             row[part] = {
                 "tasks_per_s": _median(mine, part, "tasks_per_s"),

@@ -1,14 +1,15 @@
 """Chains under load on one orchestrator and one worker, with the CPU of each process.
 
     .venv/bin/python bench/chainload.py [--programs 200] [--rounds 3] [--spy SECONDS]
-                                        [--orchestrators 1] [--workers 1] [--stamp NAME]
+                                        [--orchestrators 1] [--workers 1] [--concurrency 16]
+                                        [--stamp NAME]
 
 Starts one orchestrator (every shard) and one parallel worker, or `--orchestrators` splitting
-the shards and `--workers` (bench/compare.py's fleet is 2 and 2), submits `--programs` chains
-of 20 no-op tasks at once and waits for them all, `--rounds` times. Prints each round's
-tasks/s and CPU seconds per 1,000 tasks by group (owners, workers, RabbitMQ, Redis, this
-client), as bench/floor.py's loaded run does for the floor. `--spy S` also records each
-process with py-spy for S seconds (200 samples a second, raw stacks) into
+the shards and `--workers` of `--concurrency` (bench/compare.py's fleet is 1 and 1), submits
+`--programs` chains of 20 no-op tasks at once and waits for them all, `--rounds` times. Prints
+each round's tasks/s and CPU seconds per 1,000 tasks by group (owners, workers, RabbitMQ,
+Redis, this client), as bench/floor.py's loaded run does for the floor. `--spy S` also records
+each process with py-spy for S seconds (200 samples a second, raw stacks) into
 bench/results/logs/, for a profile of where a chain task's CPU goes. Writes
 bench/results/chainload-<stamp>.json.
 """
@@ -69,17 +70,22 @@ def main() -> None:
     parser.add_argument("--spy", type=int, default=0, help="py-spy seconds (0: none)")
     parser.add_argument("--orchestrators", type=int, default=1, help="the shards split among")
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--concurrency", type=int, default=16, help="each worker's tasks at once")
     parser.add_argument("--stamp", default=date.today().isoformat(), help="results' file name")
     args = parser.parse_args()
+    ring = Settings().shards
+    if not (1 <= args.orchestrators <= ring and 1 <= args.workers <= 8):
+        parser.error(f"--orchestrators: 1 to {ring}; --workers: 1 to 8")
+    if not 1 <= args.concurrency <= 1000:  # as SHARDFLOW_PARALLEL_CONCURRENCY
+        parser.error("--concurrency: 1 to 1000")
     name = "shardflow-chainload"
     settings, env = fleet(name, "sfc")
     logs = ROOT / "bench" / "results" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     cli = [sys.executable, "-m", "shardflow"]
-    if not 1 <= args.orchestrators <= settings.shards or not 1 <= args.workers <= 8:
-        parser.error(f"--orchestrators: 1 to {settings.shards}; --workers: 1 to 8")
     shards = list(range(settings.shards))
     worker = [*cli, "worker", "--pool", "parallel", "--app", "bench.tasks"]
+    worker += ["--concurrency", str(args.concurrency)]
     processes = {
         f"owner{i}": spawn(
             [*cli, "orchestrator", "--shards", ",".join(map(str, shards[i :: args.orchestrators]))],
@@ -131,6 +137,7 @@ def main() -> None:
             "programs": args.programs,
             "orchestrators": args.orchestrators,
             "workers": args.workers,
+            "concurrency": args.concurrency,
             "rounds": found,
         },
     )

@@ -79,12 +79,13 @@ A_VARIANTS = (("", SHAPE_A), ("_chunk1", SHAPE_A_CHUNK1), ("_chunk10", SHAPE_A_C
 SHAPE_B = {"name": "B", "steps": [{"task": "step", "pool": "parallel"}] * 20}
 SHARDS = 4
 # The fleet every shardflow figure here runs on, unless a run names its own: one orchestrator
-# (owning the SHARDS shards) and one worker of 16, a Python process per core on this 2-core
-# machine, as Celery's prefork pool of 2 runs a child per core. Two and two (the fleet until
-# 2026-12-03) ran every shape slower and at more CPU a task, four processes taking turns on
-# two cores: bench/README.md, `bench/ab.py --set fleet=2x2,1x1`.
+# (owning the SHARDS shards) and one worker, two busy processes on this 2-core machine as
+# Celery's prefork pool of 2 runs two children. Two and two (until 2026-12-03) ran shape A and
+# chains at M=200 slower, at more CPU a task: bench/README.md, `bench/ab.py --set fleet=...`.
 ORCHESTRATORS, WORKERS = 1, 1
-CONCURRENCY = 16  # a worker's parallel tasks at once: shardflow's default
+# A worker's parallel tasks at once, shardflow's default; passed as --concurrency, so
+# SHARDFLOW_PARALLEL_CONCURRENCY does not change it here.
+CONCURRENCY = 16
 COUNTED = 50  # programs in each run that counts broker messages (not a timed run)
 # Shape B's rounds: every system in turn, each round's chains a share of `repeats`.
 ROUNDS = 5
@@ -699,7 +700,8 @@ def report(out: dict[str, dict[str, Any]], big: int, small: int, quick: bool,
         f"Python {platform.python_version()}",
         "command": "make bench" + (" (--quick)" if quick else "")
         + ("" if full else " (--chains)"),
-        # shardflow's processes (shape C and the RSS figures name their own)
+        # shardflow's processes; shape C varies the orchestrators beside WORKERS workers, and
+        # the RSS figures run one orchestrator and one worker of concurrency 1
         "fleet": {"orchestrators": ORCHESTRATORS, "workers": WORKERS, "concurrency": CONCURRENCY},
         "note": "shardflow runs every task on its parallel pool in these shapes; "
         "A_*: the bag with no chunk (the default: adaptive); A_*_chunk1: one member per "
