@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.compare import (
+    MAX_WORKERS,
     ORCHESTRATORS,
     ROOT,
     SHAPE_B,
@@ -75,13 +76,13 @@ def _configurations(sets: list[str]) -> list[dict[str, str]]:
 
 
 def _fleet(text: str) -> tuple[int, int]:
-    """`fleet=OxW`: orchestrators (1 to the shards) and workers (1 to 8)."""
+    """`fleet=OxW`: orchestrators (1 to the shards) and workers (1 to MAX_WORKERS)."""
     try:
         orchestrators, workers = (int(part) for part in text.split("x"))
     except ValueError:
         raise SystemExit(f"fleet={text!r}: expected OxW, such as 2x2") from None
-    if not 1 <= orchestrators <= SHARDS or not 1 <= workers <= 8:
-        raise SystemExit(f"fleet={text!r}: 1 to {SHARDS} orchestrators, 1 to 8 workers")
+    if not (1 <= orchestrators <= SHARDS and 1 <= workers <= MAX_WORKERS):
+        raise SystemExit(f"fleet={text!r}: 1 to {SHARDS} orchestrators, 1 to {MAX_WORKERS} workers")
     return orchestrators, workers
 
 

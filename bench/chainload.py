@@ -28,7 +28,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.compare import spawn, stop  # noqa: E402
+from bench.compare import MAX_WORKERS, spawn, stop  # noqa: E402
 from bench.cpu import Meter, cost  # noqa: E402
 from bench.services import drop_vhost, fleet, write_result  # noqa: E402
 from orchestrator.settings import Settings  # noqa: E402
@@ -74,8 +74,8 @@ def main() -> None:
     parser.add_argument("--stamp", default=date.today().isoformat(), help="results' file name")
     args = parser.parse_args()
     ring = Settings().shards
-    if not (1 <= args.orchestrators <= ring and 1 <= args.workers <= 8):
-        parser.error(f"--orchestrators: 1 to {ring}; --workers: 1 to 8")
+    if not (1 <= args.orchestrators <= ring and 1 <= args.workers <= MAX_WORKERS):
+        parser.error(f"--orchestrators: 1 to {ring}; --workers: 1 to {MAX_WORKERS}")
     if not 1 <= args.concurrency <= 1000:  # as SHARDFLOW_PARALLEL_CONCURRENCY
         parser.error("--concurrency: 1 to 1000")
     name = "shardflow-chainload"

@@ -18,12 +18,13 @@ returning small dicts; every result is checked):
      around each A and B run (bench/cpu.py); broker messages per task, counted in a separate
      short run with RabbitMQ's firehose; during shape A at the larger M, each orchestrator's
      CPU share and each shard queue's depth every 0.5 s
-shardflow runs one orchestrator and one worker of 16 (ORCHESTRATORS, WORKERS: a process per
-core), every task on its parallel pool; Celery runs a prefork pool of 2 and a threads pool of
-16 (acks_late, Redis result backend), and ratios are against the better of the two. Shape B's
-rounds also run Celery's prefork pool with publisher confirms, as shardflow publishes (the
-broker confirms a persistent message once it is on disk): the `*_same_guarantee` ratios, never
-counted as Celery's best. Latency is from submit to the last task's own clock.
+shardflow runs one orchestrator and one worker of 16 (ORCHESTRATORS, WORKERS: two busy
+processes on two cores), every task on its parallel pool; Celery runs a prefork pool of 2 and
+a threads pool of 16 (acks_late, Redis result backend), and ratios are against the better of
+the two. Shape B's rounds also run Celery's prefork pool with publisher confirms, as shardflow
+publishes (the broker confirms a persistent message once it is on disk): the
+`*_same_guarantee` ratios, never counted as Celery's best. Latency is from submit to the last
+task's own clock.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ ORCHESTRATORS, WORKERS = 1, 1
 # A worker's parallel tasks at once, shardflow's default; passed as --concurrency, so
 # SHARDFLOW_PARALLEL_CONCURRENCY does not change it here.
 CONCURRENCY = 16
+MAX_WORKERS = 8  # the most worker processes a bench's own fleet may name
 COUNTED = 50  # programs in each run that counts broker messages (not a timed run)
 # Shape B's rounds: every system in turn, each round's chains a share of `repeats`.
 ROUNDS = 5
