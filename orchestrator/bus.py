@@ -227,11 +227,8 @@ class Bus:
             names.dead_queue, durable=True, arguments=self._queue_arguments(dead_letter=False)
         )
         await dead_queue.bind(dead)
-        await channel.declare_exchange(
-            names.orchestrator_exchange, aio_pika.ExchangeType.DIRECT, durable=True
-        )
         for shard in range(self.settings.shards):
-            await self._declare_shard(channel, shard)
+            await self._declare_shard(channel, shard, exchange=shard == 0)
         await channel.declare_exchange(
             names.control_exchange, aio_pika.ExchangeType.FANOUT, durable=True
         )
@@ -287,16 +284,23 @@ class Bus:
             log.info("declared the task queue of pool %r", pool)
 
     async def _declare_shard(
-        self, channel: AbstractRobustChannel, shard: int, *, robust: bool = True
+        self,
+        channel: AbstractRobustChannel,
+        shard: int,
+        *,
+        robust: bool = True,
+        exchange: bool = True,
     ) -> AbstractRobustQueue:
-        """A shard's queue, bound to the orchestrator exchange (declared first: a consumer
-        started again after the exchange was deleted brings it back)."""
-        await channel.declare_exchange(
-            self.names.orchestrator_exchange,
-            aio_pika.ExchangeType.DIRECT,
-            durable=True,
-            robust=robust,
-        )
+        """A shard's queue, bound to the orchestrator exchange (declared first unless
+        `exchange` is false: a consumer started again after the exchange was deleted brings
+        it back)."""
+        if exchange:
+            await channel.declare_exchange(
+                self.names.orchestrator_exchange,
+                aio_pika.ExchangeType.DIRECT,
+                durable=True,
+                robust=robust,
+            )
         queue = await channel.declare_queue(
             self.names.shard_queue(shard),
             durable=True,
@@ -451,9 +455,13 @@ class Bus:
         await self._publish_delayed(pool, "", queue, body, delay_s, priority, headers)
 
     async def publish_to_shard_later(self, owner: int, body: bytes, delay_s: float) -> None:
-        """Publish to the owner shard after `delay_s` (a program's deadline)."""
-        exchange = self.names.orchestrator_exchange
-        await self._publish_delayed(f"shard{owner}", exchange, str(owner), body, delay_s)
+        """Publish to the owner shard after `delay_s` (a deadline, a wake). Its TTL queue
+        dead-letters through the default exchange straight to the shard's queue, so a deleted
+        orchestrator exchange (declared again only when a consumer starts) drops nothing. The
+        queues of before, `<prefix>.delay.shard<N>.<ms>`, dead-letter through the exchange:
+        they drain into it and get nothing new."""
+        queue = self.names.shard_queue(owner)
+        await self._publish_delayed(f"shard{owner}.queue", "", queue, body, delay_s)
 
     async def _publish_delayed(
         self,

@@ -149,7 +149,8 @@ class Names:
         return f"{self.prefix}.tasks.{pool}"
 
     def delay_queue(self, target: str, delay_ms: int) -> str:
-        """Where a message waits `delay_ms` before it goes to `target` (a pool, or shardN)."""
+        """Where a message waits `delay_ms` before it goes to `target`: a pool (its retry
+        queue), `shard<N>.queue` (a shard's timers) or, before that, `shard<N>`."""
         return f"{self.prefix}.delay.{target}.{delay_ms}"
 
     @property
