@@ -135,7 +135,15 @@ class Publisher(Protocol):
     async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None: ...
 
     async def requeue(
-        self, queue: str, body: bytes, headers: dict[str, Any], priority: int | None
+        self,
+        queue: str,
+        body: bytes,
+        headers: dict[str, Any],
+        priority: int | None,
+        *,
+        reply_to: str | None = None,
+        correlation_id: str | None = None,
+        message_id: str | None = None,
     ) -> None: ...
 
 
@@ -220,13 +228,7 @@ class Bus:
     async def declare(self, channel: AbstractRobustChannel) -> None:
         """Every exchange and queue, with the same arguments wherever it is declared."""
         names = self.names
-        dead = await channel.declare_exchange(
-            names.dead_exchange, aio_pika.ExchangeType.FANOUT, durable=True
-        )
-        dead_queue = await channel.declare_queue(
-            names.dead_queue, durable=True, arguments=self._queue_arguments(dead_letter=False)
-        )
-        await dead_queue.bind(dead)
+        await self._declare_dead(channel)
         for shard in range(self.settings.shards):
             await self._declare_shard(channel, shard, exchange=shard == 0)
         await channel.declare_exchange(
@@ -237,6 +239,16 @@ class Bus:
         )
         for pool in POOLS:
             await self._declare_pool(channel, pool)
+
+    async def _declare_dead(self, channel: AbstractRobustChannel) -> None:
+        """The dead-letter exchange and its queue, bound."""
+        dead = await channel.declare_exchange(
+            self.names.dead_exchange, aio_pika.ExchangeType.FANOUT, durable=True
+        )
+        dead_queue = await channel.declare_queue(
+            self.names.dead_queue, durable=True, arguments=self._queue_arguments(dead_letter=False)
+        )
+        await dead_queue.bind(dead)
 
     async def _declare_pool(
         self, channel: AbstractRobustChannel, pool: str, *, robust: bool = True
@@ -477,17 +489,23 @@ class Bus:
         # delay is rounded up to a fixed ladder, so the queues are few and bounded.
         delay_ms = ladder_ms(delay_s)
         name = self.names.delay_queue(target, delay_ms)
+        arguments: dict[str, Any] = {
+            "x-message-ttl": delay_ms,
+            "x-dead-letter-exchange": exchange,
+            "x-dead-letter-routing-key": routing_key,
+        }
+        if self.settings.queue_type == "quorum":
+            arguments["x-queue-type"] = "quorum"
         if name not in self._delay_queues:
-            arguments: dict[str, Any] = {
-                "x-message-ttl": delay_ms,
-                "x-dead-letter-exchange": exchange,
-                "x-dead-letter-routing-key": routing_key,
-            }
-            if self.settings.queue_type == "quorum":
-                arguments["x-queue-type"] = "quorum"
             await self._channel.declare_queue(name, durable=True, arguments=arguments)
             self._delay_queues.add(name)
-        await self._send("", name, body, _properties(headers, priority))
+        try:
+            await self._send("", name, body, _properties(headers, priority))
+        except aio_pika.exceptions.PublishError:
+            # Returned: deleted since we declared it (an operator). Once more, declared again.
+            log.warning("%s was deleted; declaring it again", name)
+            await self._channel.declare_queue(name, durable=True, arguments=arguments)
+            await self._send("", name, body, _properties(headers, priority))
 
     async def reply(self, to: str, correlation_id: str | None, body: bytes) -> None:
         """Answer an RPC-style request on its reply queue (nobody listening is fine)."""
@@ -525,16 +543,37 @@ class Bus:
         return await self._consuming(queue_of, 0, no_ack=True)
 
     async def requeue(
-        self, queue: str, body: bytes, headers: dict[str, Any], priority: int | None
+        self,
+        queue: str,
+        body: bytes,
+        headers: dict[str, Any],
+        priority: int | None,
+        *,
+        reply_to: str | None = None,
+        correlation_id: str | None = None,
+        message_id: str | None = None,
     ) -> None:
-        """Publish a message again at the tail of `queue` (after a failure), confirmed."""
-        await self._send("", queue, body, _properties(headers, priority or NEW))
+        """Publish a message again at the tail of `queue` (after a failure), confirmed, with
+        the ids its sender gave (a request's answer goes to `reply_to`; a submit without a
+        workflow id takes it from `message_id`)."""
+        properties = _properties(headers, priority or NEW)
+        properties.reply_to = reply_to
+        properties.correlation_id = correlation_id
+        properties.message_id = message_id
+        await self._send("", queue, body, properties)
 
     async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:
         """Park an unusable message with the reason in its headers."""
         log.warning("dead-lettering a message from %s: %s", source, reason)
         headers = {"x-shardflow-reason": reason, "x-shardflow-from": source}
-        await self._send("", self.names.dead_queue, body, _properties(headers))
+        try:
+            await self._send("", self.names.dead_queue, body, _properties(headers))
+        except aio_pika.exceptions.PublishError:
+            # Returned: deleted since connect (an operator). Once more, declared again, or
+            # the message would go back to its queue's head for good.
+            log.warning("%s was deleted; declaring it again", self.names.dead_queue)
+            await self._declare_dead(self._channel)
+            await self._send("", self.names.dead_queue, body, _properties(headers))
 
     async def peek_dead(self, limit: int) -> list[tuple[dict[str, Any], bytes]]:
         """Up to `limit` dead-lettered messages (headers, body), left in the queue."""

@@ -8,12 +8,16 @@ Shaped like aio-pika's `message.process()`, for at-least-once work:
 - the block returns: ack. Its publishes were confirmed inside it, so the ack comes after them.
 - the block raises `Poison` or one of `poison`: retrying cannot help. The message is parked in
   the dead-letter queue with the reason, then acked.
-- the block raises anything else: the message goes back to the queue, then a pause, so a
-  broken dependency is not hammered. A lost connection (RabbitMQ or Redis away) hands it back
-  as it is, however often; any other error is counted in the header `x-shardflow-failures`
-  (the message is published again at the queue's tail and the original acked, so it cannot
-  wedge the head of a shard's queue), and at `limit` failures the message is dead-lettered
-  with its last error, on every queue type.
+- the block raises anything else: the message is published again at the queue's tail (with
+  its reply-to, correlation and message ids) and the original acked, so it cannot wedge the
+  head of a shard's queue, then a pause, so a broken dependency is not hammered. Any error but
+  a lost connection is counted in the header `x-shardflow-failures`, and at `limit` failures
+  the message is dead-lettered with its last error, on every queue type. A lost connection
+  (Redis away) is not counted, however often: the header is kept as it was (present, so the
+  message counts as redelivered). It is not nacked either: a quorum queue counts each nack
+  against its `x-delivery-limit` (RabbitMQ 3.x), so a Redis restart of a few seconds would
+  have the broker dead-letter every message in flight. When RabbitMQ is away too, the
+  message is handed back as it is (the nack, or the channel's close).
 - the block is cancelled (a hard stop): neither. The channel's close hands it back.
 """
 
@@ -38,6 +42,9 @@ log = logging.getLogger(__name__)
 # recover quickly once it is back.
 RETRY_PAUSE_S = 0.5
 FAILURES = "x-shardflow-failures"
+# The message id a requeued message's sender gave ("" for none), which its copy keeps.
+SENT_ID = "x-shardflow-message-id"
+MAX_MESSAGE_ID = 255  # an AMQP short string's
 MAX_REASON = 1000
 # The services being away: not the message's fault, so never counted against it. (aiormq's
 # connection errors are OSErrors; a refused publish, DeliveryError, is not one of these.)
@@ -74,7 +81,15 @@ class Requeues(Protocol):
     async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None: ...
 
     async def requeue(
-        self, queue: str, body: bytes, headers: dict[str, Any], priority: int | None
+        self,
+        queue: str,
+        body: bytes,
+        headers: dict[str, Any],
+        priority: int | None,
+        *,
+        reply_to: str | None = None,
+        correlation_id: str | None = None,
+        message_id: str | None = None,
     ) -> None: ...
 
 
@@ -99,11 +114,8 @@ async def process(
     except asyncio.CancelledError:
         raise
     except Exception as exc:
-        if isinstance(exc, UNREACHABLE):
-            await _requeue(delivery, source, exc)
-            return
         if not isinstance(exc, (Poison, *poison)):
-            await _count_failure(delivery, bus, source, exc, limit)
+            await _again(delivery, bus, source, exc, limit)
             return
         reason = describe(exc)
         try:
@@ -124,27 +136,55 @@ def redelivered(delivery: Delivery) -> bool:
     return bool(delivery.redelivered) or FAILURES in (delivery.headers or {})
 
 
-async def _count_failure(
+async def _again(
     delivery: Delivery, bus: Requeues, source: str, exc: Exception, limit: int
 ) -> None:
+    """Publish the message again at the tail of its queue, counting the failure unless it
+    is a lost connection, or dead-letter it at `limit` failures; then ack the original."""
     headers = dict(delivery.headers or {})
-    failures = _int(headers.get(FAILURES)) + 1
+    unreachable = isinstance(exc, UNREACHABLE)
+    failures = _int(headers.get(FAILURES)) + (0 if unreachable else 1)
     try:
         if failures >= limit:
             reason = f"failed {failures} times, the limit; last: {describe(exc)}"
             await bus.dead_letter(delivery.body, reason=reason, source=source)
             metrics.DEAD_LETTERS.labels(source, "limit").inc()
         else:
-            log.warning("%s: failure %d of %d, message requeued: %r", source, failures, limit, exc)
+            if unreachable:
+                log.warning("%s: message requeued after %r", source, exc)
+            else:
+                log.warning("%s: failure %d of %d, requeued: %r", source, failures, limit, exc)
             headers[FAILURES] = failures
-            await bus.requeue(source, delivery.body, headers, delivery.priority)
-            metrics.REQUEUED.labels(source, "failed").inc()
-    except Exception as failure:  # could not publish: hand it back as it is
+            message_id = getattr(delivery, "message_id", None)
+            # The copy gets a message id of the client's own when the sender gave none.
+            headers.setdefault(SENT_ID, message_id or "")
+            await bus.requeue(
+                source,
+                delivery.body,
+                headers,
+                delivery.priority,
+                reply_to=getattr(delivery, "reply_to", None),
+                correlation_id=getattr(delivery, "correlation_id", None),
+                message_id=message_id,
+            )
+            metrics.REQUEUED.labels(source, "unreachable" if unreachable else "failed").inc()
+    except Exception as failure:  # could not publish (RabbitMQ away): hand it back as it is
         await _requeue(delivery, source, failure)
         return
     await settle(delivery, ok=True)
     if failures < limit:
         await asyncio.sleep(RETRY_PAUSE_S)
+
+
+def sent_id(delivery: Delivery, message_id: str | None) -> str | None:
+    """The message id the sender gave (`message_id`, the delivery's), or what a copy
+    published again after a failure kept of it; None for none."""
+    kept = (delivery.headers or {}).get(SENT_ID, message_id)
+    if isinstance(kept, bytes):
+        kept = kept.decode("utf-8", "replace")
+    if not isinstance(kept, str) or len(kept) > MAX_MESSAGE_ID:
+        return message_id  # a header nobody here wrote: the delivery's own
+    return kept or None
 
 
 def _int(value: Any) -> int:

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from orchestrator import logs, metrics
 from orchestrator.bus import Bus
 from orchestrator.consuming import Deliveries
-from orchestrator.delivery import Delivery, Poison, first_error, process
+from orchestrator.delivery import Delivery, Poison, first_error, process, sent_id
 from orchestrator.documents import ProgramError, parse_document
 from orchestrator.lifecycle import Service, format_counts
 from orchestrator.program import MAX_PRIORITY
@@ -111,6 +111,7 @@ class Ingress(Service):
             await answer({"error": reason})
 
         source = self.bus.names.ingress_queue
+        message_id = sent_id(delivery, message_id)
         async with process(delivery, self.bus, source, poison=(ProgramError,), on_poison=refused):
             # The program and its input, each up to SHARDFLOW_MAX_PROGRAM_BYTES.
             if len(delivery.body) > 2 * self.settings.max_program_bytes:

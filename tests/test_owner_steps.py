@@ -54,7 +54,9 @@ class Recorder:
     async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:
         raise AssertionError(f"dead-lettered: {reason}")
 
-    async def requeue(self, queue: str, body: bytes, headers: Any, priority: Any) -> None: ...
+    async def requeue(
+        self, queue: str, body: bytes, headers: Any, priority: Any, **_: Any
+    ) -> None: ...
 
 
 async def test_a_redelivered_wake_republishes_the_step_a_crash_cut_short() -> None:

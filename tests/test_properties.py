@@ -177,7 +177,7 @@ class Transport:
     async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:
         self.dead.append(f"{source}: {reason}")
 
-    async def requeue(self, queue: str, body: bytes, headers: Any, priority: Any) -> None:
+    async def requeue(self, queue: str, body: bytes, headers: Any, priority: Any, **_: Any) -> None:
         raise AssertionError(f"a handler failed on a good message: {headers}")
 
 

@@ -13,6 +13,10 @@ from orchestrator.messages import Start, encode
 from orchestrator.owner import Orchestrator
 from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
+from router.client import Router
+from shardflow.dev import Dev
+from tests.brokers import PrivateRedis
+from worker.registry import Registry
 
 pytestmark = pytest.mark.e2e
 
@@ -68,6 +72,38 @@ async def test_replicas_that_start_together_all_consume_a_new_quorum_lane(
             assert state == (0, consumers), (pool, state)
             for iterator in iterators:
                 await iterator.close()
+
+
+async def test_a_redis_restart_dead_letters_nothing_in_flight(
+    settings: Settings, registry: Registry
+) -> None:
+    """A report that meets no Redis goes back to its queue uncounted, and not by a nack: a
+    quorum queue counts each nack against `x-delivery-limit`, and with a limit of 2 the broker
+    dead-lettered the step's report a second into the outage, the program running forever."""
+    redis = PrivateRedis()
+    redis.start()
+    try:
+        settings = settings.model_copy(update={"delivery_limit": 2, "redis_url": redis.url})
+        async with connected(settings, "quorum-outage") as (store, bus):
+            dev = Dev(settings, registry, store=store, bus=bus, concurrency=4)
+            running = asyncio.create_task(dev.run())
+            router = Router(settings, store=store, bus=bus, known_tasks=None)
+            try:
+                program = {"steps": [{"task": "echo", "args": {"sleep_s": 1.0}}, {"task": "echo"}]}
+                wf = (await router.submit(program)).workflow_id
+                await asyncio.sleep(0.3)  # its first task runs
+                await asyncio.to_thread(redis.kill)
+                await asyncio.sleep(4)  # the task ends; its report meets no Redis, 8 times
+                await asyncio.to_thread(redis.start)  # its AOF keeps everything acknowledged
+                status = await router.wait(wf, timeout_s=30)
+                parked = await bus.peek_dead(5)
+            finally:
+                dev.shutdown()
+                await running
+    finally:
+        redis.close()
+    assert status["status"] == "completed", status
+    assert parked == []
 
 
 def _broker_queue_type(settings: Settings, queue: str) -> str:

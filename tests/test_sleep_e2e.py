@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import aio_pika
 import pytest
 
 from orchestrator.connections import connected
@@ -113,52 +112,5 @@ async def test_a_wake_for_a_step_that_is_no_sleep_is_dead_lettered(cluster: Rout
         while not (parked := await bus.peek_dead(5)):
             assert time.monotonic() < deadline, "never parked"
             await asyncio.sleep(0.05)
-    [(headers, _)] = parked
-    assert headers["x-shardflow-reason"] == f"{wf}: step 0 is not a sleep"
-
-
-async def test_timers_outlive_the_orchestrator_exchange(cluster: Router) -> None:
-    """A wake and a deadline wait in TTL queues that dead-letter straight to the owner shard's
-    queue: with the `<prefix>.orchestrator` exchange deleted under running owners (who declare
-    it only when a consumer starts), neither is dropped."""
-    async with connected(cluster.settings) as (_, bus):
-        await bus._publisher.exchange_delete(bus.names.orchestrator_exchange)  # type: ignore[union-attr]
-    napping = {"steps": [{"sleep_s": 0.2}, {"task": "echo"}]}
-    late = {"deadline_s": 0.2, "steps": [{"task": "echo", "args": {"sleep_s": 30}}]}
-    woken = (await cluster.submit(napping)).workflow_id
-    ended = (await cluster.submit(late)).workflow_id
-    status = await cluster.wait(woken, timeout_s=15)
-    assert status["status"] == "completed", status
-    status = await cluster.wait(ended, timeout_s=15)
-    assert (status["status"], status["error"]) == ("failed", "deadline of 0.2s exceeded")
-
-
-async def test_a_timer_in_a_delay_queue_of_before_still_reaches_its_owner(
-    cluster: Router,
-) -> None:
-    """The upgrade path: `<prefix>.delay.shard<N>.<ms>`, declared by a shardflow of before,
-    dead-letters through the orchestrator exchange, which is still declared and bound."""
-    wf = (await cluster.submit({"steps": [{"task": "echo"}]})).workflow_id
-    await cluster.wait(wf, timeout_s=30)
-    owner = (await cluster.status(wf))["owner"]  # type: ignore[index]
-    async with connected(cluster.settings) as (_, bus):
-        channel = bus._publisher
-        assert channel is not None
-        arguments = {
-            "x-message-ttl": 10,
-            "x-dead-letter-exchange": bus.names.orchestrator_exchange,
-            "x-dead-letter-routing-key": str(owner),
-        }
-        old = await channel.declare_queue(
-            bus.names.delay_queue(f"shard{owner}", 10), durable=True, arguments=arguments
-        )
-        await channel.default_exchange.publish(
-            aio_pika.Message(encode(Wake(wf=wf, path="0"))), routing_key=old.name
-        )
-        deadline = time.monotonic() + 20
-        while not (parked := await bus.peek_dead(5)):
-            assert time.monotonic() < deadline, "never reached the owner"
-            await asyncio.sleep(0.05)
-        await old.delete()
     [(headers, _)] = parked
     assert headers["x-shardflow-reason"] == f"{wf}: step 0 is not a sleep"

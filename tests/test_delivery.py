@@ -1,0 +1,119 @@
+"""The delivery policy (orchestrator/delivery.py) on an in-memory delivery and transport: what
+becomes of a message whose handling fails, by the kind of failure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from orchestrator import delivery as policy
+from orchestrator.delivery import FAILURES, SENT_ID, Poison, process, sent_id
+
+
+@dataclass
+class Held:
+    body: bytes = b"{}"
+    headers: dict[str, Any] = field(default_factory=dict)
+    redelivered: bool | None = False
+    priority: int | None = 0
+    reply_to: str | None = None
+    correlation_id: str | None = None
+    message_id: str | None = None
+    settled: list[str] = field(default_factory=list)
+
+    async def ack(self) -> None:
+        self.settled.append("ack")
+
+    async def nack(self, *, requeue: bool = True) -> None:
+        self.settled.append("nack")
+
+
+@dataclass
+class Transport:
+    down: bool = False
+    sent: list[tuple[bytes, dict[str, Any], dict[str, Any]]] = field(default_factory=list)
+    dead: list[str] = field(default_factory=list)
+
+    async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:
+        self.dead.append(reason)
+
+    async def requeue(
+        self, queue: str, body: bytes, headers: dict[str, Any], priority: int | None, **ids: Any
+    ) -> None:
+        if self.down:
+            raise ConnectionResetError("RabbitMQ is away too")
+        self.sent.append((body, headers, ids))
+
+
+@pytest.fixture(autouse=True)
+def _no_pause(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(policy, "RETRY_PAUSE_S", 0)
+
+
+async def _fail(held: Held, bus: Transport, exc: Exception, limit: int = 3) -> None:
+    async with process(held, bus, "q", limit=limit):
+        raise exc
+
+
+async def test_a_lost_redis_republishes_uncounted_and_never_nacks() -> None:
+    """A quorum queue counts each nack against its delivery limit: a Redis restart of a few
+    seconds would have the broker dead-letter the messages in flight."""
+    bus = Transport()
+    held = Held(reply_to="amq.rabbitmq.reply-to", correlation_id="c1", message_id="m1")
+    for _ in range(10):  # far past the limit of 3
+        await _fail(held, bus, RedisConnectionError("Connection refused"))
+        body, headers, ids = bus.sent[-1]
+        held = Held(body=body, headers=headers, **ids)
+    assert bus.dead == [] and len(bus.sent) == 10
+    _, headers, ids = bus.sent[-1]
+    assert headers == {FAILURES: 0, SENT_ID: "m1"}  # present: the copy counts as redelivered
+    assert ids == {"reply_to": "amq.rabbitmq.reply-to", "correlation_id": "c1", "message_id": "m1"}
+    assert policy.redelivered(held)
+
+
+async def test_other_failures_count_and_dead_letter_at_the_limit() -> None:
+    bus = Transport()
+    held = Held(headers={FAILURES: 1})
+    await _fail(held, bus, RedisConnectionError("refused"))  # does not count
+    assert bus.sent[-1][1][FAILURES] == 1 and held.settled == ["ack"]
+    held = Held(headers=bus.sent[-1][1])
+    await _fail(held, bus, ValueError("bad"))
+    assert bus.sent[-1][1][FAILURES] == 2
+    held = Held(headers=bus.sent[-1][1])
+    await _fail(held, bus, ValueError("bad"))
+    assert bus.dead == ["failed 3 times, the limit; last: bad"] and held.settled == ["ack"]
+
+
+async def test_with_rabbitmq_away_too_the_message_is_handed_back_as_it_is() -> None:
+    bus = Transport(down=True)
+    held = Held()
+    await _fail(held, bus, RedisConnectionError("refused"))
+    assert held.settled == ["nack"] and bus.sent == [] and bus.dead == []
+
+
+async def test_poison_is_parked_not_retried() -> None:
+    bus = Transport()
+    held = Held()
+    await _fail(held, bus, Poison("never"))
+    assert bus.dead == ["never"] and bus.sent == [] and held.settled == ["ack"]
+
+
+def test_a_copy_keeps_the_message_id_its_sender_gave() -> None:
+    """The broker client gives a copy a message id of its own; an ingress request without a
+    workflow id is identified by the sender's (none: by its body), so a copy must not differ."""
+    assert sent_id(Held(), "m1") == "m1"
+    assert sent_id(Held(headers={SENT_ID: ""}), "random-by-aiormq") is None
+    assert sent_id(Held(headers={SENT_ID: "m1"}), "random-by-aiormq") == "m1"
+    assert sent_id(Held(headers={SENT_ID: b"m1"}), "x") == "m1"
+    assert sent_id(Held(headers={SENT_ID: 7}), "x") == "x"  # not ours: the delivery's own
+    assert sent_id(Held(headers={SENT_ID: "m" * 256}), "x") == "x"
+
+
+async def test_a_copy_of_a_message_without_an_id_says_so() -> None:
+    bus = Transport()
+    await _fail(Held(), bus, ValueError("bad"))
+    _, headers, ids = bus.sent[-1]
+    assert headers[SENT_ID] == "" and ids["message_id"] is None
