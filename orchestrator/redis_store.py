@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from importlib import resources
 from typing import Any
@@ -28,6 +29,8 @@ from orchestrator.store import (
     Stored,
     Verdict,
 )
+
+log = logging.getLogger(__name__)
 
 
 def _carried(reply: list[str], verdicts: tuple[str, ...]) -> list[str]:
@@ -113,6 +116,38 @@ class RedisStore:
 
     async def close(self) -> None:
         await self.client.aclose()
+
+    async def durability_faults(self) -> list[str]:
+        """What in Redis's configuration can lose a program, one line each; none when all is
+        well, or when Redis does not let us read it (CONFIG renamed or denied, as managed
+        services do)."""
+        try:
+            config: dict[str, str] = {}
+            for name in ("appendonly", "appendfsync", "maxmemory-policy"):
+                found = await self.client.config_get(name)
+                config.update({str(key): str(value) for key, value in found.items()})
+        except Exception as exc:  # not ours to read: say so at debug level only
+            log.debug("Redis's configuration could not be read: %r", exc)
+            return []
+        faults = []
+        if config.get("appendonly", "yes") != "yes":
+            faults.append(
+                "Redis keeps no append-only file (appendonly no): a Redis restart loses what "
+                "was written since its last snapshot, programs with it; set appendonly yes"
+            )
+        elif config.get("appendfsync", "always") != "always":
+            faults.append(
+                f"Redis syncs its append-only file to disk less than at every write (appendfsync "
+                f"{config['appendfsync']}): a crash of its machine can lose the last second's "
+                "transitions, and the programs they belonged to; set appendfsync always"
+            )
+        policy = config.get("maxmemory-policy", "noeviction")
+        if policy != "noeviction":
+            faults.append(
+                f"Redis may evict keys (maxmemory-policy {policy}): an evicted key is a lost "
+                "program; set maxmemory-policy noeviction"
+            )
+        return faults
 
     async def submit(self, wf: str, plan: str, owner: int, name: str, digest: str) -> Recorded:
         """Record a new program once, or report the one that exists."""

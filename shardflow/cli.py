@@ -485,6 +485,8 @@ async def _serve(make: Callable[..., Any], settings: Settings, name: str) -> int
         loop.add_signal_handler(sig, main.cancel)
     try:
         async with connected(settings, name, wait_s=settings.startup_wait_s) as (store, bus):
+            for fault in await store.durability_faults():
+                logging.getLogger(name).warning("%s", fault)
             service = make(store, bus)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, service.shutdown)
