@@ -109,3 +109,17 @@ async def test_a_deleted_delay_queue_is_declared_again(cluster: Router) -> None:
         (await cluster.submit(NAP, workflow_id=again)).workflow_id, timeout_s=15
     )
     assert status["status"] == "completed", status
+
+
+async def test_a_report_waits_for_its_deleted_shard_queue_to_come_back(cluster: Router) -> None:
+    """A report no queue takes was parked at once, though its owner declares its queue again
+    a second later: the program ran forever. It is tried again for a few seconds first."""
+    program = {"steps": [{"task": "echo", "args": {"sleep_s": 0.5}}, {"task": "echo"}]}
+    wf = (await cluster.submit(program)).workflow_id
+    await asyncio.sleep(0.2)  # its first task runs
+    owner = (await cluster.status(wf))["owner"]  # type: ignore[index]
+    async with connected(cluster.settings) as (_, bus):
+        await bus._publisher.queue_delete(bus.names.shard_queue(owner))  # type: ignore[union-attr]
+        status = await cluster.wait(wf, timeout_s=20)
+        assert await bus.peek_dead(5) == []
+    assert status["status"] == "completed", status

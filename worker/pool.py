@@ -44,6 +44,10 @@ from worker.registry import Registry, UnknownTask
 log = logging.getLogger(__name__)
 # A slot not given back within this is left to run out with its lease.
 RELEASE_WAIT_S = 5.0
+# A report no shard queue takes is tried again this often, this far apart, before it is
+# parked: an owner declares its queue again about a second after it was deleted.
+REPORT_TRIES = 6
+REPORT_RETRY_S = 1.0
 
 # A Start to a compensating program's owner: a late report, its compensations may begin.
 Report = Next | Failed | Start
@@ -167,10 +171,21 @@ class Worker(Service):
             else:
                 reports = await self.run_tasks(task.split(), redelivered=again, carry=carry)
             for report in reports:
-                try:
-                    await self.bus.publish_to_shard(task.owner, encode(report))
-                except Unroutable as exc:  # trying again would run the handler again
+                await self._report(task, encode(report))
+
+    async def _report(self, task: TaskMessage, body: bytes) -> None:
+        """Publish a report to the owner shard. Unroutable, it is tried again for a few
+        seconds (its queue deleted, and not yet declared again), then parked: the message
+        handled again would run the handler again."""
+        for attempt in range(1, REPORT_TRIES + 1):
+            try:
+                await self.bus.publish_to_shard(task.owner, body)
+                return
+            except Unroutable as exc:
+                if attempt == REPORT_TRIES:
                     raise Poison(f"{task.wf}: its report: {exc}") from None
+                log.warning("%s: its report returned by shard %d", task.wf, task.owner)
+                await asyncio.sleep(REPORT_RETRY_S)
 
     async def _current(
         self, tasks: list[TaskMessage], *, redelivered: bool = False
