@@ -54,6 +54,10 @@ from orchestrator.shares import share_pool
 from orchestrator.store import TERMINAL, Store
 
 log = logging.getLogger(__name__)
+# Messages that may outlive their program (ended, then expired or purged): a deadline, a
+# sleep's or a signal timeout's wake, up to 30 days ahead, and a signal's hint. Acked as
+# `gone`: parked, they filled the dead letters with each long timer of a program that ended.
+TIMERS = (Deadline, Wake, Signalled)
 
 
 def _task_output(message: Next, plan: Plan) -> str | None:
@@ -219,6 +223,11 @@ class Transitions:
         self.counts: Counter[str] = Counter()
         self.marks = Marks(store)  # what `explain` and `status` show of failed attempts
 
+    def _gone(self, message: Deadline | Wake | Signalled) -> str:
+        self.counts["gone"] += 1
+        log.info("%s: %s for a program that is gone, ignored", message.wf, message.kind)
+        return "gone"
+
     async def apply(
         self,
         message: Start | Next | Failed | Deadline | Wake | Signalled,
@@ -231,6 +240,8 @@ class Transitions:
         that another shard owns, a report that does not fit the program."""
         plan = await self.plans.get(message.wf)
         if plan is None:
+            if isinstance(message, TIMERS):
+                return self._gone(message)
             raise Poison(f"{message.wf}: no such program")
         if plan.owner != shard:
             raise Poison(f"{message.wf}: owned by shard {plan.owner}, not by shard {shard}")
@@ -303,6 +314,8 @@ class Transitions:
             epoch = run = message.epoch
         verdict = await self._advance(message.wf, plan, expected, outcome, epoch, output)
         if verdict.verdict == "missing":
+            if isinstance(message, TIMERS):
+                return self._gone(message)
             raise Poison(f"{message.wf}: no such program")
         # stale: a duplicate or late message, acked and ignored
         self.counts[verdict.verdict] += 1

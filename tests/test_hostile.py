@@ -83,16 +83,22 @@ async def test_messages_for_unknown_programs_are_dead_lettered_not_dropped(
 ) -> None:
     exchange = Names(settings.prefix).orchestrator_exchange
     bodies = [
+        # Timers and a signal's hint may outlive their program (ended, expired): acked.
+        b'{"kind": "deadline", "wf": "ghost-3", "deadline_s": 1}',
+        b'{"kind": "wake", "wf": "ghost-5", "path": "0"}',
+        b'{"kind": "signal", "wf": "ghost-6", "name": "approval"}',
         b'{"kind": "start", "wf": "ghost-1"}',
         b'{"kind": "failed", "wf": "ghost-2", "path": "0", "error": "x"}',
-        b'{"kind": "deadline", "wf": "ghost-3", "deadline_s": 1}',
     ]
     for body in bodies:
         await publish(settings, "0", body, exchange=exchange)
     task = {"wf": "ghost-4", "path": "0", "task": "add", "owner": 0}
     await publish(settings, f"{settings.prefix}.tasks.parallel", json.dumps(task).encode())
-    reasons = sorted(await dead_reasons(settings, 4))
-    assert reasons == [f"ghost-{n}: no such program" for n in range(1, 5)]
+    reasons = sorted(await dead_reasons(settings, 3))
+    assert reasons == [f"ghost-{n}: no such program" for n in (1, 2, 4)]
+    async with connected(settings, "test-dead") as (_, bus):
+        assert await bus.shard_queue_state(0) == (0, 1)  # every one settled
+        assert len(await bus.peek_dead(100)) == 3  # the timers acked, not parked
 
 
 @pytest.fixture

@@ -22,7 +22,8 @@ strategies decide it by these rules):
 - does not decode (not JSON, not UTF-8, lone surrogate, wrong type, missing or extra field,
   number out of range, name or path or error too long, nested too deep, over the size limit):
   dead, from its queue, with the decoder's fault as the reason.
-- shard message for a program never submitted: dead, "<wf>: no such program".
+- shard message for a program never submitted: dead, "<wf>: no such program", but a
+  `deadline`, `wake` or `signal` (timers and a hint, which may outlive their program): acked.
 - shard message on a shard that does not own the program (any kind, any path, even the live
   cursor's): dead, "<wf>: owned by shard X, not by shard Y".
 - `next` or `failed` naming a path that is no leaf of the program; `failed` naming a member
@@ -843,6 +844,8 @@ def expect_shard(h: Hostile, w: World) -> Outcome:
     wf, dead = message.wf, [Expect(h.label, h.queue, h.body)]
     known = w.known(wf)
     if known is None:
+        if message.kind in ("deadline", "wake", "signal"):  # may outlive their program
+            return []
         dead[0].reason = f"{wf}: no such program"
         return dead
     if known.owner != h.shard:

@@ -11,7 +11,7 @@ import pytest
 
 from orchestrator.bus import ladder_ms
 from orchestrator.connections import connected
-from orchestrator.messages import Wake, encode
+from orchestrator.messages import Start, Wake, encode
 from router.client import Router
 from router.hashing import shard_for
 
@@ -76,8 +76,8 @@ async def test_a_deleted_dead_letter_queue_is_declared_again_and_wedges_nothing(
     wf = next(f"after-{i}" for i in range(1000) if shard_for(f"after-{i}", shards) == 0)
     async with connected(cluster.settings) as (_, bus):
         await bus._publisher.queue_delete(bus.names.dead_queue)  # type: ignore[union-attr]
-        for n in range(3):  # late wakes of programs that are gone: poison
-            await bus.publish_to_shard(0, encode(Wake(wf=f"gone-{n}", path="0")))
+        for n in range(3):  # starts of programs nobody submitted: poison
+            await bus.publish_to_shard(0, encode(Start(wf=f"gone-{n}")))
         await cluster.submit({"steps": [{"task": "echo"}]}, workflow_id=wf)
         status = await cluster.wait(wf, timeout_s=15)
         assert status["status"] == "completed", status

@@ -183,3 +183,24 @@ def test_the_purge_command_prints_its_counts_and_refuses_a_live_status(
     refused = shardflow("purge", "--status", "running", env=environment(settings))
     assert refused.returncode == 2 and "invalid choice: 'running'" in refused.stderr
     assert "never a live one" in shardflow("purge", "--help").stdout
+
+
+async def test_a_timer_that_outlives_its_program_is_no_dead_letter(
+    short: tuple[Router, Dev], store: RedisStore
+) -> None:
+    """A deadline (or a signal timeout's wake) may fall due long after its program ended and
+    expired; each such timer was parked as "no such program", filling the dead letters."""
+    router, _ = short
+    programs = [
+        {"deadline_s": 3.0, "steps": [{"task": "add"}]},
+        {"steps": [{"signal": "go", "timeout_s": 3.0}, {"task": "add"}]},
+    ]
+    submitted = [(await router.submit(program, None)).workflow_id for program in programs]
+    await router.signal(submitted[1], "go")
+    for wf in submitted:
+        assert (await router.wait(wf, timeout_s=10))["status"] == "completed"
+    await asyncio.sleep(2.5)  # both expired (2 s): their timers fall due about now
+    assert all([await _keys(store, wf) == {} for wf in submitted])
+    await asyncio.sleep(2.0)
+    async with connected(router.settings, "retention-dead") as (_, bus):
+        assert await bus.peek_dead(10) == []
