@@ -62,6 +62,9 @@ class Marks:
         self._client = redis_of(store)
         self._retention_ms = getattr(store, "retention_ms", 0)
         self._owner_written: dict[int, float] = {}
+        # Where the next prune goes on, by rank: live programs at the index's old end would
+        # otherwise fill every scan, and nothing behind them would ever be dropped.
+        self._prune_rank = 0
         self._me = f"{socket.gethostname()}/{os.getpid()}"
 
     async def index(self, created: Mapping[str, int]) -> None:
@@ -70,22 +73,26 @@ class Marks:
             await self._client.zadd(self.keys.index_created, dict(created), nx=True)
 
     async def prune_index(self, scan: int = PRUNE_SCAN, page: int = PRUNE_PAGE) -> int:
-        """Drop the entries among the `scan` oldest of the creation index whose program is
-        gone (expired, purged, never recorded, and older than the grace), `page` entries a
-        round trip; how many."""
+        """Drop the entries among `scan` of the creation index whose program is gone
+        (expired, purged, never recorded, and older than the grace), `page` entries a round
+        trip; how many. Each call goes on from where the last stopped, oldest first, and
+        starts again at the oldest once it reaches entries younger than the grace (none of
+        them may go yet) or the end."""
         if self._client is None:
             return 0
         key = self.keys.index_created
         old = now_ms() - INDEX_GRACE_MS
         seen = dropped = 0
+        first = self._prune_rank
+        self._prune_rank = 0  # unless the scan ends before the young entries, below
         while seen < scan:  # at most scan / page rounds: each sees at least one entry
-            start = seen - dropped  # what was dropped before moved the rest up
+            start = first + seen - dropped  # what was dropped before moved the rest up
             stop = start + min(page, scan - seen) - 1
             rows: list[tuple[str, float]] = await self._client.zrange(
                 key, start, stop, withscores=True
             )  # type: ignore[assignment]
             if not rows:
-                break
+                return dropped  # the end: the next call starts over
             async with self._client.pipeline(transaction=False) as pipe:
                 for wf, _ in rows:
                     pipe.exists(self.keys.state(wf))
@@ -99,6 +106,9 @@ class Marks:
                 await self._client.zrem(key, *gone)
             seen += len(rows)
             dropped += len(gone)
+            if rows[-1][1] >= old:
+                return dropped  # young entries from here on: the next call starts over
+        self._prune_rank = first + seen - dropped
         return dropped
 
     async def failed(self, report: Failed, delay_s: float | None) -> None:

@@ -135,6 +135,25 @@ async def test_the_index_is_pruned_a_page_at_a_time_within_its_scan(store: Redis
     assert left == [wf for wf in names if wf.startswith("k")] + names[-2:]
 
 
+async def test_live_programs_at_the_old_end_do_not_stop_the_prune(store: RedisStore) -> None:
+    # Each scan went over the same oldest entries: with that many live programs there (long
+    # sleeps, signal waits), nothing behind them was ever dropped and the index grew with
+    # every program run. Each call now goes on from where the last stopped.
+    client: Redis = store.client  # type: ignore[assignment]
+    old = time.time() * 1000 - 10 * INDEX_GRACE_MS
+    names = [f"k{i}" for i in range(6)] + [f"g{i}" for i in range(6)]
+    await client.zadd(store.keys.index_created, {wf: old + i for i, wf in enumerate(names)})
+    await client.zadd(store.keys.index_created, {"young": time.time() * 1000})
+    for wf in names[:6]:
+        await client.hset(store.keys.state(wf), "status", "running")  # type: ignore[misc]
+    marks = Marks(store)
+    dropped = [await marks.prune_index(scan=4, page=2) for _ in range(4)]
+    assert dropped == [0, 2, 4, 0]  # k0-k3; k4, k5, g0, g1; g2-g5; then young: over again
+    left = await client.zrange(store.keys.index_created, 0, -1)
+    assert left == [*names[:6], "young"]
+    assert await marks.prune_index(scan=4, page=2) == 0  # from the oldest again
+
+
 def test_durations_and_bad_arguments() -> None:
     assert [parse_duration(t) for t in ("90", "90s", "15m", "2h", "7d", "500ms")] == [
         90,
