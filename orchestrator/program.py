@@ -559,8 +559,10 @@ def parse_program(
     *,
     max_bytes: int = 256 * 1024,
     known_tasks: set[str] | None = None,
+    known_pools: frozenset[str] | None = None,
 ) -> Program:
-    """Validate a program from JSON text or a dict; raise ProgramError naming each fault's path."""
+    """Validate a program from JSON text or a dict; raise ProgramError naming each fault's path.
+    `known_tasks`, `known_pools`: the only task names and pools it may use (None: any)."""
     if isinstance(source, str | bytes):
         source = load(source, "program", max_bytes)
     else:
@@ -574,6 +576,8 @@ def parse_program(
         raise ProgramError(faults)
     if known_tasks is not None and program.task_names() - known_tasks:
         raise ProgramError(_unknown_tasks(program, known_tasks))
+    if known_pools is not None and program.pools() - known_pools:
+        raise ProgramError(_unknown_pools(program, known_pools))
     return program
 
 
@@ -589,6 +593,17 @@ def _unknown_tasks(program: Program, known: set[str]) -> list[str]:
     faults = [f"{path}: unknown task {name!r}" for name, path in first.items()]
     more = len(faults) - MAX_UNKNOWN_NAMED
     return faults[:MAX_UNKNOWN_NAMED] + ([f"and {more} more unknown tasks"] if more > 0 else [])
+
+
+def _unknown_pools(program: Program, known: frozenset[str]) -> list[str]:
+    unknown = sorted(program.pools() - known)
+    named = ", ".join(sorted(known - {SERIAL, PARALLEL})) or "none"
+    faults = [
+        f"pool {name!r} is not one of SHARDFLOW_POOLS ({named}; serial and parallel always are)"
+        for name in unknown[:MAX_UNKNOWN_NAMED]
+    ]
+    more = len(unknown) - MAX_UNKNOWN_NAMED
+    return faults + ([f"and {more} more unknown pools"] if more > 0 else [])
 
 
 def _task_paths(steps: list[Step], prefix: str) -> Iterator[tuple[str, str]]:

@@ -10,8 +10,12 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis.connection import parse_url
 
+from orchestrator.program import PARALLEL, SERIAL, check_pool_name
+
 # Shards a cluster may have; task messages name their owner shard within it.
 MAX_SHARDS = 1024
+# Named pools SHARDFLOW_POOLS may list.
+MAX_POOLS = 256
 _PREFIX = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 
 
@@ -72,6 +76,9 @@ class Settings(BaseSettings):
     metrics_port: int = Field(default=9464, ge=0, le=65535)
     metrics_addr: str = "0.0.0.0"
     log_format: Literal["text", "json"] = "text"
+    # The named pools programs may use besides serial and parallel, comma-separated; empty:
+    # any name (a misspelled one waits for a worker that never comes, leaving its queues).
+    pools: str = ""
 
     @field_validator("amqp_url")
     @classmethod
@@ -93,6 +100,21 @@ class Settings(BaseSettings):
         except ValueError as exc:
             raise ValueError(str(exc)) from None
         return value
+
+    @field_validator("pools")
+    @classmethod
+    def _pools_are_names(cls, value: str) -> str:
+        names = [name.strip() for name in value.split(",") if name.strip()]
+        if len(names) > MAX_POOLS:
+            raise ValueError(f"{len(names)} pools, over {MAX_POOLS}")
+        return ",".join(check_pool_name(name) for name in dict.fromkeys(names))
+
+    @property
+    def allowed_pools(self) -> frozenset[str] | None:
+        """The pools programs may use (SHARDFLOW_POOLS, serial and parallel); None: any."""
+        if not self.pools:
+            return None
+        return frozenset([SERIAL, PARALLEL, *self.pools.split(",")])
 
     @field_validator("prefix")
     @classmethod

@@ -94,7 +94,10 @@ class Router:
 
     def _validate(self, source: Any) -> tuple[Program, dict[str, Any]]:
         program = parse_program(
-            source, max_bytes=self.settings.max_program_bytes, known_tasks=self.known_tasks
+            source,
+            max_bytes=self.settings.max_program_bytes,
+            known_tasks=self.known_tasks,
+            known_pools=self.settings.allowed_pools,
         )
         return program, program.model_dump(mode="json", exclude_defaults=True)
 

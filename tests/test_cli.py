@@ -149,6 +149,20 @@ def test_bad_input_gets_one_line_and_exit_2(
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_a_pool_outside_shardflow_pools_is_refused_at_submit(settings: Settings) -> None:
+    env = {**environment(settings), "SHARDFLOW_POOLS": "billing"}
+    program = json.dumps({"steps": [{"task": "a", "pool": "billng"}]})
+    result = shardflow("submit", "-", env=env, stdin=program)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (
+        "shardflow: pool 'billng' is not one of SHARDFLOW_POOLS (billing; serial and parallel "
+        "always are)\n"
+    )
+    bad = shardflow("submit", "-", env={**env, "SHARDFLOW_POOLS": "Billing"}, stdin=program)
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("shardflow: settings: SHARDFLOW_POOLS: 'Billing' is not a pool")
+
+
 def test_an_invalid_program_names_the_path_of_the_fault(settings: Settings) -> None:
     loop = {"until": "prev ==", "max_iterations": 2, "steps": [{"task": "a"}]}
     bad = json.dumps({"steps": [{"task": "a"}, loop]})

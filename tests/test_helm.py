@@ -268,6 +268,22 @@ def test_named_pools_get_a_deployment_each_defaulting_to_the_parallel_workers() 
     assert len(found) == 4 + 2 + 2 + 1  # shards, serial and parallel, named, the router
 
 
+def test_unknown_pools_are_refused_when_asked_with_the_chart_s_pools() -> None:
+    assert "SHARDFLOW_POOLS" not in config(manifests("workers.pools[0].name=gpu"))
+    data = config(
+        manifests(
+            "workers.refuseUnknownPools=true",
+            "workers.pools[0].name=gpu",
+            "workers.pools[1].name=serial-billing",
+        )
+    )
+    assert data["SHARDFLOW_POOLS"] == "serial,parallel,gpu,serial-billing"
+    allowed = Settings(pools=data["SHARDFLOW_POOLS"]).allowed_pools
+    assert allowed == {"serial", "parallel", "gpu", "serial-billing"}
+    only = config(manifests("workers.refuseUnknownPools=true"))["SHARDFLOW_POOLS"]
+    assert Settings(pools=only).allowed_pools == {"serial", "parallel"}
+
+
 def test_a_named_lane_defaults_to_the_serial_workers() -> None:
     """A `serial-<name>` pool is a lane: one task at a time, standbys kept on other nodes and
     by a PDB, as the serial pool's; it used to render as a parallel pool (--concurrency 16)."""

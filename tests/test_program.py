@@ -22,6 +22,7 @@ from orchestrator.program import (
     program_schema,
 )
 from orchestrator.program import program_schema as schema
+from orchestrator.settings import Settings
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "thumbnails.json"
 
@@ -191,6 +192,40 @@ def test_not_json_and_too_large_are_refused() -> None:
     big = json.dumps({"steps": [{"task": "a", "args": {"blob": "x" * 5000}}]})
     with pytest.raises(ProgramError, match=r"^program: \d+ bytes, more than the limit of 4096"):
         parse_program(big, max_bytes=4096)
+
+
+def test_pools_outside_shardflow_pools_are_refused_naming_them() -> None:
+    program = {
+        "steps": [
+            {"task": "a", "pool": "billing"},
+            {"bag": [{"task": "b", "pool": "billng"}, {"task": "c"}]},
+            {"task": "d", "pool": "serial-reports", "compensate": {"task": "u", "pool": "gpu"}},
+        ]
+    }
+    known = Settings(pools="billing,serial-reports").allowed_pools
+    with pytest.raises(ProgramError) as caught:
+        parse_program(program, known_pools=known)
+    assert caught.value.faults == [
+        f"pool {name!r} is not one of SHARDFLOW_POOLS (billing, serial-reports; serial and "
+        "parallel always are)"
+        for name in ("billng", "gpu")
+    ]
+    assert parse_program(program, known_pools=known | {"billng", "gpu"})
+    assert parse_program(program, known_pools=None)  # unset: any pool
+    assert Settings().allowed_pools is None
+
+
+def test_shardflow_pools_is_a_list_of_pool_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHARDFLOW_POOLS", " gpu, billing ,gpu,")
+    assert Settings().pools == "gpu,billing"
+    assert Settings().allowed_pools == {"serial", "parallel", "gpu", "billing"}
+    for bad, fault in [("GPU", "'GPU' is not a pool name"), ("shard1", "reserved")]:
+        monkeypatch.setenv("SHARDFLOW_POOLS", bad)
+        with pytest.raises(ValidationError, match=fault):
+            Settings()
+    monkeypatch.setenv("SHARDFLOW_POOLS", ",".join(f"p{n}" for n in range(257)))
+    with pytest.raises(ValidationError, match="257 pools, over 256"):
+        Settings()
 
 
 def test_unknown_task_names_are_refused_when_the_router_knows_the_tasks() -> None:
