@@ -24,6 +24,7 @@ from aio_pika.connection import make_url
 
 from orchestrator.coalescing import CoalescingConnection
 from orchestrator.consuming import Deliveries
+from orchestrator.delivery import Requeues
 from orchestrator.keys import Names
 from orchestrator.lifecycle import within
 from orchestrator.program import MAX_PRIORITY, PARALLEL, SERIAL, is_lane
@@ -106,8 +107,9 @@ class TopologyError(RuntimeError):
     """A queue exists with other arguments than this configuration declares."""
 
 
-class Publisher(Protocol):
-    """What the transition logic needs from the transport; `Bus` is the real one."""
+class Publisher(Requeues, Protocol):
+    """What the transition logic needs from the transport (and the delivery policy's
+    dead-letter and requeue); `Bus` is the real one."""
 
     async def publish_to_shard(self, owner: int, body: bytes, priority: int = GOING_ON) -> None: ...
 
@@ -131,20 +133,6 @@ class Publisher(Protocol):
     async def publish_to_shard_later(self, owner: int, body: bytes, delay_s: float) -> None: ...
 
     async def publish_control(self, body: bytes) -> None: ...
-
-    async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None: ...
-
-    async def requeue(
-        self,
-        queue: str,
-        body: bytes,
-        headers: dict[str, Any],
-        priority: int | None,
-        *,
-        reply_to: str | None = None,
-        correlation_id: str | None = None,
-        message_id: str | None = None,
-    ) -> None: ...
 
 
 class Consumer(Protocol):
