@@ -539,15 +539,14 @@ class Bus:
         *,
         reply_to: str | None = None,
         correlation_id: str | None = None,
-        message_id: str | None = None,
     ) -> None:
         """Publish a message again at the tail of `queue` (after a failure), confirmed, with
-        the ids its sender gave (a request's answer goes to `reply_to`; a submit without a
-        workflow id takes it from `message_id`)."""
+        the sender's `reply_to` and `correlation_id` (a request's answer goes there). Its
+        message id is the client's own, as every publish's: a copy sharing the sender's
+        could have a return matched to the wrong publish (the sender's is in `headers`)."""
         properties = _properties(headers, priority or NEW)
         properties.reply_to = reply_to
         properties.correlation_id = correlation_id
-        properties.message_id = message_id
         await self._send("", queue, body, properties)
 
     async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 from aiormq.exceptions import ChannelInvalidStateError
 from pydantic import ValidationError
+from redis.exceptions import ClusterDownError, ReadOnlyError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -49,6 +50,18 @@ MAX_REASON = 1000
 # The services being away: not the message's fault, so never counted against it. (aiormq's
 # connection errors are OSErrors; a refused publish, DeliveryError, is not one of these.)
 UNREACHABLE = (OSError, RedisConnectionError, RedisTimeoutError, ChannelInvalidStateError)
+# Of those, the ones the delivery policy never counts against a message, however long they
+# last: a connection lost or refused (RabbitMQ's or Redis's, Redis loading its data too), a
+# Redis Cluster failing over. Any other error, an OSError too, counts toward the limit.
+UNCOUNTED = (
+    ConnectionError,
+    RedisConnectionError,
+    RedisTimeoutError,
+    ChannelInvalidStateError,
+    ClusterDownError,
+    TryAgainError,
+    ReadOnlyError,
+)
 
 
 class Poison(Exception):
@@ -89,7 +102,6 @@ class Requeues(Protocol):
         *,
         reply_to: str | None = None,
         correlation_id: str | None = None,
-        message_id: str | None = None,
     ) -> None: ...
 
 
@@ -139,12 +151,12 @@ def redelivered(delivery: Delivery) -> bool:
 async def _again(
     delivery: Delivery, bus: Requeues, source: str, exc: Exception, limit: int
 ) -> None:
-    """Publish the message again at the tail of its queue, counting the failure unless it
-    is a lost connection, or dead-letter it at `limit` failures; then ack the original."""
-    headers = dict(delivery.headers or {})
-    unreachable = isinstance(exc, UNREACHABLE)
-    failures = _int(headers.get(FAILURES)) + (0 if unreachable else 1)
+    """Publish the message again at the tail of its queue, counting the failure unless the
+    services are away, or dead-letter it at `limit` failures; then ack the original."""
+    unreachable = isinstance(exc, UNCOUNTED)
     try:
+        headers = dict(delivery.headers or {})
+        failures = _int(headers.get(FAILURES)) + (0 if unreachable else 1)
         if failures >= limit:
             reason = f"failed {failures} times, the limit; last: {describe(exc)}"
             await bus.dead_letter(delivery.body, reason=reason, source=source)
@@ -155,9 +167,8 @@ async def _again(
             else:
                 log.warning("%s: failure %d of %d, requeued: %r", source, failures, limit, exc)
             headers[FAILURES] = failures
-            message_id = getattr(delivery, "message_id", None)
-            # The copy gets a message id of the client's own when the sender gave none.
-            headers.setdefault(SENT_ID, message_id or "")
+            # The copy gets a message id of the client's own: it keeps the sender's here.
+            headers[SENT_ID] = sent_id(delivery, getattr(delivery, "message_id", None)) or ""
             await bus.requeue(
                 source,
                 delivery.body,
@@ -165,7 +176,6 @@ async def _again(
                 delivery.priority,
                 reply_to=getattr(delivery, "reply_to", None),
                 correlation_id=getattr(delivery, "correlation_id", None),
-                message_id=message_id,
             )
             metrics.REQUEUED.labels(source, "unreachable" if unreachable else "failed").inc()
     except Exception as failure:  # could not publish (RabbitMQ away): hand it back as it is
@@ -190,7 +200,7 @@ def sent_id(delivery: Delivery, message_id: str | None) -> str | None:
 def _int(value: Any) -> int:
     try:
         return max(0, int(value))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # a header nobody here wrote
         return 0
 
 

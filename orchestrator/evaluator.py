@@ -91,7 +91,13 @@ class _Evaluator:
             except OSError:  # it died between requests: this request never started
                 self._stop()
                 self._start()
-                self._write(request)
+                try:
+                    self._write(request)
+                except OSError as exc:  # again, on this request: its fault, not a service's
+                    code = self._restart()
+                    raise EvaluatorError(
+                        f"the evaluator process died reading the request (exit code {code}): {exc}"
+                    ) from None
             # First the values are decoded and converted, then the budget starts.
             try:
                 converted = self._read_line(_PREPARE_TIMEOUT_S) == b"converted\n"

@@ -84,7 +84,6 @@ class Marks:
         old = now_ms() - INDEX_GRACE_MS
         seen = dropped = 0
         first = self._prune_rank
-        self._prune_rank = 0  # unless the scan ends before the young entries, below
         while seen < scan:  # at most scan / page rounds: each sees at least one entry
             start = first + seen - dropped  # what was dropped before moved the rest up
             stop = start + min(page, scan - seen) - 1
@@ -92,7 +91,8 @@ class Marks:
                 key, start, stop, withscores=True
             )  # type: ignore[assignment]
             if not rows:
-                return dropped  # the end: the next call starts over
+                self._prune_rank = 0  # the end: the next call starts over
+                return dropped
             async with self._client.pipeline(transaction=False) as pipe:
                 for wf, _ in rows:
                     pipe.exists(self.keys.state(wf))
@@ -107,8 +107,9 @@ class Marks:
             seen += len(rows)
             dropped += len(gone)
             if rows[-1][1] >= old:
-                return dropped  # young entries from here on: the next call starts over
-        self._prune_rank = first + seen - dropped
+                self._prune_rank = 0  # young entries from here on: the next call starts over
+                return dropped
+            self._prune_rank = first + seen - dropped  # kept if a later page fails
         return dropped
 
     async def failed(self, report: Failed, delay_s: float | None) -> None:

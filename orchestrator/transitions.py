@@ -240,7 +240,9 @@ class Transitions:
         that another shard owns, a report that does not fit the program."""
         plan = await self.plans.get(message.wf)
         if plan is None:
-            if isinstance(message, TIMERS):
+            # Gone only when its state is too: a state without a plan (an evicted key) is a
+            # fault to see, in the dead letters.
+            if isinstance(message, TIMERS) and not await self.store.state(message.wf):
                 return self._gone(message)
             raise Poison(f"{message.wf}: no such program")
         if plan.owner != shard:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from redis.exceptions import ClusterDownError, ReadOnlyError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from orchestrator import delivery as policy
@@ -58,20 +59,51 @@ async def _fail(held: Held, bus: Transport, exc: Exception, limit: int = 3) -> N
         raise exc
 
 
+def _copy(sent: tuple[bytes, dict[str, Any], dict[str, Any]], n: int) -> Held:
+    """What the queue delivers of a copy: aiormq gave it a message id of its own."""
+    body, headers, ids = sent
+    return Held(body=body, headers=headers, message_id=f"random-{n}", **ids)
+
+
 async def test_a_lost_redis_republishes_uncounted_and_never_nacks() -> None:
     """A quorum queue counts each nack against its delivery limit: a Redis restart of a few
     seconds would have the broker dead-letter the messages in flight."""
     bus = Transport()
     held = Held(reply_to="amq.rabbitmq.reply-to", correlation_id="c1", message_id="m1")
-    for _ in range(10):  # far past the limit of 3
+    for n in range(10):  # far past the limit of 3
         await _fail(held, bus, RedisConnectionError("Connection refused"))
-        body, headers, ids = bus.sent[-1]
-        held = Held(body=body, headers=headers, **ids)
+        held = _copy(bus.sent[-1], n)
     assert bus.dead == [] and len(bus.sent) == 10
     _, headers, ids = bus.sent[-1]
     assert headers == {FAILURES: 0, SENT_ID: "m1"}  # present: the copy counts as redelivered
-    assert ids == {"reply_to": "amq.rabbitmq.reply-to", "correlation_id": "c1", "message_id": "m1"}
-    assert policy.redelivered(held)
+    assert ids == {"reply_to": "amq.rabbitmq.reply-to", "correlation_id": "c1"}
+    assert policy.redelivered(held) and sent_id(held, held.message_id) == "m1"
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [ConnectionResetError(), ClusterDownError("failing over"), ReadOnlyError("READONLY")],
+)
+async def test_connections_lost_and_failovers_are_not_counted(exc: Exception) -> None:
+    bus = Transport()
+    await _fail(Held(headers={FAILURES: 2}), bus, exc)
+    assert bus.dead == [] and bus.sent[-1][1][FAILURES] == 2
+
+
+async def test_an_os_error_that_is_no_lost_connection_counts() -> None:
+    """Uncounted, a message whose own handling raises one (a broken pipe to a child that
+    dies on it, a timeout of ours) was retried forever."""
+    bus = Transport()
+    await _fail(Held(headers={FAILURES: 2}), bus, TimeoutError("over budget"))
+    assert bus.dead == ["failed 3 times, the limit; last: over budget"]
+
+
+async def test_a_hostile_failures_header_is_zero_and_the_message_settled() -> None:
+    for value in (float("inf"), float("nan"), "x", -5, [1]):
+        bus = Transport()
+        held = Held(headers={FAILURES: value})
+        await _fail(held, bus, ValueError("bad"))
+        assert held.settled == ["ack"] and bus.sent[-1][1][FAILURES] == 1, value
 
 
 async def test_other_failures_count_and_dead_letter_at_the_limit() -> None:
@@ -115,5 +147,17 @@ def test_a_copy_keeps_the_message_id_its_sender_gave() -> None:
 async def test_a_copy_of_a_message_without_an_id_says_so() -> None:
     bus = Transport()
     await _fail(Held(), bus, ValueError("bad"))
-    _, headers, ids = bus.sent[-1]
-    assert headers[SENT_ID] == "" and ids["message_id"] is None
+    assert bus.sent[-1][1][SENT_ID] == ""
+    assert sent_id(_copy(bus.sent[-1], 1), "random-1") is None  # as the original: none
+
+
+async def test_a_copy_of_a_message_with_a_header_not_ours_keeps_the_senders_id() -> None:
+    """The first try reads the sender's id (none) past a header it cannot read; a copy that
+    kept that header took aiormq's random id instead, deriving another workflow id."""
+    for bad in (7, "m" * 256):
+        bus = Transport()
+        original = Held(headers={SENT_ID: bad})
+        assert sent_id(original, original.message_id) is None
+        await _fail(original, bus, ValueError("bad"))
+        copy = _copy(bus.sent[-1], 1)
+        assert sent_id(copy, copy.message_id) is None, bad

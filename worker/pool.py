@@ -174,15 +174,17 @@ class Worker(Service):
                 await self._report(task, encode(report))
 
     async def _report(self, task: TaskMessage, body: bytes) -> None:
-        """Publish a report to the owner shard. Unroutable, it is tried again for a few
-        seconds (its queue deleted, and not yet declared again), then parked: the message
-        handled again would run the handler again."""
-        for attempt in range(1, REPORT_TRIES + 1):
+        """Publish a report to the owner shard. Unroutable, a shard of the ring is tried again
+        for a few seconds (its queue deleted, and not yet declared again), then parked, as a
+        shard outside the ring at once: the message handled again would run the handler
+        again."""
+        tries = REPORT_TRIES if task.owner < self.settings.shards else 1
+        for attempt in range(1, tries + 1):
             try:
                 await self.bus.publish_to_shard(task.owner, body)
                 return
             except Unroutable as exc:
-                if attempt == REPORT_TRIES:
+                if attempt == tries:
                     raise Poison(f"{task.wf}: its report: {exc}") from None
                 log.warning("%s: its report returned by shard %d", task.wf, task.owner)
                 await asyncio.sleep(REPORT_RETRY_S)
