@@ -47,6 +47,7 @@ REPLAY_BAG = (
     "test_a_replayed_advance_into_a_bag_republishes_only_branches_still_at_their_start"
 )
 PRUNE_PAGES = "tests/test_list.py::test_the_index_is_pruned_a_page_at_a_time_within_its_scan"
+PRUNE_RESUMES = "tests/test_list.py::test_live_programs_at_the_old_end_do_not_stop_the_prune"
 AGAIN = (
     "tests/test_worker_reports.py::"
     "test_a_member_of_a_complete_step_reports_it_again_only_when_redelivered"
@@ -869,9 +870,16 @@ end""",
     # nothing had been dropped: the entries that moved up are skipped.
     "prune-pages-skip-what-moved-up": (
         "orchestrator/marks.py",
-        "            start = seen - dropped  # what was dropped before moved the rest up\n",
-        "            start = seen\n",
+        "            start = first + seen - dropped  # what was dropped before moved the rest up\n",
+        "            start = first + seen\n",
         (PRUNE_PAGES,),
+    ),
+    # The prune starts at the oldest entries every time: live programs there hide the rest.
+    "prune-forgets-its-place": (
+        "orchestrator/marks.py",
+        "        first = self._prune_rank\n",
+        "        first = 0\n",
+        (PRUNE_RESUMES,),
     ),
     # Every shard an owner holds is sampled, however many: a sample per shard per interval.
     "backlog-samples-every-shard": (
