@@ -9,12 +9,13 @@ Shaped like aio-pika's `message.process()`, for at-least-once work:
 - the block raises `Poison` or one of `poison`: retrying cannot help. The message is parked in
   the dead-letter queue with the reason, then acked.
 - the block raises anything else: the message is published again at the queue's tail (with
-  its reply-to, correlation and message ids) and the original acked, so it cannot wedge the
-  head of a shard's queue, then a pause, so a broken dependency is not hammered. Any error but
-  a lost connection is counted in the header `x-shardflow-failures`, and at `limit` failures
-  the message is dead-lettered with its last error, on every queue type. A lost connection
-  (Redis away) is not counted, however often: the header is kept as it was (present, so the
-  message counts as redelivered). It is not nacked either: a quorum queue counts each nack
+  its reply-to and correlation ids, and its sender's message id in a header) and the
+  original acked, so it cannot wedge the head of a shard's queue, then a pause, so a broken
+  dependency is not hammered. Any error but a lost connection (UNCOUNTED) is counted in the
+  header `x-shardflow-failures`, and at `limit` failures the message is dead-lettered with its
+  last error, on every queue type. A lost connection (Redis away, a Redis Cluster failing
+  over) is not counted, however often: the header is kept as it was (present, so the message
+  counts as redelivered). It is not nacked either: a quorum queue counts each nack
   against its `x-delivery-limit` (RabbitMQ 3.x), so a Redis restart of a few seconds would
   have the broker dead-letter every message in flight. When RabbitMQ is away too, the
   message is handed back as it is (the nack, or the channel's close).
