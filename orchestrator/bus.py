@@ -419,14 +419,32 @@ class Bus:
     ) -> None:
         """Publish many task messages to a pool (declared first); confirms awaited together."""
         await self._ensure_pool(pool)
-        try:
-            await self._publish_tasks(pool, bodies, priority, headers)
-        except aio_pika.exceptions.PublishError:
-            # Returned unroutable: the queue was deleted since it was declared. Declare it
-            # again and publish once more (a duplicate is harmless, a lost task is not).
+
+        async def declare() -> None:
             self._pools.discard(pool)
             await self._ensure_pool(pool)
-            await self._publish_tasks(pool, bodies, priority, headers)
+
+        await self._redeclaring(
+            lambda: self._publish_tasks(pool, bodies, priority, headers),
+            declare,
+            self.names.task_queue(pool),
+        )
+
+    async def _redeclaring(
+        self,
+        send: Callable[[], Awaitable[None]],
+        declare: Callable[[], Awaitable[object]],
+        queue: str,
+    ) -> None:
+        """Publish with `send`; returned unroutable (`queue` deleted since it was declared:
+        an operator), `declare` it again and publish once more (a duplicate is harmless, a
+        lost message is not)."""
+        try:
+            await send()
+        except aio_pika.exceptions.PublishError:
+            log.warning("%s was deleted; declaring it again", queue)
+            await declare()
+            await send()
 
     async def _publish_tasks(
         self, pool: str, bodies: list[bytes], priority: int, headers: dict[str, Any] | None
@@ -477,23 +495,23 @@ class Bus:
         # delay is rounded up to a fixed ladder, so the queues are few and bounded.
         delay_ms = ladder_ms(delay_s)
         name = self.names.delay_queue(target, delay_ms)
-        arguments: dict[str, Any] = {
-            "x-message-ttl": delay_ms,
-            "x-dead-letter-exchange": exchange,
-            "x-dead-letter-routing-key": routing_key,
-        }
-        if self.settings.queue_type == "quorum":
-            arguments["x-queue-type"] = "quorum"
-        if name not in self._delay_queues:
+
+        async def declare() -> None:
+            arguments: dict[str, Any] = {
+                "x-message-ttl": delay_ms,
+                "x-dead-letter-exchange": exchange,
+                "x-dead-letter-routing-key": routing_key,
+            }
+            if self.settings.queue_type == "quorum":
+                arguments["x-queue-type"] = "quorum"
             await self._channel.declare_queue(name, durable=True, arguments=arguments)
             self._delay_queues.add(name)
-        try:
-            await self._send("", name, body, _properties(headers, priority))
-        except aio_pika.exceptions.PublishError:
-            # Returned: deleted since we declared it (an operator). Once more, declared again.
-            log.warning("%s was deleted; declaring it again", name)
-            await self._channel.declare_queue(name, durable=True, arguments=arguments)
-            await self._send("", name, body, _properties(headers, priority))
+
+        if name not in self._delay_queues:
+            await declare()
+        await self._redeclaring(
+            lambda: self._send("", name, body, _properties(headers, priority)), declare, name
+        )
 
     async def reply(self, to: str, correlation_id: str | None, body: bytes) -> None:
         """Answer an RPC-style request on its reply queue (nobody listening is fine)."""
@@ -553,14 +571,14 @@ class Bus:
         """Park an unusable message with the reason in its headers."""
         log.warning("dead-lettering a message from %s: %s", source, reason)
         headers = {"x-shardflow-reason": reason, "x-shardflow-from": source}
-        try:
-            await self._send("", self.names.dead_queue, body, _properties(headers))
-        except aio_pika.exceptions.PublishError:
-            # Returned: deleted since connect (an operator). Once more, declared again, or
-            # the message would go back to its queue's head for good.
-            log.warning("%s was deleted; declaring it again", self.names.dead_queue)
-            await self._declare_dead(self._channel)
-            await self._send("", self.names.dead_queue, body, _properties(headers))
+        # Declared again if it was deleted, or the message would go back to its queue's head
+        # for good.
+        queue = self.names.dead_queue
+        await self._redeclaring(
+            lambda: self._send("", queue, body, _properties(headers)),
+            lambda: self._declare_dead(self._channel),
+            queue,
+        )
 
     async def peek_dead(self, limit: int) -> list[tuple[dict[str, Any], bytes]]:
         """Up to `limit` dead-lettered messages (headers, body), left in the queue."""

@@ -36,6 +36,7 @@ async def test_a_redis_that_hides_its_configuration_is_not_a_fault() -> None:
     store = RedisStore(Redis.from_url(private.url, decode_responses=True), Keys("cfg"))
     try:
         with redis.Redis.from_url(private.url) as admin:
+            admin.config_set("appendonly", "no")  # a fault, were it readable
             # As a managed Redis: CONFIG denied to this user.
             admin.execute_command("ACL", "SETUSER", "default", "-config")
         assert await store.durability_faults() == []
