@@ -67,8 +67,20 @@ CLOSE_TIMEOUT_S = 10.0  # closing a consumer's channel, which a lost connection 
 MAX_UNCONFIRMED = 1024
 # A control queue no consumer uses is deleted after this long.
 CONTROL_QUEUE_EXPIRES_MS = 60_000
+# A worker binds its control queue again this often (`Bus.bind_control`): an operator who
+# deletes `<prefix>.control` takes every binding along, and the broker tells no consumer.
+CONTROL_REBIND_S = 5.0
+# Every control notice is sent again this much later, through a delay queue (it outlives a
+# publisher that exits, as `shardflow cancel` does): one sent while bindings were gone reaches
+# every worker once bound again. Over CONTROL_REBIND_S, with room for a busy loop.
+CONTROL_REPEAT_S = 2 * CONTROL_REBIND_S
 # A lost connection (INTERNAL_ERROR, a ConnectionInternalError, is one) or a closed channel.
 _CONSUME_RACE = (aiormq.exceptions.AMQPConnectionError, aiormq.exceptions.ChannelInvalidStateError)
+# A control notice's publish: its exchange missing (404), or its channel closed by another's.
+_CONTROL_LOST = (
+    aiormq.exceptions.ChannelNotFoundEntity,
+    aiormq.exceptions.ChannelInvalidStateError,
+)
 
 
 def ladder_ms(delay_s: float) -> int:
@@ -144,6 +156,8 @@ class Consumer(Protocol):
 
     async def consume_control(self) -> Deliveries: ...
 
+    async def bind_control(self, iterator: Deliveries) -> None: ...
+
     async def stop_consuming(self, iterator: Deliveries) -> None: ...
 
 
@@ -160,6 +174,8 @@ class Bus:
         self._name = name
         self._connection: AbstractRobustConnection | None = None
         self._publisher: AbstractRobustChannel | None = None
+        self._control: aio_pika.Channel | None = None  # control notices', opened on first use
+        self._controlling = asyncio.Lock()
         self._delay_queues: set[str] = set()
         self._pools: set[str] = set()  # task queues declared on this connection
         self._consumer_channels: dict[Deliveries, AbstractRobustChannel] = {}
@@ -374,19 +390,22 @@ class Bus:
         body: bytes,
         properties: Properties,
         mandatory: bool = True,
+        channel: AbstractChannel | None = None,
     ) -> None:
         """Publish on the confirming channel and wait for the broker's confirm (a returned
         message raises PublishError, a nack DeliveryError). Through aiormq without waiting
         for the socket's drain, so the frames of publishes made side by side go out in one
         write (orchestrator/coalescing.py); aio-pika's `Exchange.publish` waits for it with
         the channel's lock held, one write per publish. The confirm is what we wait for, and
-        at most MAX_UNCONFIRMED publishes wait for theirs at once."""
-        if self._channel.is_closed:
-            raise aiormq.exceptions.ChannelInvalidStateError(f"{self._channel!r} closed")
+        at most MAX_UNCONFIRMED publishes wait for theirs at once. On `channel` if given,
+        else the publisher channel."""
+        channel = channel or self._channel
+        if channel.is_closed:
+            raise aiormq.exceptions.ChannelInvalidStateError(f"{channel!r} closed")
         # aiormq's own channel, whose publish takes `wait` (its abstract base does not say so).
-        channel = await _underlay(self._channel)
+        underlay = await _underlay(channel)
         async with self._unconfirmed:
-            await channel.basic_publish(
+            await underlay.basic_publish(
                 body,
                 exchange=exchange,
                 routing_key=routing_key,
@@ -524,17 +543,38 @@ class Bus:
         await self._send("", to, body, properties, mandatory=False)
 
     async def publish_control(self, body: bytes) -> None:
-        """Tell every worker (e.g. a program was cancelled); nobody listening is fine."""
-        await self._send(self.names.control_exchange, "", body, _properties(), mandatory=False)
+        """Tell every worker (e.g. a program was cancelled); nobody listening is fine. Sent
+        again CONTROL_REPEAT_S later (a duplicate is harmless: workers check the program)."""
+        exchange = self.names.control_exchange
+        try:
+            await self._send_control(body)
+        except _CONTROL_LOST:
+            # 404 (deleted since it was declared: an operator), or the channel another's 404
+            # closed: declared again, and the notice sent once more, not lost.
+            log.warning("%s was deleted or its channel closed; declaring it again", exchange)
+            await self._send_control(body, declare=True)
+        await self._publish_delayed("control.exchange", exchange, "", body, CONTROL_REPEAT_S)
+
+    async def _send_control(self, body: bytes, *, declare: bool = False) -> None:
+        """On a confirming channel of its own: a publish to a deleted exchange closes its
+        channel (404), failing every publish in flight there. Not a robust one: a new one is
+        opened here when it closed, so none reopens by itself behind us."""
+        async with self._controlling:
+            if self._control is None or self._control.is_closed:
+                if self._connection is None:
+                    raise RuntimeError("Bus.connect() was not called")
+                self._control = aio_pika.Channel(self._connection, publisher_confirms=True)
+                await self._control
+            channel = self._control
+            if declare:
+                await _declare_control(channel, self.names.control_exchange)
+        exchange = self.names.control_exchange
+        await self._send(exchange, "", body, _properties(), mandatory=False, channel=channel)
 
     async def consume_control(self) -> Deliveries:
         """This process's own queue on the control exchange, gone when it disconnects."""
 
         async def queue_of(channel: AbstractRobustChannel) -> AbstractRobustQueue:
-            exchange = self.names.control_exchange
-            await channel.declare_exchange(
-                exchange, aio_pika.ExchangeType.FANOUT, durable=True, robust=False
-            )
             # Deleted once unused for a while: one left unconsumed by a start that failed
             # half-way would gather every control message until the connection closed.
             queue = await channel.declare_queue(
@@ -543,10 +583,20 @@ class Bus:
                 arguments={"x-expires": CONTROL_QUEUE_EXPIRES_MS},
                 robust=False,
             )
-            await queue.bind(exchange, robust=False)
+            await _declare_control(channel, self.names.control_exchange, queue.name)
             return queue
 
         return await self._consuming(queue_of, 0, no_ack=True)
+
+    async def bind_control(self, iterator: Deliveries) -> None:
+        """Bind a control consumer's queue again, declaring the exchange first (both are
+        idempotent): a deleted `<prefix>.control` took the binding along. A consumer stopped,
+        or whose channel closed, is left alone: it starts again bound."""
+        channel = self._consumer_channels.get(iterator)
+        if channel is None or channel.is_closed or not self.is_connected:
+            return
+        bind = _declare_control(channel, self.names.control_exchange, iterator.queue)
+        await within(bind, PROBE_TIMEOUT_S)
 
     async def requeue(
         self,
@@ -702,6 +752,15 @@ class Bus:
 async def _underlay(channel: AbstractChannel) -> aiormq.Channel:
     """aiormq's channel under aio-pika's, which consumes (orchestrator/consuming.py)."""
     return cast(aiormq.Channel, await channel.get_underlay_channel())
+
+
+async def _declare_control(channel: AbstractChannel, exchange: str, queue: str = "") -> None:
+    """The control exchange declared, and `queue` (if any) bound to it: both idempotent. Through
+    aiormq: a robust channel's would be declared again on its every reopening."""
+    underlay = await _underlay(channel)
+    await underlay.exchange_declare(exchange, exchange_type="fanout", durable=True)
+    if queue:
+        await underlay.queue_bind(queue, exchange)
 
 
 async def _close_quietly(channel: AbstractChannel) -> None:

@@ -104,6 +104,11 @@ class Deliveries:
         self._watch: asyncio.Future[Any] | None = None
         self.dropped = 0  # unread over MAX_UNREAD_NO_ACK, without acks
 
+    @property
+    def queue(self) -> str:
+        """The queue it consumes."""
+        return self._queue
+
     async def consume(self) -> None:
         """Start the consumer (one RPC), watching for its end from before it is sent."""
         self._channel.on_consumer_cancel_callbacks.add(self._on_cancel)

@@ -150,7 +150,8 @@ class Names:
 
     def delay_queue(self, target: str, delay_ms: int) -> str:
         """Where a message waits `delay_ms` before it goes to `target`: a pool (its retry
-        queue), `shard<N>.queue` (a shard's timers) or, before that, `shard<N>`."""
+        queue), `shard<N>.queue` (a shard's timers) or, before that, `shard<N>`, or
+        `control.exchange` (a control notice's repeat)."""
         return f"{self.prefix}.delay.{target}.{delay_ms}"
 
     @property

@@ -8,12 +8,14 @@ import time
 
 import aio_pika
 import pytest
+from prometheus_client import REGISTRY
 
 from orchestrator.bus import ladder_ms
 from orchestrator.connections import connected
 from orchestrator.messages import Start, Wake, encode
 from router.client import Router
 from router.hashing import shard_for
+from tests.app import Trace
 
 pytestmark = pytest.mark.e2e
 
@@ -123,3 +125,33 @@ async def test_a_report_waits_for_its_deleted_shard_queue_to_come_back(cluster: 
         status = await cluster.wait(wf, timeout_s=20)
         assert await bus.peek_dead(5) == []
     assert status["status"] == "completed", status
+
+
+async def test_a_cancel_stops_a_handler_after_the_control_exchange_was_deleted(
+    cluster: Router, trace: Trace
+) -> None:
+    """With `<prefix>.control` deleted, a cancel's notice failed (404, failing publishes in
+    flight beside it), and a worker's control queue stayed unbound until it reconnected: its
+    handler ran on. The exchange is declared again, workers bind again, and every notice is
+    sent again once they have."""
+    async with connected(cluster.settings) as (_, bus):
+        await bus._publisher.exchange_delete(bus.names.control_exchange)  # type: ignore[union-attr]
+    cancelled = {"pool": "serial", "task": "echo", "outcome": "cancelled"}
+
+    def stopped() -> float:
+        return REGISTRY.get_sample_value("shardflow_task_duration_seconds_count", cancelled) or 0
+
+    before = stopped()
+    program = {"steps": [{"task": "echo", "args": {"sleep_s": 60}}]}
+    wf = (await cluster.submit(program, trace.as_input())).workflow_id
+    deadline = time.monotonic() + 15
+    while not trace.events():  # its handler runs
+        assert time.monotonic() < deadline, "never started"
+        await asyncio.sleep(0.05)
+    status = await cluster.cancel(wf)
+    assert status["status"] == "cancelled", status
+    deadline = time.monotonic() + 25  # the notice's repeat (bus.CONTROL_REPEAT_S), and room
+    while stopped() == before:
+        assert time.monotonic() < deadline, "the running handler was never stopped"
+        await asyncio.sleep(0.1)
+    assert [e["event"] for e in trace.events()] == ["start"]  # cut short, not run to its end

@@ -15,9 +15,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from orchestrator import limits, logs, metrics
-from orchestrator.bus import GOING_ON, Transport, Unroutable
+from orchestrator.bus import CONTROL_REBIND_S, GOING_ON, Transport, Unroutable
+from orchestrator.consuming import Deliveries
 from orchestrator.delivery import UNREACHABLE, Delivery, Poison, process, redelivered
-from orchestrator.lifecycle import Service, format_counts
+from orchestrator.lifecycle import Service, format_counts, raise_if_cancelled
 from orchestrator.marks import Marks
 from orchestrator.messages import (
     CARRY,
@@ -88,6 +89,7 @@ class Worker(Service):
         self._running: dict[str, set[asyncio.Task[Any]]] = {}
         # Handlers a cancel of a compensating program keeps: compensations and undoable tasks.
         self._kept: set[asyncio.Task[Any]] = set()
+        self._control: Deliveries | None = None  # the control consumer started last
 
     def summary(self) -> str:
         return format_counts(self.counts)
@@ -98,17 +100,35 @@ class Worker(Service):
             "%s: consuming %d queue(s) with concurrency %d, at most %d per share",
             self.name, len(pools), self.concurrency, self.share,
         )  # fmt: skip
-        return [*(self._consume(pool) for pool in pools), self._listen()]
+        return [*(self._consume(pool) for pool in pools), self._listen(), self._rebind()]
 
     async def _listen(self) -> None:
         """Stop the running tasks of programs that were cancelled or ran out of time."""
-        async for message in self._messages(self.bus.consume_control, self.bus.stop_consuming):
+
+        async def start() -> Deliveries:
+            self._control = await self.bus.consume_control()
+            return self._control
+
+        async for message in self._messages(start, self.bus.stop_consuming):
             try:
                 wf = Cancelled.model_validate_json(message.body).wf
             except ValidationError:
                 log.warning("%s: ignored a control message: %r", self.name, message.body[:200])
                 continue
             await self.stop_ended(wf)
+
+    async def _rebind(self) -> None:
+        """Bind the control queue again every CONTROL_REBIND_S: a deleted `<prefix>.control`
+        took its binding along, and nothing tells a consumer (orchestrator/bus.py)."""
+        while True:
+            await asyncio.sleep(CONTROL_REBIND_S)
+            if self._control is None:
+                continue
+            try:
+                await self.bus.bind_control(self._control)
+            except Exception as exc:  # its channel lost: the consumer starts again, bound
+                raise_if_cancelled()
+                log.warning("%s: binding the control queue again failed: %r", self.name, exc)
 
     async def stop_ended(self, wf: str) -> int:
         """A program was cancelled (or ran out of time): stop this worker's running tasks of
