@@ -248,16 +248,7 @@ class Transitions:
         if plan.owner != shard:
             raise Poison(f"{message.wf}: owned by shard {plan.owner}, not by shard {shard}")
         if isinstance(message, Deadline):
-            reason = f"deadline of {message.deadline_s}s exceeded"
-            return await end_program(
-                self.store,
-                self.bus,
-                message.wf,
-                "failed",
-                reason,
-                epoch=message.epoch,
-                compensates=bool(plan.program.compensations),
-            )
+            return await self._deadline(message, plan)
         if isinstance(message, Signalled):
             verdict = await self._signalled(message, plan)
             self.counts[verdict] += 1
@@ -450,6 +441,38 @@ class Transitions:
         if plan.evaluates:
             return await asyncio.to_thread(machine.after, *args)
         return machine.after(*args)
+
+    async def _deadline(self, message: Deadline, plan: Plan) -> str:
+        """End the program if its run is past its deadline; "waiting" (sent again, delayed)
+        while early. The message is only a hint, as a wake is: the deadline is the program's
+        own, counted from Redis's stamps (submission; a redriven run's start), so a forged
+        deadline, or one an operator's message-ttl policy let out early, ends nothing early."""
+        deadline_s = plan.program.deadline_s
+        if deadline_s is None:
+            raise Poison(f"{message.wf}: a deadline, but its program names none")
+        state = await self.store.state(message.wf)
+        status = state.get("status")
+        if status in ("pending", "running") and int(state.get("epoch") or 0) == message.epoch:
+            if not message.epoch:
+                since_ms = int(state.get("created_ms") or 0)
+            elif status == "running":
+                since_ms = int(state.get("started_ms") or 0)
+            else:  # a redriven run not started yet: its deadline has not begun
+                since_ms = int(time.time() * 1000)
+            delay_ms = ladder_floor_ms(since_ms / 1000 + deadline_s - time.time())
+            if delay_ms > 0:
+                body = encode(Deadline(wf=message.wf, deadline_s=deadline_s, epoch=message.epoch))
+                await self.bus.publish_to_shard_later(plan.owner, body, delay_ms / 1000)
+                return "waiting"
+        return await end_program(
+            self.store,
+            self.bus,
+            message.wf,
+            "failed",
+            f"deadline of {deadline_s}s exceeded",
+            epoch=message.epoch,
+            compensates=bool(plan.program.compensations),
+        )
 
     async def _signalled(self, message: Signalled, plan: Plan) -> str:
         """A signal was kept for the program: the step at the cursor takes it if it waits for

@@ -53,6 +53,7 @@ AGAIN = (
     "test_a_member_of_a_complete_step_reports_it_again_only_when_redelivered"
 )
 
+FORGED_DEADLINE = "tests/test_hostile.py::test_a_forged_deadline_ends_no_program_before_its_own"
 CONSUMING = "tests/test_consuming.py::"
 SLEEP = "tests/test_sleep_e2e.py::test_a_sleep_waits_and_passes_its_prev_on"
 SIGNALS = (
@@ -873,6 +874,21 @@ end""",
         "            start = first + seen - dropped  # what was dropped before moved the rest up\n",
         "            start = first + seen\n",
         (PRUNE_PAGES,),
+    ),
+    # A deadline message ends its program whenever it comes: a forged one, or one an
+    # operator's message-ttl policy let out early, ends a live program before its time.
+    "deadline-ignores-the-time": (
+        "orchestrator/transitions.py",
+        "            delay_ms = ladder_floor_ms(since_ms / 1000 + deadline_s - time.time())\n",
+        "            delay_ms = 0\n",
+        (MACHINE, FORGED_DEADLINE),
+    ),
+    # The deadline a message names is trusted over its program's own.
+    "deadline-trusts-the-message": (
+        "orchestrator/transitions.py",
+        "        deadline_s = plan.program.deadline_s\n        if deadline_s is None:\n",
+        "        deadline_s = message.deadline_s\n        if deadline_s is None:\n",
+        (FORGED_DEADLINE,),
     ),
     # The prune starts at the oldest entries every time: live programs there hide the rest.
     "prune-forgets-its-place": (

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,7 +18,8 @@ import sys
 import threading
 import traceback
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 import aio_pika
 import pytest
@@ -137,6 +140,24 @@ def prefix() -> Iterator[str]:
     if len(_FINISHED) >= SWEEP_EVERY and _VHOST[0]:
         _drop_queues(_VHOST[0], set(_FINISHED))
         _FINISHED.clear()
+
+
+@pytest.fixture
+def queue_policy(amqp_url: str, prefix: str) -> Iterator[Callable[[str, dict[str, Any]], None]]:
+    """Set an operator's policy on this test's queues: `apply(pattern, definition)`, the
+    pattern after `<prefix>.`; cleared after the test. Needs rabbitmqctl and this run's vhost."""
+    if not _VHOST[0]:
+        pytest.skip("an operator's policy needs rabbitmqctl and this run's own vhost")
+    name = f"{prefix}-policy"
+
+    def apply(pattern: str, definition: dict[str, Any]) -> None:
+        rule = f"^{re.escape(prefix)}\\.{pattern}"
+        args = ["set_policy", "-p", _VHOST[0], "--apply-to", "queues", "--priority", "9"]
+        _rabbitmqctl(*args, name, rule, json.dumps(definition))
+
+    yield apply
+    with contextlib.suppress(subprocess.SubprocessError, OSError):
+        _rabbitmqctl("clear_policy", "-p", _VHOST[0], name)
 
 
 @pytest.fixture

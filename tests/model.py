@@ -320,8 +320,9 @@ def programs(
     )
     if not faults:
         return drawn
-    # Now and then: a deadline ends most programs early (it is due at any time).
-    deadline = st.sampled_from([None, None, None, None, 0.5, 60.0])
+    # Now and then a deadline: one of 1 ms is due whenever it comes, so it may end a program at
+    # any point of its life; one of 60 s never is in a test (its message is sent on, delayed).
+    deadline = st.sampled_from([None, None, None, None, 0.001, 60.0])
     return st.tuples(drawn, deadline).map(
         lambda pd: pd[0] if pd[1] is None else {**pd[0], "deadline_s": pd[1]}
     )

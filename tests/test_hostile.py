@@ -276,6 +276,42 @@ async def test_a_forged_cancel_of_a_live_program_stops_nothing(
     assert status["status"] == "completed", status
 
 
+async def test_a_forged_deadline_ends_no_program_before_its_own(
+    cluster: Router, settings: Settings
+) -> None:
+    # One program with a deadline of its own (far off), one with none: a deadline message
+    # saying 1 ms comes for each while its first task runs.
+    timed = {"deadline_s": 60, "steps": SLOW["steps"]}
+    owners = {
+        "timed": (await cluster.submit(timed, None, "timed")).shard,
+        "untimed": (await cluster.submit(SLOW, None, "untimed")).shard,
+    }
+    await asyncio.sleep(0.3)  # both started
+    exchange = Names(settings.prefix).orchestrator_exchange
+    for wf, owner in owners.items():
+        forged = json.dumps({"kind": "deadline", "wf": wf, "deadline_s": 0.001}).encode()
+        await publish(settings, str(owner), forged, exchange=exchange)
+    for wf in owners:
+        status = await cluster.wait(wf, timeout_s=30)
+        assert status["status"] == "completed", status
+    assert await dead_reasons(settings, 1) == ["untimed: a deadline, but its program names none"]
+
+
+async def test_a_deadline_let_out_early_by_a_ttl_policy_waits_for_its_time(
+    cluster: Router, queue_policy: Any
+) -> None:
+    # An operator's policy lets every delay queue's messages out after 100 ms: the deadline
+    # comes early again and again, and the program ends only once its 1.5 s have passed.
+    queue_policy(r"delay\.", {"message-ttl": 100})
+    program = {"deadline_s": 1.5, "steps": [{"task": "echo", "args": {"sleep_s": 30}}]}
+    wf = (await cluster.submit(program)).workflow_id
+    await asyncio.sleep(1.0)
+    assert ((await cluster.status(wf)) or {}).get("status") in ("pending", "running")
+    status = await cluster.wait(wf, timeout_s=15)
+    assert (status["status"], status["error"]) == ("failed", "deadline of 1.5s exceeded")
+    assert status["ended_ms"] - status["created_ms"] >= 1500, status
+
+
 async def test_no_handler_runs_for_an_unknown_program_or_a_step_its_program_left(
     cluster: Router, settings: Settings, trace: Any
 ) -> None:

@@ -28,7 +28,9 @@ strategies decide it by these rules):
   cursor's): dead, "<wf>: owned by shard X, not by shard Y".
 - `next` or `failed` naming a path that is no leaf of the program; `failed` naming a member
   outside the bag, or an attempt the task's retry policy does not have: dead.
-- `start` for a recorded program; `deadline` for an ended one; `next` or `failed` naming a leaf
+- `deadline` for a program that names none: dead, "<wf>: a deadline, but its program names none".
+- `start` for a recorded program; `deadline` (any time it names) for a program whose own deadline
+  (a day) has not passed, live or ended; `next` or `failed` naming a leaf
   that is not the live cursor (an alias such as `00` or an Arabic-Indic zero, an iteration the
   loop never reaches, any leaf of an ended program): acked and ignored (stale, or a replay).
 - task for a program never submitted: dead, "<wf>: no such program", before any handler runs
@@ -44,8 +46,8 @@ strategies decide it by these rules):
 
 Never drawn, since whoever may publish to the vhost is trusted that far (docs: the vhost's publish
 permission is the trust boundary): a well-formed `next`, `failed` or task message for a good
-program's live cursor, and a `deadline` for a live program on its own shard (each may end or move
-it). `expect_*` refuse to publish such a message if a strategy ever drew one.
+program's live cursor (each may end or move it). `expect_*` refuse to publish such a message if
+a strategy ever drew one.
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ SHAPES = {
     "serial": Shape(
         {
             "name": "fuzz-serial",
+            "deadline_s": 86400,  # a deadline message naming any time ends nothing before it
             "steps": [
                 {"task": "add", "args": {"n": 1, "sleep_s": 0.05}},
                 {"task": "add", "args": {"n": 2, "sleep_s": 0.05}},
@@ -189,7 +192,8 @@ ENDED = {
         "steps": [{"task": "add"}, {"task": "boom", "args": {"message": "ended"}}, {"task": "echo"}]
     },
     "ended-cancelled": {
-        "steps": [{"task": "echo", "pool": "parallel", "args": {"sleep_s": 30}}, {"task": "echo"}]
+        "deadline_s": 86400,
+        "steps": [{"task": "echo", "pool": "parallel", "args": {"sleep_s": 30}}, {"task": "echo"}],
     },
 }
 
@@ -449,7 +453,7 @@ class Address:
     shard: int
     known: Known | None
     paths: tuple[str, ...]  # what a well-formed report may name for it
-    own_live: bool  # a live program on its own shard: no `deadline` for it
+    own_live: bool  # a live program on its own shard: no forged report for its cursor
 
 
 GHOST_PATHS = ("0", "1", "2", "00", chr(0x0660), "1/iter:0/0", "2/iter:7/1", *_ELSEWHERE)
@@ -609,7 +613,7 @@ def _dead_letter_props(draw: st.DrawFn) -> dict[str, Any]:
 @st.composite
 def shard_messages(draw: st.DrawFn, w: World) -> Hostile:
     address = draw(addresses(w))
-    kinds = ["start", "next", "failed", "signal"] + ([] if address.own_live else ["deadline"])
+    kinds = ["start", "next", "failed", "signal", "deadline"]
     kind = draw(st.sampled_from(kinds))
     via_exchange = draw(st.booleans())
     queue = w.names.shard_queue(address.shard)
@@ -853,8 +857,10 @@ def expect_shard(h: Hostile, w: World) -> Outcome:
         return dead
     if message.kind in ("start", "signal"):  # a signal hint finds no signal step: kept
         return []
-    if message.kind == "deadline":
-        assert known.ended, f"a deadline for a live program on its own shard: {h!r}"
+    if message.kind == "deadline":  # only a hint: the program's own deadline decides
+        if "deadline_s" not in known.program:
+            dead[0].reason = f"{wf}: a deadline, but its program names none"
+            return dead
         return []
     path = message.path
     assert known.ended or path not in known.cursors, f"a forged report for a live step: {h!r}"

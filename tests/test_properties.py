@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Mapping
@@ -813,6 +814,7 @@ class Cluster(RuleBasedStateMachine):
         delivery = FakeDelivery(envelope)
         deadline = envelope.kind == "shard" and json.loads(envelope.body)["kind"] == "deadline"
         before = await self.store.state(envelope.wf) if deadline else {}
+        later = len(self.transport.later)
         self.transport.crash_after = crash_after
         self.transport.redelivered = envelope.redelivered
         holding = set(self.store.leases)
@@ -834,12 +836,28 @@ class Cluster(RuleBasedStateMachine):
             run = json.loads(envelope.body).get("epoch", 0) if deadline else 0
             live = before.get("status") in ("pending", "running")
             if deadline and live and run == int(before.get("epoch") or 0):
-                after = await self.store.state(envelope.wf)
-                reason = f"deadline of {json.loads(envelope.body)['deadline_s']}s exceeded"
-                ends = "compensating" if compensations(self.drawn[envelope.wf]) else "failed"
-                assert (after["status"], after["error"]) == (ends, reason), after
+                await self._check_deadline(envelope, before, later)
         else:  # the process died holding it: the broker delivers it again, flagged
             self.transport.in_flight.append(replace(envelope, redelivered=True))
+
+    async def _check_deadline(self, envelope: Envelope, before: dict[str, str], later: int) -> None:
+        """A deadline for a live program's run ends it only once the program's own deadline has
+        passed since its run began (the message's `deadline_s` is only a hint); while early, it
+        changes nothing and is sent on, delayed."""
+        wf = envelope.wf
+        deadline_s = self.drawn[wf]["deadline_s"]
+        after = await self.store.state(wf)
+        first = int(before.get("epoch") or 0) == 0 or before["status"] == "pending"
+        since_ms = int(before["created_ms"] if first else before["started_ms"])
+        if after == before:  # early: nothing changed, and the deadline waits on
+            assert later == len(self.transport.later) - 1, "an early deadline was dropped"
+            sent = json.loads(self.transport.later[-1].body)
+            assert (sent["kind"], sent["wf"], sent["deadline_s"]) == ("deadline", wf, deadline_s)
+            return
+        assert time.time() * 1000 >= since_ms + deadline_s * 1000 - 1, "ended before its deadline"
+        reason = f"deadline of {deadline_s}s exceeded"
+        ends = "compensating" if compensations(self.drawn[wf]) else "failed"
+        assert (after["status"], after["error"]) == (ends, reason), after
 
     def _pick(self, data: st.DataObject, items: list[Envelope]) -> int:
         return data.draw(st.integers(0, len(items) - 1), label="message")

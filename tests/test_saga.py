@@ -4,6 +4,7 @@ compensation's retries, cancels before and during, duplicates and stale reports,
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
@@ -318,9 +319,10 @@ async def test_nothing_to_undo_ends_as_its_cause_and_can_be_redriven() -> None:
 
 
 async def test_a_deadline_leaves_compensations_running() -> None:
-    saga = Saga({**BOOKING, "deadline_s": 60})
+    saga = Saga({**BOOKING, "deadline_s": 0.001})
     charge = await _to_charge(saga)
     deadline = decode_shard_message(saga.bus.later.pop())
+    await asyncio.sleep(0.01)  # its 1 ms have passed
     verdict = await saga.transitions.apply(deadline, redelivered=False, shard=saga.owner)
     assert verdict == "applied"
     assert (await saga.state())["status"] == "compensating"
