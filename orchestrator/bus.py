@@ -565,6 +565,7 @@ class Bus:
                     raise RuntimeError("Bus.connect() was not called")
                 self._control = aio_pika.Channel(self._connection, publisher_confirms=True)
                 await self._control
+                declare = True  # it may be open because another's 404 closed the last one
             channel = self._control
             if declare:
                 await _declare_control(channel, self.names.control_exchange)

@@ -445,7 +445,7 @@ class Transitions:
     async def _deadline(self, message: Deadline, plan: Plan) -> str:
         """End the program if its run is past its deadline; "waiting" (sent again, delayed)
         while early. The message is only a hint, as a wake is: the deadline is the program's
-        own, counted from Redis's stamps (submission; a redriven run's start), so a forged
+        own, counted from the stamps Redis keeps (submission; a redriven run's start), so a forged
         deadline, or one an operator's message-ttl policy let out early, ends nothing early."""
         deadline_s = plan.program.deadline_s
         if deadline_s is None:
@@ -459,8 +459,9 @@ class Transitions:
                 since_ms = int(state.get("started_ms") or 0)
             else:  # a redriven run not started yet: its deadline has not begun
                 since_ms = int(time.time() * 1000)
-            delay_ms = ladder_floor_ms(since_ms / 1000 + deadline_s - time.time())
-            if delay_ms > 0:
+            left_s = since_ms / 1000 + deadline_s - time.time()
+            if left_s > 0:  # under a ladder step left (even 1 ms): sent on for 1 ms
+                delay_ms = max(1, ladder_floor_ms(left_s))
                 body = encode(Deadline(wf=message.wf, deadline_s=deadline_s, epoch=message.epoch))
                 await self.bus.publish_to_shard_later(plan.owner, body, delay_ms / 1000)
                 return "waiting"

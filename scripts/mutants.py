@@ -879,8 +879,8 @@ end""",
     # operator's message-ttl policy let out early, ends a live program before its time.
     "deadline-ignores-the-time": (
         "orchestrator/transitions.py",
-        "            delay_ms = ladder_floor_ms(since_ms / 1000 + deadline_s - time.time())\n",
-        "            delay_ms = 0\n",
+        "            left_s = since_ms / 1000 + deadline_s - time.time()\n",
+        "            left_s = 0\n",
         (MACHINE, FORGED_DEADLINE),
     ),
     # The deadline a message names is trusted over its program's own.
