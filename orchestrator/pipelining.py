@@ -1,9 +1,12 @@
 """Automatic pipelining: the Redis commands that callers issue in one event-loop turn go out
 together, as one pipeline (one write, one read) instead of one round trip each.
 
-A command issued while none is on its way goes out at once, on its own, as without
-pipelining: a lone command (a chain's step, a quiet worker) waits for nothing. Under load,
-when others are on their way, it waits for the end of the turn and goes with the turn's rest.
+Every command waits for the end of the turn it was issued in and goes with the turn's rest,
+even when none is on its way: then the messages one turn handled get their replies from one
+read, go on together, and publish in one write (orchestrator/coalescing.py), so the broker
+gets them in one burst. A lone command (a chain's step) waits for the loop's next iteration
+only. Sending it at once instead split a turn's work in two bursts: 0.90x the chains' tasks/s
+at M=200, at 1.13x the CPU (bench/README.md, 2026-12-04).
 
 On loopback most of a command's cost is the send system call and the wake-up it causes, so a
 worker running many tasks at once, or an owner working on several shards, sends a fraction of
@@ -37,21 +40,12 @@ class Pipeliner:
         self.max_batch = max_batch
         self._pending: list[tuple[Command, asyncio.Future[Any]]] = []
         self._flushes: set[asyncio.Task[None]] = set()
-        self._on_the_way = 0  # sends not answered yet
-        self.sent = 0  # round trips (pipelines and lone commands), and commands: for the tests
+        self.sent = 0  # round trips (pipelines and single commands), and commands: for the tests
         self.commands = 0
 
     async def execute(self, *command: Any) -> Any:
         """Send one command (its name and arguments, as `client.execute_command` takes them)
-        and return its reply: at once when no other is on its way, else with the turn's rest."""
-        if not self._on_the_way and not self._pending:
-            self.sent += 1
-            self.commands += 1
-            self._on_the_way += 1
-            try:
-                return await self.client.execute_command(*command)
-            finally:
-                self._on_the_way -= 1
+        with the rest of the turn's, and return its reply."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         if not self._pending:
@@ -84,12 +78,8 @@ class Pipeliner:
 
     async def _flush(self, batch: list[tuple[Command, asyncio.Future[Any]]]) -> None:
         # Over the bound, in pipelines one after another: still in the order issued.
-        self._on_the_way += 1
-        try:
-            for start in range(0, len(batch), self.max_batch):
-                await self._send(batch[start : start + self.max_batch])
-        finally:
-            self._on_the_way -= 1
+        for start in range(0, len(batch), self.max_batch):
+            await self._send(batch[start : start + self.max_batch])
 
     async def _send(self, batch: list[tuple[Command, asyncio.Future[Any]]]) -> None:
         self.sent += 1
