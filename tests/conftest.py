@@ -50,6 +50,12 @@ hypothesis_settings.register_profile(
     hypothesis_settings.get_profile("default"),
     phases=(Phase.explicit, Phase.reuse, Phase.generate),
 )
+# The long search without shrinking: to count how often something is found.
+hypothesis_settings.register_profile(
+    "long-catch",
+    hypothesis_settings.get_profile("long"),
+    phases=(Phase.explicit, Phase.reuse, Phase.generate),
+)
 hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
