@@ -110,7 +110,13 @@ if live and cursor == ARGV[1] then
   if tonumber(since or "") then
     elapsed = string.format("%d", math.max(now_ms - tonumber(since), 0))
   end
-  redis.call("HSET", here, "cursor", ARGV[2], "from", ARGV[1], "leaf", ARGV[6],
+  local came_from = ARGV[1]
+  if ARGV[1] == "" and scope == "" then
+    -- a start: a redriven run comes from the step before its rerun (its `prior`), so a cancel
+    -- or failure before it moves on keeps that step as `prior` for the next redrive
+    came_from = redis.call("HGET", KEYS[1], "prior") or ""
+  end
+  redis.call("HSET", here, "cursor", ARGV[2], "from", came_from, "leaf", ARGV[6],
     "updated_ms", now)
   if saga then
     redis.call("SADD", registry, here)

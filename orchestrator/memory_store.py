@@ -200,6 +200,8 @@ class MemoryStore:
             elapsed = max(int(now) - int(since), 0) if since else None
             self._hash(here).update(cursor=cursor, leaf=leaf, updated_ms=now)
             self._hash(here)["from"] = expected
+            if not expected and not scope:  # a redriven run's start: from the rerun's prior
+                self._hash(here)["from"] = self._hash(key).get("prior") or ""
             state = self._hash(key)
             if saga:
                 self._register(wf, here)

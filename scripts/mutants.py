@@ -54,6 +54,9 @@ AGAIN = (
 )
 
 FORGED_DEADLINE = "tests/test_hostile.py::test_a_forged_deadline_ends_no_program_before_its_own"
+SECOND_REDRIVE = (
+    "tests/test_redrive_e2e.py::test_a_second_redrive_before_the_rerun_step_moved_on_keeps_its_prev"
+)
 CONSUMING = "tests/test_consuming.py::"
 SLEEP = "tests/test_sleep_e2e.py::test_a_sleep_waits_and_passes_its_prev_on"
 SIGNALS = (
@@ -889,6 +892,14 @@ end""",
         "        deadline_s = plan.program.deadline_s\n        if deadline_s is None:\n",
         "        deadline_s = message.deadline_s\n        if deadline_s is None:\n",
         (FORGED_DEADLINE,),
+    ),
+    # A redriven run's start comes from nowhere: a cancel or failure at the rerun step keeps
+    # no prior, and the next redrive runs that step with prev null.
+    "redriven-start-forgets-its-prior": (
+        "lua/advance.lua",
+        '    came_from = redis.call("HGET", KEYS[1], "prior") or ""\n',
+        '    came_from = ""\n',
+        (DIFFERENTIAL, SECOND_REDRIVE),
     ),
     # The prune starts at the oldest entries every time: live programs there hide the rest.
     "prune-forgets-its-place": (

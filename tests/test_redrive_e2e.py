@@ -118,6 +118,24 @@ async def test_a_cancelled_program_runs_again_from_the_step_it_was_running(
     assert (ran["0"], ran["1"]) == (1, 2)
 
 
+async def test_a_second_redrive_before_the_rerun_step_moved_on_keeps_its_prev(
+    cluster: Router, trace: Trace
+) -> None:
+    # Cancelled at step 1, redriven, cancelled again while step 1 runs once more, redriven
+    # again: the third run's step 1 still gets step 0's output as its prev (the second run
+    # recorded no step before its rerun, and its end kept none for the next redrive).
+    program = {"steps": [{"task": "echo"}, {"task": "echo", "args": {"sleep_s": 0.5}}]}
+    wf = (await cluster.submit(program, trace.as_input())).workflow_id
+    for run in (1, 2):
+        await until(lambda: cluster.status(wf), lambda s, n=run: _starts(trace, wf).get("1") == n)
+        assert (await cluster.cancel(wf, f"wrong moment {run}"))["status"] == "cancelled"
+        await cluster.redrive(wf)
+    done = await cluster.wait(wf, timeout_s=30)
+    assert done["status"] == "completed", done
+    assert done["result"]["prev"] is not None and done["result"]["prev"]["args"] == {}, done
+    assert _starts(trace, wf) == {"0": 1, "1": 3}
+
+
 async def test_a_program_cancelled_before_it_started_runs_from_its_first_step(
     cluster: Router,
 ) -> None:
