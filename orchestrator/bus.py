@@ -559,6 +559,7 @@ class Bus:
         """On a confirming channel of its own: a publish to a deleted exchange closes its
         channel (404), failing every publish in flight there. Not a robust one: a new one is
         opened here when it closed, so none reopens by itself behind us."""
+        exchange = self.names.control_exchange
         async with self._controlling:
             if self._control is None or self._control.is_closed:
                 if self._connection is None:
@@ -568,8 +569,7 @@ class Bus:
                 declare = True  # it may be open because another's 404 closed the last one
             channel = self._control
             if declare:
-                await _declare_control(channel, self.names.control_exchange)
-        exchange = self.names.control_exchange
+                await _declare_control(channel, exchange)
         await self._send(exchange, "", body, _properties(), mandatory=False, channel=channel)
 
     async def consume_control(self) -> Deliveries:

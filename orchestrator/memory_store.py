@@ -199,9 +199,10 @@ class MemoryStore:
             now = self._clock()
             elapsed = max(int(now) - int(since), 0) if since else None
             self._hash(here).update(cursor=cursor, leaf=leaf, updated_ms=now)
-            self._hash(here)["from"] = expected
-            if not expected and not scope:  # a redriven run's start: from the rerun's prior
-                self._hash(here)["from"] = self._hash(key).get("prior") or ""
+            # A start of the program's own cursor comes from its `prior` (a redriven run's).
+            start = not expected and not scope
+            came = (self._hash(key).get("prior") or "") if start else expected
+            self._hash(here)["from"] = came
             state = self._hash(key)
             if saga:
                 self._register(wf, here)
