@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, Protocol, TypeAlias, cast
 from urllib.parse import unquote, urlsplit
 
@@ -22,6 +22,7 @@ from aio_pika.abc import (
 )
 from aio_pika.connection import make_url
 
+from orchestrator.bundling import Bundles
 from orchestrator.coalescing import CoalescingConnection
 from orchestrator.consuming import Deliveries
 from orchestrator.delivery import Requeues
@@ -131,6 +132,7 @@ class Publisher(Requeues, Protocol):
         bodies: list[bytes],
         priority: int = GOING_ON,
         headers: dict[str, Any] | None = None,
+        most: int = 1,
     ) -> None: ...
 
     async def publish_later(
@@ -178,6 +180,7 @@ class Bus:
         self._controlling = asyncio.Lock()
         self._delay_queues: set[str] = set()
         self._pools: set[str] = set()  # task queues declared on this connection
+        self._bundles = Bundles(self._publish_bundle)
         self._consumer_channels: dict[Deliveries, AbstractRobustChannel] = {}
         self._task_arguments: dict[str, dict[str, Any]] = {}  # by task queue, once checked
         self._unconfirmed = asyncio.Semaphore(MAX_UNCONFIRMED)
@@ -435,8 +438,15 @@ class Bus:
         bodies: list[bytes],
         priority: int = GOING_ON,
         headers: dict[str, Any] | None = None,
+        most: int = 1,
     ) -> None:
-        """Publish many task messages to a pool (declared first); confirms awaited together."""
+        """Publish many task messages to a pool (declared first); confirms awaited together.
+        `most` > 1: a lone message may go in this turn's bundle of up to `most` programs'
+        tasks for the same queue, priority and headers (orchestrator/bundling.py)."""
+        if most > 1 and len(bodies) == 1:
+            key = (pool, priority, tuple(sorted(headers.items())) if headers else ())
+            await self._bundles.publish(key, bodies[0], most)
+            return
         await self._ensure_pool(pool)
 
         async def declare() -> None:
@@ -448,6 +458,11 @@ class Bus:
             declare,
             self.names.task_queue(pool),
         )
+
+    async def _publish_bundle(self, key: Hashable, body: bytes) -> None:
+        """Publish a bundle (or a lone task message) of `publish_all`'s `key`."""
+        pool, priority, headers = cast(tuple[str, int, tuple[tuple[str, Any], ...]], key)
+        await self.publish_all(pool, [body], priority, dict(headers) or None)
 
     async def _redeclaring(
         self,

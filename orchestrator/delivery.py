@@ -89,6 +89,41 @@ class Delivery(Protocol):
     async def nack(self, *, requeue: bool = True) -> None: ...
 
 
+class Part:
+    """A message carried inside another (a bundle's task), which the policy settles on its own:
+    poison parks just it, a failure publishes just it again. Acking it is the carrier's
+    business; a nack (the broker away) asks for the whole carrier back (`handed_back`)."""
+
+    __slots__ = ("_body", "_whole", "handed_back")
+
+    def __init__(self, whole: Delivery, body: Callable[[], bytes]) -> None:
+        self._whole = whole
+        self._body = body  # made only when needed: parked or published again
+        self.handed_back = False
+
+    @property
+    def body(self) -> bytes:
+        return self._body()
+
+    @property
+    def redelivered(self) -> bool | None:
+        return self._whole.redelivered
+
+    @property
+    def headers(self) -> dict[str, Any]:
+        return self._whole.headers
+
+    @property
+    def priority(self) -> int | None:
+        return self._whole.priority
+
+    async def ack(self) -> None:
+        pass
+
+    async def nack(self, *, requeue: bool = True) -> None:
+        self.handed_back = True
+
+
 class Requeues(Protocol):
     """What the policy needs of the transport; `Bus` is one."""
 

@@ -230,8 +230,13 @@ class TaskMessage(_Message):
         ]
 
 
+# Task messages of different programs sent as one (a bundle): at most this many. The owner
+# bundles a loop turn's single tasks for one queue while it has a backlog (bundling.py).
+MAX_BUNDLE = 100
+
 _SHARD = TypeAdapter(ShardMessage)
 _TASK = TypeAdapter(TaskMessage)
+_BUNDLE = TypeAdapter(Annotated[list[TaskMessage], Field(min_length=1, max_length=MAX_BUNDLE)])
 
 
 def _unused_new_fields(message: _Message) -> dict[str, Any]:
@@ -316,6 +321,32 @@ def decode_task(body: bytes) -> TaskMessage:
         return _TASK.validate_json(body)
     except ValidationError as exc:
         raise MessageError(first_error(exc)) from None
+
+
+def decode_tasks(body: bytes) -> list[TaskMessage] | None:
+    """A bundle's task messages (a JSON array of them), or None when `body` is no bundle (a
+    task message on its own: `decode_task`); MessageError naming the fault. Each travels as if
+    it had come alone, so none carries bag members or a limit: those go alone."""
+    if body[:1] != b"[":
+        return None
+    _fits(body)
+    try:
+        tasks = _BUNDLE.validate_json(body)
+    except ValidationError as exc:
+        raise MessageError(first_error(exc, _in_bundle, "bundle")) from None
+    for i, task in enumerate(tasks):
+        if task.batch or task.limit is not None:
+            raise MessageError(f"task {i}: a bundle's task carries no bag members and no limit")
+    return tasks
+
+
+def _in_bundle(loc: tuple[int | str, ...]) -> str:
+    return "task " + ".".join(str(part) for part in loc) if loc else "bundle"
+
+
+def bundle(bodies: list[bytes]) -> bytes:
+    """One body for task messages of different programs (`decode_tasks` reads it back)."""
+    return b"[" + b",".join(bodies) + b"]"
 
 
 def encode(message: _Message) -> bytes:

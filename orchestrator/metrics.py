@@ -61,6 +61,11 @@ SLOT_WAITS = Counter(
     "Tasks that found every slot of their per-key limit held, sent back to wait.",
     ["pool"],
 )
+BUNDLES = Counter(
+    "shardflow_bundles_total",
+    "Task messages that carried the single tasks of several programs (orchestrator/bundling.py).",
+)
+BUNDLED_TASKS = Counter("shardflow_bundled_tasks_total", "Tasks sent in those bundles.")
 DEAD_LETTERS = Counter(
     "shardflow_dead_letters_total",
     "Messages parked in the dead-letter queue: refused (poison) or over the failure limit.",

@@ -48,6 +48,7 @@ from orchestrator.program import (
     Signal,
     Sleep,
     Task,
+    is_lane,
     pool_of,
 )
 from orchestrator.shares import share_pool
@@ -965,7 +966,16 @@ class Transitions:
             )
             level = task_priority(plan.priority, going_on=priority == GOING_ON)
             for pool, bodies in by_pool.items():
-                await self.bus.publish_all(pool, bodies, level, CARRYING)
+                most = self._bundle_most(outcome.step, pool)
+                await self.bus.publish_all(pool, bodies, level, CARRYING, most)
+
+    def _bundle_most(self, step: object, pool: str) -> int:
+        """How many programs' tasks a task of `step` may share a message with: while `pool`
+        has a backlog, a single task (a chain's step) with no limit goes in a bundle
+        (orchestrator/bundling.py); a lane runs one task at a time, so never there."""
+        if self.chunk_for is None or not isinstance(step, Task) or step.limit is not None:
+            return 1
+        return 1 if is_lane(pool) else self.chunk_for(pool)
 
     async def _joined(self, wf: str, plan: Plan, outcome: machine.Joined, epoch: int) -> None:
         """Every member of a branch's bag finished: the owner tells itself the bag is done, as

@@ -58,6 +58,16 @@ SECOND_REDRIVE = (
     "tests/test_redrive_e2e.py::test_a_second_redrive_before_the_rerun_step_moved_on_keeps_its_prev"
 )
 CONSUMING = "tests/test_consuming.py::"
+BUNDLE_WORKER = (
+    "tests/test_bundling.py::test_a_worker_settles_each_task_of_a_bundle_as_if_it_came_alone"
+)
+BUNDLE_OWNER = (
+    "tests/test_bundling.py::"
+    "test_the_owner_bundles_only_single_tasks_without_a_limit_while_the_pool_is_busy"
+)
+BUNDLE_QUEUE = (
+    "tests/test_bundling.py::test_one_turns_tasks_for_a_queue_go_in_bundles_of_at_most_most"
+)
 SLEEP = "tests/test_sleep_e2e.py::test_a_sleep_waits_and_passes_its_prev_on"
 SIGNALS = (
     "tests/test_signal_e2e.py::test_signals_sent_early_are_kept_and_each_is_taken_once_in_order"
@@ -786,8 +796,8 @@ end""",
     # A worker carries the output although no owner promised to record it.
     "carry-without-the-header": (
         "worker/pool.py",
-        "            carry = (delivery.headers or {}).get(CARRY) == 1\n",
-        "            carry = True\n",
+        "        carry = (delivery.headers or {}).get(CARRY) == 1\n",
+        "        carry = True\n",
         (CARRY_WORKER,),
     ),
     # A task of a step that names compensations is carried: its started mark stays.
@@ -914,6 +924,49 @@ end""",
         "        self._upstream = tuple(upstream)[:MAX_UPSTREAM]\n",
         "        self._upstream = tuple(upstream)\n",
         (BACKLOG_PURE,),
+    ),
+    # A bundle's tasks settled together: one program's poison parks the others' tasks too.
+    "bundle-parks-whole": (
+        "worker/pool.py",
+        "            async with process(part, self.bus, source, limit=limit):\n"
+        "                await self._run_message(task, part, source)\n",
+        "            await self._run_message(task, part, source)\n",
+        (BUNDLE_WORKER,),
+    ),
+    # A bundle acked as its tasks start, not once their reports are confirmed.
+    "bundle-acks-before-its-tasks": (
+        "worker/pool.py",
+        "        await asyncio.gather(*(run(part, task) for part, task in pairs))\n",
+        "        for part, task in pairs:\n            self._spawn(run(part, task))\n",
+        (BUNDLE_WORKER,),
+    ),
+    # Tasks bundled while the pool is idle: they no longer spread over its workers.
+    "bundle-when-idle": (
+        "orchestrator/transitions.py",
+        "        return 1 if is_lane(pool) else self.chunk_for(pool)\n",
+        "        return 1 if is_lane(pool) else max(2, self.chunk_for(pool))\n",
+        (BUNDLE_OWNER,),
+    ),
+    # A task with a limit bundled: it would share a slot with other programs' tasks.
+    "bundle-takes-limited-tasks": (
+        "orchestrator/transitions.py",
+        "not isinstance(step, Task) or step.limit is not None:\n",
+        "not isinstance(step, Task):\n",
+        (BUNDLE_OWNER,),
+    ),
+    # A bundle over its size: one message takes more tasks than the backlog asked for.
+    "bundle-uncapped": (
+        "orchestrator/bundling.py",
+        "        if current is None or len(current.bodies) >= most or current.size > most_bytes:\n",
+        "        if current is None or current.size > most_bytes:\n",
+        (BUNDLE_QUEUE,),
+    ),
+    # Bundles keyed by queue alone: an urgent task waits in a bundle at the lower priority.
+    "bundle-mixes-priorities": (
+        "orchestrator/bus.py",
+        "            key = (pool, priority, tuple(sorted(headers.items())) if headers else ())\n",
+        "            key = (pool, GOING_ON, tuple(sorted(headers.items())) if headers else ())\n",
+        (BUNDLE_QUEUE,),
     ),
 }
 

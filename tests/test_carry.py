@@ -62,7 +62,12 @@ class Bus(Recorder):
         self.headers: list[Any] = []
 
     async def publish_all(
-        self, pool: str, bodies: list[bytes], priority: int = 1, headers: Any = None
+        self,
+        pool: str,
+        bodies: list[bytes],
+        priority: int = 1,
+        headers: Any = None,
+        most: int = 1,
     ) -> None:
         await super().publish_all(pool, bodies, priority)
         self.headers += [headers] * len(bodies)

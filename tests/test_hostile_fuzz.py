@@ -80,7 +80,16 @@ from orchestrator import messages
 from orchestrator.connections import connected
 from orchestrator.delivery import FAILURES, describe
 from orchestrator.keys import Names
-from orchestrator.messages import MAX_ERROR, Cancelled, decode_shard_message, decode_task
+from orchestrator.messages import (
+    MAX_ERROR,
+    Cancelled,
+    TaskMessage,
+    bundle,
+    decode_shard_message,
+    decode_task,
+    decode_tasks,
+    encode,
+)
 from orchestrator.program import MAX_BAG, SIGNAL_NAME
 from orchestrator.settings import MAX_SHARDS, Settings
 from orchestrator.store import MAX_ATTEMPTS, TERMINAL
@@ -582,10 +591,12 @@ def broken(draw: st.DrawFn, message: dict[str, Any], kind: str) -> bytes:
         message |= {"stored": True, "output": draw(SMALL.filter(lambda v: v is not None))}
     else:
         body = render(message)
+        # A task in a list is a bundle (orchestrator/bundling.py): broken only with a non-task.
+        listed = b"[" + body + (b",1]" if kind == "task" else b"]")
         return draw(
             st.sampled_from(
                 [body[: len(body) // 2], body + b"x", body + b"}", b"\xef\xbb\xbf" + body,
-                 b"[" + body + b"]", body + body,
+                 listed, body + body,
                  json.dumps(body.decode(errors="replace")).encode(),
                  body + b"\x00"]
             )
@@ -645,12 +656,15 @@ def shard_messages(draw: st.DrawFn, w: World) -> Hostile:
 def task_messages(draw: st.DrawFn, w: World) -> Hostile:
     address = draw(addresses(w, for_tasks=True))
     queue = w.names.task_queue(draw(st.sampled_from(["serial", "parallel"])))
-    how = draw(st.sampled_from(["wellformed"] * 3 + ["broken"] * 2 + ["garbage"]))
+    how = draw(st.sampled_from(["wellformed"] * 3 + ["broken"] * 2 + ["garbage", "bundle"]))
     props: dict[str, Any] = {}
     if how == "garbage":
         body, props = draw(GARBAGE), _dead_letter_props(draw)
     elif how == "broken":
         body, props = draw(broken(draw(task_bodies(address)), "task")), _dead_letter_props(draw)
+    elif how == "bundle":  # several programs' tasks in one message, each settled on its own
+        more = draw(st.lists(addresses(w, for_tasks=True), min_size=1, max_size=3))
+        body = bundle([render(draw(task_bodies(a))) for a in [address, *more]])
     else:
         body = render(draw(task_bodies(address)))
         if address.known is None:
@@ -884,13 +898,25 @@ def expect_shard(h: Hostile, w: World) -> Outcome:
 
 def expect_task(h: Hostile, w: World) -> Outcome:
     try:
-        message = decode_task(h.body)
+        tasks = decode_tasks(h.body)
+        message = decode_task(h.body) if tasks is None else None
     except messages.MessageError as exc:
         return [Expect(h.label, h.queue, h.body, reason=describe(exc))]
     assert not h.broken, f"built not to decode, but the decoder accepts it: {h!r}"
+    if message is not None:
+        return _expect_one(h, w, message, h.body)
+    assert tasks is not None
+    if h.queue == w.names.task_queue("serial"):
+        reason = "a bundle of tasks on a lane, which runs one task at a time"
+        return [Expect(h.label, h.queue, h.body, reason=reason)]
+    # Each of a bundle's tasks is parked alone, as it would be had it come alone.
+    return [e for task in tasks for e in _expect_one(h, w, task, encode(task))]
+
+
+def _expect_one(h: Hostile, w: World, message: TaskMessage, body: bytes) -> Outcome:
     known = w.known(message.wf)
     if known is None:
-        return [Expect(h.label, h.queue, h.body, reason=f"{message.wf}: no such program")]
+        return [Expect(h.label, h.queue, body, reason=f"{message.wf}: no such program")]
     assert known.ended or message.path not in known.cursors, f"a forged live task: {h!r}"
     return []  # stale: not run
 

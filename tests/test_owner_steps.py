@@ -37,7 +37,12 @@ class Recorder:
         self.later.append(body)
 
     async def publish_all(
-        self, pool: str, bodies: list[bytes], priority: int = 1, headers: Any = None
+        self,
+        pool: str,
+        bodies: list[bytes],
+        priority: int = 1,
+        headers: Any = None,
+        most: int = 1,
     ) -> None:
         if self.crash:
             self.crash = False

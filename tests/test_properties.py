@@ -152,7 +152,12 @@ class Transport:
         self._keep(Envelope("shard", body, shard=owner, wf=json.loads(body)["wf"]))
 
     async def publish_all(
-        self, pool: str, bodies: list[bytes], priority: int = 1, headers: Any = None
+        self,
+        pool: str,
+        bodies: list[bytes],
+        priority: int = 1,
+        headers: Any = None,
+        most: int = 1,
     ) -> None:
         for body in bodies:
             self._count()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -17,7 +18,7 @@ from pydantic import ValidationError
 from orchestrator import limits, logs, metrics
 from orchestrator.bus import CONTROL_REBIND_S, GOING_ON, Transport, Unroutable
 from orchestrator.consuming import Deliveries
-from orchestrator.delivery import UNREACHABLE, Delivery, Poison, process, redelivered
+from orchestrator.delivery import UNREACHABLE, Delivery, Part, Poison, process, redelivered
 from orchestrator.lifecycle import Service, format_counts, raise_if_cancelled
 from orchestrator.marks import Marks
 from orchestrator.messages import (
@@ -31,6 +32,7 @@ from orchestrator.messages import (
     Start,
     TaskMessage,
     decode_task,
+    decode_tasks,
     encode,
 )
 from orchestrator.paths import is_saga, live_status
@@ -171,27 +173,51 @@ class Worker(Service):
             task.add_done_callback(lambda _: self.slots.release())
 
     async def handle(self, delivery: Delivery, source: str) -> None:
-        """Run one task message; ack only after the report to the owner is confirmed."""
+        """Run one task message (or a bundle of them); ack only after the reports to the
+        owners are confirmed."""
         async with process(delivery, self.bus, source, limit=self.settings.delivery_limit):
-            task = decode_task(delivery.body)
-            again = redelivered(delivery)
-            # Its owner records a single task's output with its advance (messages.CARRY).
-            carry = (delivery.headers or {}).get(CARRY) == 1
-            if task.limit is not None:  # never batched: one task, one slot
-                # Back to the queue it came from when it waits: its share of the pool.
-                tasks_prefix = self.bus.names.task_queue("")
-                pool = (
-                    source.removeprefix(tasks_prefix)
-                    if source.startswith(tasks_prefix)
-                    else self.pool
-                )
-                reports = await self._limited(
-                    task, pool, redelivered=again, priority=delivery.priority, carry=carry
-                )
+            tasks = decode_tasks(delivery.body)
+            if tasks is not None:
+                await self._bundle(delivery, source, tasks)
             else:
-                reports = await self.run_tasks(task.split(), redelivered=again, carry=carry)
-            for report in reports:
-                await self._report(task, encode(report))
+                await self._run_message(decode_task(delivery.body), delivery, source)
+
+    async def _bundle(self, delivery: Delivery, source: str, tasks: list[TaskMessage]) -> None:
+        """A bundle's tasks (several programs', orchestrator/bundling.py) side by side, each
+        settled by the delivery policy on its own: its poison parked alone, its failure sent
+        again alone. The bundle is acked once every one is."""
+        if is_lane(self.pool):
+            raise Poison("a bundle of tasks on a lane, which runs one task at a time")
+        pairs = [(Part(delivery, functools.partial(encode, task)), task) for task in tasks]
+        limit = self.settings.delivery_limit
+
+        async def run(part: Part, task: TaskMessage) -> None:
+            async with process(part, self.bus, source, limit=limit):
+                await self._run_message(task, part, source)
+
+        await asyncio.gather(*(run(part, task) for part, task in pairs))
+        if any(part.handed_back for part, _ in pairs):
+            # The broker went away as one was settled: the bundle comes back whole.
+            raise ConnectionError("a bundle's task could not be settled")
+
+    async def _run_message(self, task: TaskMessage, delivery: Delivery, source: str) -> None:
+        """Run one task message's tasks and publish their reports."""
+        again = redelivered(delivery)
+        # Its owner records a single task's output with its advance (messages.CARRY).
+        carry = (delivery.headers or {}).get(CARRY) == 1
+        if task.limit is not None:  # never batched: one task, one slot
+            # Back to the queue it came from when it waits: its share of the pool.
+            tasks_prefix = self.bus.names.task_queue("")
+            pool = (
+                source.removeprefix(tasks_prefix) if source.startswith(tasks_prefix) else self.pool
+            )
+            reports = await self._limited(
+                task, pool, redelivered=again, priority=delivery.priority, carry=carry
+            )
+        else:
+            reports = await self.run_tasks(task.split(), redelivered=again, carry=carry)
+        for report in reports:
+            await self._report(task, encode(report))
 
     async def _report(self, task: TaskMessage, body: bytes) -> None:
         """Publish a report to the owner shard. Unroutable, a shard of the ring is tried again

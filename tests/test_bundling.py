@@ -1,0 +1,258 @@
+"""Bundles: the single tasks of several programs that an owner publishes in one loop turn to
+one queue, sent as one message while the pool has a backlog (orchestrator/bundling.py), and a
+worker settling each of a bundle's tasks as if it had come alone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from orchestrator import metrics
+from orchestrator.bundling import MAX_BUNDLED_BYTES, Bundles
+from orchestrator.connections import connected
+from orchestrator.delivery import FAILURES
+from orchestrator.keys import Keys
+from orchestrator.messages import (
+    CARRYING,
+    TaskMessage,
+    bundle,
+    decode_shard_message,
+    decode_task,
+    decode_tasks,
+    encode,
+)
+from orchestrator.plans import Plans
+from orchestrator.settings import Settings
+from orchestrator.transitions import Transitions
+from router.client import Router
+from shardflow.dev import Dev
+from tests.test_carry import Bus as Recorder
+from tests.test_carry import Counting, Delivery, _started, _worker
+from worker.registry import Registry
+
+
+def _task(wf: str, **fields: Any) -> bytes:
+    return encode(TaskMessage(wf=wf, path="0", task="work", owner=0, **fields))
+
+
+async def _take(settings: Settings, queue: str) -> list[bytes]:
+    """Every message in `queue`, in order (a real broker's basic.get)."""
+    async with connected(settings, "bundling-reader") as (_, bus):
+        channel = await bus._consumer_channel()
+        try:
+            found = await channel.get_queue(queue, ensure=False)
+            bodies = []
+            while (message := await found.get(no_ack=True, fail=False)) is not None:
+                bodies.append(message.body)
+            return bodies
+        finally:
+            await channel.close()
+
+
+async def test_one_turns_tasks_for_a_queue_go_in_bundles_of_at_most_most(
+    settings: Settings,
+) -> None:
+    async with connected(settings, "bundling-test") as (_, bus):
+        small = [_task(f"w{i}") for i in range(7)]
+        urgent = [_task(f"u{i}") for i in range(2)]
+        large = _task("big", args={"x": "y" * MAX_BUNDLED_BYTES})
+        await asyncio.gather(
+            *(bus.publish_all("parallel", [body], 1, CARRYING, most=3) for body in small),
+            *(bus.publish_all("parallel", [body], 5, CARRYING, most=3) for body in urgent),
+            bus.publish_all("parallel", [large], 1, CARRYING, most=3),
+        )
+        # Without a backlog (most 1): one message each, as before bundles.
+        await asyncio.gather(*(bus.publish_all("parallel", [b], 1, most=1) for b in small[:2]))
+    got = await _take(settings, f"{settings.prefix}.tasks.parallel")
+    shapes = []
+    for body in got:
+        tasks = decode_tasks(body)
+        shapes.append(
+            [t.wf for t in tasks] if tasks is not None else decode_task(body).wf[:3] + " alone"
+        )
+    # The priority-5 bundle is delivered first: its level is higher.
+    assert shapes[0] == ["u0", "u1"]
+    assert sorted(map(str, shapes[1:])) == sorted(
+        map(
+            str,
+            [
+                ["w0", "w1", "w2"],
+                ["w3", "w4", "w5"],
+                "w6 alone",
+                "big alone",
+                "w0 alone",
+                "w1 alone",
+            ],
+        )
+    )
+
+
+async def test_a_failed_bundle_fails_each_of_its_publishers_and_a_cancelled_one_leaves_it() -> None:
+    sent: list[bytes] = []
+    refuse = True
+
+    async def send(key: Any, body: bytes) -> None:
+        await asyncio.sleep(0.01)
+        if refuse:
+            raise ConnectionError("the broker went away")
+        sent.append(body)
+
+    bundles = Bundles(send)
+    results = await asyncio.gather(
+        *(bundles.publish("q", _task(f"w{i}"), 10) for i in range(3)), return_exceptions=True
+    )
+    assert [type(r) for r in results] == [ConnectionError] * 3 and sent == []
+    refuse = False
+    publishers = [asyncio.create_task(bundles.publish("q", _task(f"w{i}"), 10)) for i in range(3)]
+    await asyncio.sleep(0)  # all three joined the bundle; one of them is cancelled now
+    publishers[1].cancel()
+    results = await asyncio.gather(*publishers, return_exceptions=True)
+    assert results[0] is None and results[2] is None
+    assert isinstance(results[1], asyncio.CancelledError)
+    assert [[t.wf for t in decode_tasks(body) or []] for body in sent] == [["w0", "w1", "w2"]]
+    assert bundles.sent == 1 and bundles.bundled == 3
+
+
+class Parked(Recorder):
+    """The publishes, with what the worker parks and sends again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dead: list[tuple[bytes, str]] = []
+        self.again: list[tuple[bytes, dict[str, Any]]] = []
+
+    async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:
+        self.dead.append((body, reason))
+
+    async def requeue(self, queue: str, body: bytes, headers: Any, priority: Any, **_: Any) -> None:
+        self.again.append((body, headers))
+
+
+class Flaky(Counting):
+    """The model of the scripts, away for one program's reads."""
+
+    away = ""
+
+    async def at(self, wf: str, path: str) -> dict[str, str]:
+        if wf == self.away:
+            raise ConnectionError("Redis went away")
+        return await super().at(wf, path)
+
+
+async def test_a_worker_settles_each_task_of_a_bundle_as_if_it_came_alone() -> None:
+    store = Flaky(Keys("bundle-worker"))
+    bus = Parked()
+    transitions = Transitions(store, bus, Plans(store, 8))
+    router = Router(Settings(prefix="bundle-worker"), store=store, bus=bus)
+    for _ in range(3):  # three programs, each at its first task, on the same store and bus
+        owner = (await router.submit({"steps": [{"task": "work"}, {"task": "work"}]})).shard
+        start = decode_shard_message(bus.shard.pop())
+        assert await transitions.apply(start, redelivered=False, shard=owner) == "applied"
+    tasks = [decode_task(body) for body in bus.tasks]
+    assert len(tasks) == 3
+    ghost = TaskMessage(wf="ghost", path="0", task="work", owner=0)
+    store.away = tasks[2].wf
+    delivery = Delivery(bundle([*bus.tasks, encode(ghost)]), CARRYING)
+    await _worker(store, bus).handle(delivery, "q")
+    assert delivery.acked  # once, for the whole bundle
+    reports = [json.loads(body) for body in bus.shard]
+    assert sorted(r["wf"] for r in reports) == sorted(t.wf for t in tasks[:2])
+    assert all(r["kind"] == "next" and r["output"] == "done" for r in reports)
+    # The program nobody submitted: its task alone is parked, with why.
+    assert bus.dead == [(encode(ghost), "ghost: no such program")]
+    # Redis away for one program: its task alone goes back to the queue, uncounted.
+    assert bus.again == [
+        (encode(tasks[2]), {**CARRYING, FAILURES: 0, "x-shardflow-message-id": ""})
+    ]
+
+
+async def test_a_bundle_on_a_lane_is_parked_whole() -> None:
+    store, bus, _, _ = await _started("bundle-lane")
+    parked = Parked()
+    worker = _worker(store, parked)
+    worker.pool = "serial"
+    body = bundle([bus.tasks[0], bus.tasks[0]])
+    delivery = Delivery(body, CARRYING)
+    await worker.handle(delivery, "q")
+    assert parked.dead == [(body, "a bundle of tasks on a lane, which runs one task at a time")]
+    assert parked.shard == [] and delivery.acked
+
+
+@pytest.mark.e2e
+async def test_chains_under_load_go_in_bundles_and_each_ends_with_its_own_result(
+    settings: Settings, registry: Registry
+) -> None:
+    def chain(k: int) -> dict[str, Any]:
+        return {
+            "steps": [
+                {"task": "add", "pool": "parallel", "args": {"n": n, "sleep_s": 0.05}}
+                for n in (k, 1000, 1000000)
+            ]
+        }
+
+    before = metrics.BUNDLED_TASKS._value.get()
+    async with connected(settings, "bundling-e2e") as (store, bus):
+        dev = Dev(settings, registry, store=store, bus=bus, concurrency=2)
+        running = asyncio.create_task(dev.run())
+        try:
+            router = Router(settings, store=store, bus=bus, known_tasks=None)
+            submitted = []
+            for start in range(0, 120, 10):  # a few at a time: the client's Redis pool is small
+                batch = (router.submit(chain(k)) for k in range(start, start + 10))
+                submitted += await asyncio.gather(*batch)
+            results = [await router.wait(s.workflow_id, timeout_s=120) for s in submitted]
+        finally:
+            dev.shutdown()
+            await running
+    for k, status in enumerate(results):
+        assert status["status"] == "completed", status
+        assert status["result"] == k + 1001000, (k, status)
+    # The backlog made the owner send single tasks together (the counter is the process's).
+    bundled = metrics.BUNDLED_TASKS._value.get() - before
+    assert bundled >= 20, bundled
+
+
+class Asked(Parked):
+    """The publishes, with the bundle size each task publish allowed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.most: list[int] = []
+
+    async def publish_all(
+        self,
+        pool: str,
+        bodies: list[bytes],
+        priority: int = 1,
+        headers: Any = None,
+        most: int = 1,
+    ) -> None:
+        await super().publish_all(pool, bodies, priority, headers)
+        self.most.append(most)
+
+
+@pytest.mark.parametrize(
+    ("step", "backlog", "most"),
+    [
+        ({"task": "work", "pool": "parallel"}, 7, 7),  # a chain's step while the pool is busy
+        ({"task": "work", "pool": "parallel"}, 1, 1),  # idle: one task a message, to spread
+        ({"task": "work", "pool": "serial"}, 7, 1),  # a lane runs one task at a time
+        ({"task": "work", "pool": "parallel", "limit": {"key": "'k'", "max": 2}}, 7, 1),
+        ({"bag": [{"task": "work"}, {"task": "work"}], "pool": "parallel"}, 7, 1),  # chunked
+    ],
+)
+async def test_the_owner_bundles_only_single_tasks_without_a_limit_while_the_pool_is_busy(
+    step: dict[str, Any], backlog: int, most: int
+) -> None:
+    store = Counting(Keys("bundle-owner"))
+    bus = Asked()
+    transitions = Transitions(store, bus, Plans(store, 8))
+    transitions.chunk_for = lambda pool: backlog
+    router = Router(Settings(prefix="bundle-owner"), store=store, bus=bus)
+    owner = (await router.submit({"steps": [step]})).shard
+    start = decode_shard_message(bus.shard.pop())
+    assert await transitions.apply(start, redelivered=False, shard=owner) == "applied"
+    assert bus.most == [most]
