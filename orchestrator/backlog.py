@@ -65,6 +65,14 @@ class Backlog:
         waiting = self.ready(pool) + sum(self._ready(queue) for queue in self._upstream)
         return auto_chunk(waiting, self.limit)
 
+    def bundle(self, pool: str) -> int:
+        """Programs' single tasks per message for `pool` (orchestrator/bundling.py): from its
+        own queue's backlog only, so a pool whose workers keep up gets one task a message even
+        while submits wait in the shard queues."""
+        if self.limit <= 1:
+            return 1
+        return auto_chunk(self.ready(pool), self.limit)
+
     def ready(self, pool: str) -> int:
         """The last sampled ready messages of `pool`'s queue (0 when unknown or stale)."""
         return self._ready(self._queue_of(pool))

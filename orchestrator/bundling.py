@@ -18,12 +18,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Hashable
 
 from orchestrator import metrics
-from orchestrator.messages import bundle
-
-# A task message larger than this goes alone: a bundle is for small messages.
-MAX_BUNDLED_BYTES = 64 * 1024
-# Bytes of one bundle at most (MAX_BUNDLED_BYTES each, so bounded by the count too).
-MAX_BUNDLE_BYTES = 1024 * 1024
+from orchestrator.messages import MAX_BUNDLE, MAX_BUNDLE_BYTES, MAX_BUNDLED_BYTES, bundle
 
 Send = Callable[[Hashable, bytes], Awaitable[None]]
 
@@ -45,13 +40,14 @@ class Bundles:
         self._send = send
         self._open: dict[Hashable, _Bundle] = {}
         self._flushing: set[asyncio.Task[None]] = set()  # referenced until done
-        self.sent = 0  # bundles of more than one task sent, and the tasks in them: for tests
+        self.bundles = 0  # bundles of more than one task sent, and the tasks in them
         self.bundled = 0
 
     async def publish(self, key: Hashable, body: bytes, most: int) -> None:
         """Publish `body` in the turn's bundle for `key` (at most `most` tasks), and wait for
         that bundle's confirm."""
         loop = asyncio.get_running_loop()
+        most = min(most, MAX_BUNDLE)  # what a worker takes
         if most <= 1 or len(body) > MAX_BUNDLED_BYTES:
             await self._send(key, body)
             return
@@ -81,11 +77,11 @@ class Bundles:
             current.sent.set_exception(exc)
             current.sent.exception()  # retrieved: each waiter raises it on its own
             return
-        except BaseException:  # cancelled (a hard stop): so are its waiters
+        except BaseException:  # cancelled (the loop closing): its waiters with it
             current.sent.cancel()
             raise
         if len(bodies) > 1:
-            self.sent += 1
+            self.bundles += 1
             self.bundled += len(bodies)
             metrics.BUNDLES.inc()
             metrics.BUNDLED_TASKS.inc(len(bodies))

@@ -20,6 +20,8 @@ Shaped like aio-pika's `message.process()`, for at-least-once work:
   have the broker dead-letter every message in flight. When RabbitMQ is away too, the
   message is handed back as it is (the nack, or the channel's close).
 - the block is cancelled (a hard stop): neither. The channel's close hands it back.
+
+A message carried inside another (a bundle's task) is settled by the same policy as a `Part`.
 """
 
 from __future__ import annotations

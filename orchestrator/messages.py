@@ -233,6 +233,12 @@ class TaskMessage(_Message):
 # Task messages of different programs sent as one (a bundle): at most this many. The owner
 # bundles a loop turn's single tasks for one queue while it has a backlog (bundling.py).
 MAX_BUNDLE = 100
+# A task message larger than this goes alone, and a bundle holds at most MAX_BUNDLE_BYTES of
+# them. A worker refuses a larger bundle: each task is written again alone when it is parked
+# or published again, and JSON written again can be some times longer (1e15 ->
+# 1000000000000000.0), so a bundle near MAX_MESSAGE_BYTES could not be.
+MAX_BUNDLED_BYTES = 64 * 1024
+MAX_BUNDLE_BYTES = 1024 * 1024
 
 _SHARD = TypeAdapter(ShardMessage)
 _TASK = TypeAdapter(TaskMessage)
@@ -326,9 +332,12 @@ def decode_task(body: bytes) -> TaskMessage:
 def decode_tasks(body: bytes) -> list[TaskMessage] | None:
     """A bundle's task messages (a JSON array of them), or None when `body` is no bundle (a
     task message on its own: `decode_task`); MessageError naming the fault. Each travels as if
-    it had come alone, so none carries bag members or a limit: those go alone."""
+    it had come alone, so none carries a batch or a limit: those go alone."""
     if body[:1] != b"[":
         return None
+    # The owner's bytes, with the commas and brackets between them.
+    if len(body) > MAX_BUNDLE_BYTES + MAX_BUNDLE + 1:
+        raise MessageError(f"a bundle of {len(body)} bytes, over {MAX_BUNDLE_BYTES}")
     _fits(body)
     try:
         tasks = _BUNDLE.validate_json(body)
@@ -336,7 +345,7 @@ def decode_tasks(body: bytes) -> list[TaskMessage] | None:
         raise MessageError(first_error(exc, _in_bundle, "bundle")) from None
     for i, task in enumerate(tasks):
         if task.batch or task.limit is not None:
-            raise MessageError(f"task {i}: a bundle's task carries no bag members and no limit")
+            raise MessageError(f"task {i}: a bundle's task carries no batch and no limit")
     return tasks
 
 

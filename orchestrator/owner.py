@@ -113,7 +113,12 @@ class Orchestrator(Service):
             upstream=[bus.names.shard_queue(shard) for shard in self.owned],
         )
         self.transitions = Transitions(
-            store, bus, plans, settings.max_join_bytes, backlog=self.backlog
+            store,
+            bus,
+            plans,
+            settings.max_join_bytes,
+            backlog=self.backlog,
+            bundles=settings.bundle_tasks,
         )
 
     async def run(self) -> None:

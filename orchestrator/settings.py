@@ -52,9 +52,13 @@ class Settings(BaseSettings):
     # How long an ended program's keys stay in Redis (0: forever); `shardflow purge` for now.
     retention_s: float = Field(default=7 * 86400, ge=0, le=10 * 365 * 86400)
     # Members per task message, at most, of a bag or map that names no chunk while its pool's
-    # queue or the owner's shard queues have a backlog (orchestrator/backlog.py); 1: always
-    # one member per message.
+    # queue or the owner's shard queues have a backlog (orchestrator/backlog.py), and programs'
+    # single tasks per message (orchestrator/bundling.py); 1: always one per message.
     auto_chunk: int = Field(default=10, ge=1, le=100)
+    # Send the single tasks of several programs as one message while their pool's queue has a
+    # backlog (orchestrator/bundling.py). Workers of a release before bundles park them: off
+    # until every worker is upgraded.
+    bundle_tasks: bool = True
     # Plans each owner keeps parsed (orchestrator/plans.py; also at most 16 MiB of inputs).
     plan_cache_size: int = Field(default=16384, ge=1)
     # Send the Redis commands of one event-loop turn as one pipeline (orchestrator/

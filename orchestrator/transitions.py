@@ -214,6 +214,7 @@ class Transitions:
         plans: Plans,
         max_join_bytes: int = 64 << 20,
         backlog: Backlog | None = None,
+        bundles: bool = True,
     ) -> None:
         self.store = store
         self.bus = bus
@@ -221,6 +222,8 @@ class Transitions:
         self.max_join_bytes = max_join_bytes
         # Pool depths for bags and maps that name no chunk; None: one member per message.
         self.chunk_for = backlog.chunk if backlog else None
+        # The same for single tasks of several programs (bundling.py); None: never bundled.
+        self.bundle_for = backlog.bundle if backlog and bundles else None
         self.counts: Counter[str] = Counter()
         self.marks = Marks(store)  # what `explain` and `status` show of failed attempts
 
@@ -973,9 +976,9 @@ class Transitions:
         """How many programs' tasks a task of `step` may share a message with: while `pool`
         has a backlog, a single task (a chain's step) with no limit goes in a bundle
         (orchestrator/bundling.py); a lane runs one task at a time, so never there."""
-        if self.chunk_for is None or not isinstance(step, Task) or step.limit is not None:
+        if self.bundle_for is None or not isinstance(step, Task) or step.limit is not None:
             return 1
-        return 1 if is_lane(pool) else self.chunk_for(pool)
+        return 1 if is_lane(pool) else self.bundle_for(pool)
 
     async def _joined(self, wf: str, plan: Plan, outcome: machine.Joined, epoch: int) -> None:
         """Every member of a branch's bag finished: the owner tells itself the bag is done, as

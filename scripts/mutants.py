@@ -65,6 +65,15 @@ BUNDLE_OWNER = (
     "tests/test_bundling.py::"
     "test_the_owner_bundles_only_single_tasks_without_a_limit_while_the_pool_is_busy"
 )
+BUNDLE_SLOTS = (
+    "tests/test_bundling.py::"
+    "test_a_bundle_runs_at_most_the_workers_concurrency_of_its_tasks_at_once"
+)
+BUNDLE_AGAIN = (
+    "tests/test_bundling.py::"
+    "test_a_redelivered_bundle_sends_each_task_on_alone_counted_as_redelivered"
+)
+BUNDLE_SIZE = "tests/test_bundling.py::test_a_bundle_over_its_size_is_parked_whole_with_why"
 BUNDLE_QUEUE = (
     "tests/test_bundling.py::test_one_turns_tasks_for_a_queue_go_in_bundles_of_at_most_most"
 )
@@ -928,23 +937,24 @@ end""",
     # A bundle's tasks settled together: one program's poison parks the others' tasks too.
     "bundle-parks-whole": (
         "worker/pool.py",
-        "            async with process(part, self.bus, source, limit=limit):\n"
+        "                async with process(part, self.bus, source, limit=limit):\n"
+        "                    await self._run_message(task, part, source)\n",
         "                await self._run_message(task, part, source)\n",
-        "            await self._run_message(task, part, source)\n",
         (BUNDLE_WORKER,),
     ),
     # A bundle acked as its tasks start, not once their reports are confirmed.
     "bundle-acks-before-its-tasks": (
         "worker/pool.py",
-        "        await asyncio.gather(*(run(part, task) for part, task in pairs))\n",
-        "        for part, task in pairs:\n            self._spawn(run(part, task))\n",
+        "            *(run() for _ in range(side_by_side)), return_exceptions=True\n",
+        "            *[self._spawn(run()) for _ in range(side_by_side)][:0],\n"
+        "            return_exceptions=True,\n",
         (BUNDLE_WORKER,),
     ),
     # Tasks bundled while the pool is idle: they no longer spread over its workers.
     "bundle-when-idle": (
         "orchestrator/transitions.py",
-        "        return 1 if is_lane(pool) else self.chunk_for(pool)\n",
-        "        return 1 if is_lane(pool) else max(2, self.chunk_for(pool))\n",
+        "        return 1 if is_lane(pool) else self.bundle_for(pool)\n",
+        "        return 1 if is_lane(pool) else max(2, self.bundle_for(pool))\n",
         (BUNDLE_OWNER,),
     ),
     # A task with a limit bundled: it would share a slot with other programs' tasks.
@@ -960,6 +970,28 @@ end""",
         "        if current is None or len(current.bodies) >= most or current.size > most_bytes:\n",
         "        if current is None or current.size > most_bytes:\n",
         (BUNDLE_QUEUE,),
+    ),
+    # A bundle's tasks all side by side: a worker of 1 runs several handlers at once.
+    "bundle-ignores-concurrency": (
+        "worker/pool.py",
+        "        side_by_side = min(len(tasks), self.concurrency)\n",
+        "        side_by_side = len(tasks)\n",
+        (BUNDLE_SLOTS,),
+    ),
+    # A redelivered bundle run again whole: a task that killed the worker takes the others down
+    # with it every time.
+    "bundle-runs-again-whole": (
+        "worker/pool.py",
+        "        if delivery.redelivered:\n            # A try was cut short",
+        "        if False:\n            # A try was cut short",
+        (BUNDLE_AGAIN,),
+    ),
+    # A bundle of any size up to a message's: its tasks, written again alone, may not fit.
+    "bundle-of-any-size": (
+        "orchestrator/messages.py",
+        "    if len(body) > MAX_BUNDLE_BYTES + MAX_BUNDLE + 1:\n",
+        "    if False:\n",
+        (BUNDLE_SIZE,),
     ),
     # Bundles keyed by queue alone: an urgent task waits in a bundle at the lower priority.
     "bundle-mixes-priorities": (

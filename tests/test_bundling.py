@@ -11,12 +11,14 @@ from typing import Any
 import pytest
 
 from orchestrator import metrics
-from orchestrator.bundling import MAX_BUNDLED_BYTES, Bundles
+from orchestrator.bundling import Bundles
 from orchestrator.connections import connected
-from orchestrator.delivery import FAILURES
+from orchestrator.delivery import FAILURES, redelivered
 from orchestrator.keys import Keys
 from orchestrator.messages import (
     CARRYING,
+    MAX_BUNDLE_BYTES,
+    MAX_BUNDLED_BYTES,
     TaskMessage,
     bundle,
     decode_shard_message,
@@ -31,6 +33,7 @@ from router.client import Router
 from shardflow.dev import Dev
 from tests.test_carry import Bus as Recorder
 from tests.test_carry import Counting, Delivery, _started, _worker
+from worker.pool import Worker
 from worker.registry import Registry
 
 
@@ -113,7 +116,7 @@ async def test_a_failed_bundle_fails_each_of_its_publishers_and_a_cancelled_one_
     assert results[0] is None and results[2] is None
     assert isinstance(results[1], asyncio.CancelledError)
     assert [[t.wf for t in decode_tasks(body) or []] for body in sent] == [["w0", "w1", "w2"]]
-    assert bundles.sent == 1 and bundles.bundled == 3
+    assert bundles.bundles == 1 and bundles.bundled == 3
 
 
 class Parked(Recorder):
@@ -142,15 +145,21 @@ class Flaky(Counting):
         return await super().at(wf, path)
 
 
-async def test_a_worker_settles_each_task_of_a_bundle_as_if_it_came_alone() -> None:
-    store = Flaky(Keys("bundle-worker"))
-    bus = Parked()
+async def _three_at_their_first_task(prefix: str, store: Counting, bus: Parked) -> list[bytes]:
+    """Three programs submitted and started: their first tasks' messages."""
     transitions = Transitions(store, bus, Plans(store, 8))
-    router = Router(Settings(prefix="bundle-worker"), store=store, bus=bus)
-    for _ in range(3):  # three programs, each at its first task, on the same store and bus
+    router = Router(Settings(prefix=prefix), store=store, bus=bus)
+    for _ in range(3):
         owner = (await router.submit({"steps": [{"task": "work"}, {"task": "work"}]})).shard
         start = decode_shard_message(bus.shard.pop())
         assert await transitions.apply(start, redelivered=False, shard=owner) == "applied"
+    return list(bus.tasks)
+
+
+async def test_a_worker_settles_each_task_of_a_bundle_as_if_it_came_alone() -> None:
+    store = Flaky(Keys("bundle-worker"))
+    bus = Parked()
+    await _three_at_their_first_task("bundle-worker", store, bus)
     tasks = [decode_task(body) for body in bus.tasks]
     assert len(tasks) == 3
     ghost = TaskMessage(wf="ghost", path="0", task="work", owner=0)
@@ -188,14 +197,14 @@ async def test_chains_under_load_go_in_bundles_and_each_ends_with_its_own_result
     def chain(k: int) -> dict[str, Any]:
         return {
             "steps": [
-                {"task": "add", "pool": "parallel", "args": {"n": n, "sleep_s": 0.05}}
-                for n in (k, 1000, 1000000)
+                {"task": "add", "pool": "parallel", "args": {"n": n, "sleep_s": 0.02}}
+                for n in (k, 10, 100, 1000, 10000, 100000)
             ]
         }
 
     before = metrics.BUNDLED_TASKS._value.get()
     async with connected(settings, "bundling-e2e") as (store, bus):
-        dev = Dev(settings, registry, store=store, bus=bus, concurrency=2)
+        dev = Dev(settings, registry, store=store, bus=bus, concurrency=8)
         running = asyncio.create_task(dev.run())
         try:
             router = Router(settings, store=store, bus=bus, known_tasks=None)
@@ -209,7 +218,7 @@ async def test_chains_under_load_go_in_bundles_and_each_ends_with_its_own_result
             await running
     for k, status in enumerate(results):
         assert status["status"] == "completed", status
-        assert status["result"] == k + 1001000, (k, status)
+        assert status["result"] == k + 111110, (k, status)
     # The backlog made the owner send single tasks together (the counter is the process's).
     bundled = metrics.BUNDLED_TASKS._value.get() - before
     assert bundled >= 20, bundled
@@ -250,9 +259,78 @@ async def test_the_owner_bundles_only_single_tasks_without_a_limit_while_the_poo
     store = Counting(Keys("bundle-owner"))
     bus = Asked()
     transitions = Transitions(store, bus, Plans(store, 8))
-    transitions.chunk_for = lambda pool: backlog
+    transitions.bundle_for = lambda pool: backlog
     router = Router(Settings(prefix="bundle-owner"), store=store, bus=bus)
     owner = (await router.submit({"steps": [step]})).shard
     start = decode_shard_message(bus.shard.pop())
     assert await transitions.apply(start, redelivered=False, shard=owner) == "applied"
     assert bus.most == [most]
+
+
+async def test_a_redelivered_bundle_sends_each_task_on_alone_counted_as_redelivered() -> None:
+    """A try was cut short (one handler may have killed the worker): no task runs in it, each
+    goes back alone, so a crashing task takes no other program's task with it again."""
+    store, bus = Counting(Keys("bundle-again")), Parked()
+    bodies = await _three_at_their_first_task("bundle-again", store, bus)
+    delivery = Delivery(bundle(bodies), CARRYING, redelivered=True)
+    await _worker(store, bus).handle(delivery, "q")
+    assert delivery.acked and bus.shard == [] and bus.dead == []
+    expected = [encode(decode_task(body)) for body in bodies]
+    assert bus.again == [(body, {FAILURES: 0, **CARRYING}) for body in expected]
+    # Each alone, and counted as redelivered: a task whose report was cut short reports.
+    assert all(redelivered(Delivery(body, headers)) for body, headers in bus.again)
+
+
+@pytest.mark.parametrize("concurrency", [1, 2, 16])
+async def test_a_bundle_runs_at_most_the_workers_concurrency_of_its_tasks_at_once(
+    concurrency: int,
+) -> None:
+    store, bus = Counting(Keys(f"bundle-slots-{concurrency}")), Parked()
+    bodies = await _three_at_their_first_task(f"bundle-slots-{concurrency}", store, bus)
+    running, most = 0, 0
+    registry = Registry()
+
+    async def work(ctx: Any) -> Any:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        await asyncio.sleep(0.02)
+        running -= 1
+        return "done"
+
+    registry.add("work", work)
+    worker = Worker(
+        Settings(), registry, pool="parallel", store=store, bus=bus, concurrency=concurrency
+    )
+    await worker.handle(Delivery(bundle(bodies), CARRYING), "q")
+    assert most == min(3, concurrency) and len(bus.shard) == 3
+
+
+class Away(Parked):
+    """The broker away as the worker parks a task."""
+
+    async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:
+        raise ConnectionError("the broker went away")
+
+
+async def test_a_bundle_comes_back_whole_when_one_of_its_tasks_could_not_be_settled() -> None:
+    store, bus = Counting(Keys("bundle-away")), Away()
+    bodies = await _three_at_their_first_task("bundle-away", store, bus)
+    ghost = encode(TaskMessage(wf="ghost", path="0", task="work", owner=0))
+    body = bundle([*bodies, ghost])
+    delivery = Delivery(body, CARRYING)
+    await _worker(store, bus).handle(delivery, "q")
+    # The others ran and reported; the whole bundle goes back (their copies will be stale).
+    assert len(bus.shard) == 3 and delivery.acked
+    assert bus.again == [(body, {**CARRYING, FAILURES: 0, "x-shardflow-message-id": ""})]
+
+
+async def test_a_bundle_over_its_size_is_parked_whole_with_why() -> None:
+    store, _, _, _ = await _started("bundle-large")
+    parked = Parked()
+    big = _task("w0", args={"x": "y" * MAX_BUNDLE_BYTES})
+    body = bundle([big, big])
+    delivery = Delivery(body, CARRYING)
+    await _worker(store, parked).handle(delivery, "q")
+    assert parked.dead == [(body, f"a bundle of {len(body)} bytes, over {MAX_BUNDLE_BYTES}")]
+    assert delivery.acked and parked.shard == []

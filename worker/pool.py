@@ -9,7 +9,7 @@ import json
 import logging
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Coroutine
 from typing import Any
 
@@ -18,7 +18,15 @@ from pydantic import ValidationError
 from orchestrator import limits, logs, metrics
 from orchestrator.bus import CONTROL_REBIND_S, GOING_ON, Transport, Unroutable
 from orchestrator.consuming import Deliveries
-from orchestrator.delivery import UNREACHABLE, Delivery, Part, Poison, process, redelivered
+from orchestrator.delivery import (
+    FAILURES,
+    UNREACHABLE,
+    Delivery,
+    Part,
+    Poison,
+    process,
+    redelivered,
+)
 from orchestrator.lifecycle import Service, format_counts, raise_if_cancelled
 from orchestrator.marks import Marks
 from orchestrator.messages import (
@@ -183,22 +191,45 @@ class Worker(Service):
                 await self._run_message(decode_task(delivery.body), delivery, source)
 
     async def _bundle(self, delivery: Delivery, source: str, tasks: list[TaskMessage]) -> None:
-        """A bundle's tasks (several programs', orchestrator/bundling.py) side by side, each
-        settled by the delivery policy on its own: its poison parked alone, its failure sent
-        again alone. The bundle is acked once every one is."""
+        """A bundle's tasks (several programs', orchestrator/bundling.py), each settled by the
+        delivery policy on its own: its poison parked alone, its failure sent again alone. Like
+        a chunked bag's message it takes one slot, and runs its tasks side by side, at most the
+        worker's concurrency of them at once (one at a time on a worker of 1). Acked once every
+        one is settled."""
         if is_lane(self.pool):
             raise Poison("a bundle of tasks on a lane, which runs one task at a time")
-        pairs = [(Part(delivery, functools.partial(encode, task)), task) for task in tasks]
+        if delivery.redelivered:
+            # A try was cut short, maybe by one of its handlers killing the worker: each goes
+            # on alone, so such a task takes no other program's with it again.
+            await self._split(delivery, source, tasks)
+            return
+        pending = deque((Part(delivery, functools.partial(encode, task)), task) for task in tasks)
+        parts = list(pending)
         limit = self.settings.delivery_limit
 
-        async def run(part: Part, task: TaskMessage) -> None:
-            async with process(part, self.bus, source, limit=limit):
-                await self._run_message(task, part, source)
+        async def run() -> None:
+            while pending:
+                part, task = pending.popleft()
+                async with process(part, self.bus, source, limit=limit):
+                    await self._run_message(task, part, source)
 
-        await asyncio.gather(*(run(part, task) for part, task in pairs))
-        if any(part.handed_back for part, _ in pairs):
+        side_by_side = min(len(tasks), self.concurrency)
+        # Every run ends before one's error is raised: none is left running unwatched.
+        for outcome in await asyncio.gather(
+            *(run() for _ in range(side_by_side)), return_exceptions=True
+        ):
+            if isinstance(outcome, BaseException):
+                raise outcome
+        if any(part.handed_back for part, _ in parts):
             # The broker went away as one was settled: the bundle comes back whole.
             raise ConnectionError("a bundle's task could not be settled")
+
+    async def _split(self, delivery: Delivery, source: str, tasks: list[TaskMessage]) -> None:
+        """Publish each of a redelivered bundle's tasks alone to its queue, counted as
+        redelivered (the failures header), so a task whose report a crash cut short reports."""
+        headers = {FAILURES: 0, **(delivery.headers or {})}
+        for task in tasks:
+            await self.bus.requeue(source, encode(task), headers, delivery.priority)
 
     async def _run_message(self, task: TaskMessage, delivery: Delivery, source: str) -> None:
         """Run one task message's tasks and publish their reports."""
