@@ -4,9 +4,9 @@ as one message (a bundle) while the pool has a backlog.
 A chain moves one task at a time, so under load an owner publishes many programs' next tasks
 in each turn, every one a message of its own: the broker, the owner and the worker each pay a
 publish, a confirm, a delivery and an ack per task. Sent together they pay that once a bundle
-(bench/README.md: chains at M=200). The owner asks for it only while the pool's queue or its
-own shard queues have a backlog (`Backlog.chunk`, as for a bag's members), so an idle pool still
-gets one task per message and tasks spread over its workers.
+(bench/README.md: chains at M=200). The owner asks for it only while the pool's own queue has
+a backlog (`Backlog.bundle`), so a pool whose workers keep up gets one task a message and its
+tasks spread over them.
 
 Each task's transition awaits the bundle's confirm before its report is acked, as before: a
 bundle is only a way to carry messages, not a change to what is guaranteed.

@@ -337,7 +337,8 @@ def decode_tasks(body: bytes) -> list[TaskMessage] | None:
         return None
     # The owner's bytes, with the commas and brackets between them.
     if len(body) > MAX_BUNDLE_BYTES + MAX_BUNDLE + 1:
-        raise MessageError(f"a bundle of {len(body)} bytes, over {MAX_BUNDLE_BYTES}")
+        most = MAX_BUNDLE_BYTES + MAX_BUNDLE + 1
+        raise MessageError(f"a bundle of {len(body)} bytes, over the {most} one may hold")
     _fits(body)
     try:
         tasks = _BUNDLE.validate_json(body)

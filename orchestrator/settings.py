@@ -53,7 +53,8 @@ class Settings(BaseSettings):
     retention_s: float = Field(default=7 * 86400, ge=0, le=10 * 365 * 86400)
     # Members per task message, at most, of a bag or map that names no chunk while its pool's
     # queue or the owner's shard queues have a backlog (orchestrator/backlog.py), and programs'
-    # single tasks per message (orchestrator/bundling.py); 1: always one per message.
+    # single tasks per message while the pool's own queue has one (orchestrator/bundling.py);
+    # 1: always one per message.
     auto_chunk: int = Field(default=10, ge=1, le=100)
     # Send the single tasks of several programs as one message while their pool's queue has a
     # backlog (orchestrator/bundling.py). Workers of a release before bundles park them: off

@@ -71,9 +71,14 @@ BUNDLE_SLOTS = (
 )
 BUNDLE_AGAIN = (
     "tests/test_bundling.py::"
-    "test_a_redelivered_bundle_sends_each_task_on_alone_counted_as_redelivered"
+    "test_a_bundle_that_came_back_sends_each_task_on_alone_counted_as_redelivered"
 )
 BUNDLE_SIZE = "tests/test_bundling.py::test_a_bundle_over_its_size_is_parked_whole_with_why"
+BUNDLE_POOL_ONLY = "tests/test_backlog.py::test_a_bundle_follows_the_pools_own_backlog_only"
+BUNDLE_SWITCH = (
+    "tests/test_backlog.py::test_an_owner_bundles_single_tasks_only_when_its_settings_say_so"
+)
+BUNDLE_LARGEST = "tests/test_bundling.py::test_the_largest_bundle_an_owner_sends_decodes"
 BUNDLE_QUEUE = (
     "tests/test_bundling.py::test_one_turns_tasks_for_a_queue_go_in_bundles_of_at_most_most"
 )
@@ -982,7 +987,7 @@ end""",
     # with it every time.
     "bundle-runs-again-whole": (
         "worker/pool.py",
-        "        if delivery.redelivered:\n            # A try was cut short",
+        "        if redelivered(delivery):\n            # A try was cut short",
         "        if False:\n            # A try was cut short",
         (BUNDLE_AGAIN,),
     ),
@@ -992,6 +997,28 @@ end""",
         "    if len(body) > MAX_BUNDLE_BYTES + MAX_BUNDLE + 1:\n",
         "    if False:\n",
         (BUNDLE_SIZE,),
+    ),
+    # Bundles follow the shard queues' backlog too: a burst of submits bundles the first steps
+    # of a pool whose workers are idle.
+    "bundle-follows-the-shards": (
+        "orchestrator/backlog.py",
+        "        return auto_chunk(self.ready(pool), self.limit)\n",
+        "        return self.chunk(pool)\n",
+        (BUNDLE_POOL_ONLY,),
+    ),
+    # SHARDFLOW_BUNDLE_TASKS=false is not heard: a rolling upgrade parks bundles.
+    "bundle-ignores-its-switch": (
+        "orchestrator/transitions.py",
+        "        self.bundle_for = backlog.bundle if backlog and bundles else None\n",
+        "        self.bundle_for = backlog.bundle if backlog else None\n",
+        (BUNDLE_SWITCH,),
+    ),
+    # A worker's bound forgets the commas and brackets: the owner's largest bundles are parked.
+    "bundle-bound-without-separators": (
+        "orchestrator/messages.py",
+        "    if len(body) > MAX_BUNDLE_BYTES + MAX_BUNDLE + 1:\n",
+        "    if len(body) > MAX_BUNDLE_BYTES:\n",
+        (BUNDLE_LARGEST,),
     ),
     # Bundles keyed by queue alone: an urgent task waits in a bundle at the lower priority.
     "bundle-mixes-priorities": (

@@ -81,6 +81,25 @@ async def test_messages_waiting_for_the_owner_count_as_a_backlog() -> None:
     await quiet.close()
 
 
+async def test_a_bundle_follows_the_pools_own_backlog_only() -> None:
+    """Single tasks are bundled while the pool's own queue has a backlog: submits waiting in
+    the shard queues say nothing of whether its workers are busy (orchestrator/bundling.py)."""
+    depth = {"tasks.parallel": 0, "shard.0": 40}
+
+    async def sample(queue: str) -> tuple[int, int] | None:
+        return depth.get(queue, 0), 1
+
+    backlog = Backlog(sample, 10, queue_of=lambda pool: f"tasks.{pool}", upstream=["shard.0"])
+    await until(lambda: _answer(backlog.chunk("parallel")), lambda found: found["chunk"] == 10)
+    assert backlog.bundle("parallel") == 1  # the owner is behind, the pool keeps up
+    depth["tasks.parallel"] = 3 * AUTO_STEP
+    await until(lambda: _answer(backlog.bundle("parallel")), lambda found: found["chunk"] == 4)
+    off = Backlog(sample, 1, queue_of=lambda pool: f"tasks.{pool}")
+    assert off.bundle("parallel") == 1  # SHARDFLOW_AUTO_CHUNK=1: never
+    await backlog.close()
+    await off.close()
+
+
 async def _answer(chunk: int) -> dict[str, int]:
     return {"chunk": chunk}
 
@@ -210,3 +229,18 @@ async def test_sampling_a_queue_opens_no_channel_per_sample(settings: Settings) 
         # 4 missing queues: each probe the broker closed reopens itself (a robust channel) before
         # it is closed, and a new one opens: 2 channels a missing queue, none a sample.
         assert _channels_opened() - before <= 2 * 4, "a channel opened for each sample"
+
+
+@pytest.mark.parametrize("on", [True, False])
+async def test_an_owner_bundles_single_tasks_only_when_its_settings_say_so(
+    settings: Settings, on: bool
+) -> None:
+    """SHARDFLOW_BUNDLE_TASKS=false (chart: orchestrator.bundleTasks) for a rolling upgrade
+    from workers that know no bundles: the backlog still chunks bags, and bundles nothing."""
+    settings = settings.model_copy(update={"bundle_tasks": on})
+    async with connected(settings) as (store, bus):
+        orchestrator = Orchestrator(settings, [0], store=store, bus=bus)
+        transitions = orchestrator.transitions
+        assert transitions.chunk_for == orchestrator.backlog.chunk
+        assert transitions.bundle_for == (orchestrator.backlog.bundle if on else None)
+        await orchestrator.backlog.close()

@@ -17,6 +17,7 @@ from orchestrator.delivery import FAILURES, redelivered
 from orchestrator.keys import Keys
 from orchestrator.messages import (
     CARRYING,
+    MAX_BUNDLE,
     MAX_BUNDLE_BYTES,
     MAX_BUNDLED_BYTES,
     TaskMessage,
@@ -126,12 +127,14 @@ class Parked(Recorder):
         super().__init__()
         self.dead: list[tuple[bytes, str]] = []
         self.again: list[tuple[bytes, dict[str, Any]]] = []
+        self.again_to: list[tuple[str, Any]] = []  # each one's queue and priority
 
     async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:
         self.dead.append((body, reason))
 
     async def requeue(self, queue: str, body: bytes, headers: Any, priority: Any, **_: Any) -> None:
         self.again.append((body, headers))
+        self.again_to.append((queue, priority))
 
 
 class Flaky(Counting):
@@ -224,25 +227,6 @@ async def test_chains_under_load_go_in_bundles_and_each_ends_with_its_own_result
     assert bundled >= 20, bundled
 
 
-class Asked(Parked):
-    """The publishes, with the bundle size each task publish allowed."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.most: list[int] = []
-
-    async def publish_all(
-        self,
-        pool: str,
-        bodies: list[bytes],
-        priority: int = 1,
-        headers: Any = None,
-        most: int = 1,
-    ) -> None:
-        await super().publish_all(pool, bodies, priority, headers)
-        self.most.append(most)
-
-
 @pytest.mark.parametrize(
     ("step", "backlog", "most"),
     [
@@ -257,7 +241,7 @@ async def test_the_owner_bundles_only_single_tasks_without_a_limit_while_the_poo
     step: dict[str, Any], backlog: int, most: int
 ) -> None:
     store = Counting(Keys("bundle-owner"))
-    bus = Asked()
+    bus = Parked()
     transitions = Transitions(store, bus, Plans(store, 8))
     transitions.bundle_for = lambda pool: backlog
     router = Router(Settings(prefix="bundle-owner"), store=store, bus=bus)
@@ -267,16 +251,27 @@ async def test_the_owner_bundles_only_single_tasks_without_a_limit_while_the_poo
     assert bus.most == [most]
 
 
-async def test_a_redelivered_bundle_sends_each_task_on_alone_counted_as_redelivered() -> None:
-    """A try was cut short (one handler may have killed the worker): no task runs in it, each
-    goes back alone, so a crashing task takes no other program's task with it again."""
+@pytest.mark.parametrize(
+    ("flagged", "headers", "sent_with"),
+    [
+        (True, CARRYING, {FAILURES: 0, **CARRYING}),  # the broker's: a try was cut short
+        (False, {**CARRYING, FAILURES: 2}, {**CARRYING, FAILURES: 2}),  # sent again whole
+    ],
+)
+async def test_a_bundle_that_came_back_sends_each_task_on_alone_counted_as_redelivered(
+    flagged: bool, headers: dict[str, Any], sent_with: dict[str, Any]
+) -> None:
+    """A try was cut short (one handler may have killed the worker), or failed: no task runs in
+    it, each goes back alone, so a crashing task takes no other program's task with it again."""
     store, bus = Counting(Keys("bundle-again")), Parked()
     bodies = await _three_at_their_first_task("bundle-again", store, bus)
-    delivery = Delivery(bundle(bodies), CARRYING, redelivered=True)
-    await _worker(store, bus).handle(delivery, "q")
+    delivery = Delivery(bundle(bodies), headers, redelivered=flagged)
+    delivery.priority = 3
+    await _worker(store, bus).handle(delivery, "tasks.q")
     assert delivery.acked and bus.shard == [] and bus.dead == []
     expected = [encode(decode_task(body)) for body in bodies]
-    assert bus.again == [(body, {FAILURES: 0, **CARRYING}) for body in expected]
+    assert bus.again == [(body, sent_with) for body in expected]
+    assert bus.again_to == [("tasks.q", 3)] * 3  # its own queue, at its own level
     # Each alone, and counted as redelivered: a task whose report was cut short reports.
     assert all(redelivered(Delivery(body, headers)) for body, headers in bus.again)
 
@@ -332,5 +327,31 @@ async def test_a_bundle_over_its_size_is_parked_whole_with_why() -> None:
     body = bundle([big, big])
     delivery = Delivery(body, CARRYING)
     await _worker(store, parked).handle(delivery, "q")
-    assert parked.dead == [(body, f"a bundle of {len(body)} bytes, over {MAX_BUNDLE_BYTES}")]
+    most = MAX_BUNDLE_BYTES + MAX_BUNDLE + 1  # with its commas and brackets
+    assert parked.dead == [(body, f"a bundle of {len(body)} bytes, over the {most} one may hold")]
     assert delivery.acked and parked.shard == []
+
+
+def test_the_largest_bundle_an_owner_sends_decodes() -> None:
+    """A hundred tasks of MAX_BUNDLE_BYTES in all, with their commas and brackets: a worker
+    takes every bundle an owner may send."""
+    sent: list[bytes] = []
+
+    async def send(key: Any, body: bytes) -> None:
+        sent.append(body)
+
+    async def publish_all() -> None:
+        bundles = Bundles(send)
+        bare = len(_task("w00", args={"x": ""}))
+        each, extra = divmod(MAX_BUNDLE_BYTES, MAX_BUNDLE)
+        bodies = [
+            _task(f"w{i:02}", args={"x": "y" * (each - bare + (i < extra))})
+            for i in range(MAX_BUNDLE)
+        ]
+        assert sum(map(len, bodies)) == MAX_BUNDLE_BYTES
+        await asyncio.gather(*(bundles.publish("q", body, MAX_BUNDLE) for body in bodies))
+
+    asyncio.run(publish_all())
+    [body] = sent
+    assert len(body) == MAX_BUNDLE_BYTES + MAX_BUNDLE + 1
+    assert [t.wf for t in decode_tasks(body) or []] == [f"w{i:02}" for i in range(MAX_BUNDLE)]

@@ -55,11 +55,13 @@ class Delivery:
 
 
 class Bus(Recorder):
-    """The owner's and the worker's publishes, with the headers task messages carry."""
+    """The owner's and the worker's publishes, with the headers task messages carry and the
+    bundle size each task publish allowed."""
 
     def __init__(self) -> None:
         super().__init__()
         self.headers: list[Any] = []
+        self.most: list[int] = []
 
     async def publish_all(
         self,
@@ -71,6 +73,7 @@ class Bus(Recorder):
     ) -> None:
         await super().publish_all(pool, bodies, priority)
         self.headers += [headers] * len(bodies)
+        self.most.append(most)
 
     async def publish_later(
         self, pool: str, body: bytes, delay_s: float, priority: int = 1, headers: Any = None

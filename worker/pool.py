@@ -198,9 +198,9 @@ class Worker(Service):
         one is settled."""
         if is_lane(self.pool):
             raise Poison("a bundle of tasks on a lane, which runs one task at a time")
-        if delivery.redelivered:
-            # A try was cut short, maybe by one of its handlers killing the worker: each goes
-            # on alone, so such a task takes no other program's with it again.
+        if redelivered(delivery):
+            # A try was cut short (maybe by one of its handlers killing the worker) or failed:
+            # each goes on alone, so such a task takes no other program's with it again.
             await self._split(delivery, source, tasks)
             return
         pending = deque((Part(delivery, functools.partial(encode, task)), task) for task in tasks)
@@ -215,11 +215,14 @@ class Worker(Service):
 
         side_by_side = min(len(tasks), self.concurrency)
         # Every run ends before one's error is raised: none is left running unwatched.
-        for outcome in await asyncio.gather(
+        outcomes = await asyncio.gather(
             *(run() for _ in range(side_by_side)), return_exceptions=True
-        ):
-            if isinstance(outcome, BaseException):
-                raise outcome
+        )
+        errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        for error in errors[1:]:
+            log.warning("a bundle's task also failed: %r", error)
+        if errors:
+            raise errors[0]
         if any(part.handed_back for part, _ in parts):
             # The broker went away as one was settled: the bundle comes back whole.
             raise ConnectionError("a bundle's task could not be settled")
@@ -227,6 +230,7 @@ class Worker(Service):
     async def _split(self, delivery: Delivery, source: str, tasks: list[TaskMessage]) -> None:
         """Publish each of a redelivered bundle's tasks alone to its queue, counted as
         redelivered (the failures header), so a task whose report a crash cut short reports."""
+        log.info("a bundle of %d tasks came back: each goes on alone", len(tasks))
         headers = {FAILURES: 0, **(delivery.headers or {})}
         for task in tasks:
             await self.bus.requeue(source, encode(task), headers, delivery.priority)
