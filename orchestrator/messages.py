@@ -239,6 +239,8 @@ MAX_BUNDLE = 100
 # 1000000000000000.0), so a bundle near MAX_MESSAGE_BYTES could not be.
 MAX_BUNDLED_BYTES = 64 * 1024
 MAX_BUNDLE_BYTES = 1024 * 1024
+# The largest bundle body an owner sends: its tasks, with the commas and brackets between them.
+MAX_BUNDLE_BODY = MAX_BUNDLE_BYTES + MAX_BUNDLE + 1
 
 _SHARD = TypeAdapter(ShardMessage)
 _TASK = TypeAdapter(TaskMessage)
@@ -335,10 +337,10 @@ def decode_tasks(body: bytes) -> list[TaskMessage] | None:
     it had come alone, so none carries a batch or a limit: those go alone."""
     if body[:1] != b"[":
         return None
-    # The owner's bytes, with the commas and brackets between them.
-    if len(body) > MAX_BUNDLE_BYTES + MAX_BUNDLE + 1:
-        most = MAX_BUNDLE_BYTES + MAX_BUNDLE + 1
-        raise MessageError(f"a bundle of {len(body)} bytes, over the {most} one may hold")
+    if len(body) > MAX_BUNDLE_BODY:
+        raise MessageError(
+            f"a bundle of {len(body)} bytes, over the {MAX_BUNDLE_BODY} one may hold"
+        )
     _fits(body)
     try:
         tasks = _BUNDLE.validate_json(body)

@@ -994,7 +994,7 @@ end""",
     # A bundle of any size up to a message's: its tasks, written again alone, may not fit.
     "bundle-of-any-size": (
         "orchestrator/messages.py",
-        "    if len(body) > MAX_BUNDLE_BYTES + MAX_BUNDLE + 1:\n",
+        "    if len(body) > MAX_BUNDLE_BODY:\n",
         "    if False:\n",
         (BUNDLE_SIZE,),
     ),
@@ -1016,8 +1016,8 @@ end""",
     # A worker's bound forgets the commas and brackets: the owner's largest bundles are parked.
     "bundle-bound-without-separators": (
         "orchestrator/messages.py",
-        "    if len(body) > MAX_BUNDLE_BYTES + MAX_BUNDLE + 1:\n",
-        "    if len(body) > MAX_BUNDLE_BYTES:\n",
+        "MAX_BUNDLE_BODY = MAX_BUNDLE_BYTES + MAX_BUNDLE + 1\n",
+        "MAX_BUNDLE_BODY = MAX_BUNDLE_BYTES\n",
         (BUNDLE_LARGEST,),
     ),
     # Bundles keyed by queue alone: an urgent task waits in a bundle at the lower priority.
