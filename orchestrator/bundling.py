@@ -1,5 +1,5 @@
 """Single task messages of different programs, published in one loop turn to one queue, sent
-as one message (a bundle) while the pool has a backlog.
+as one message (a bundle) while the pool has a backlog; and their reports, the same way.
 
 A chain moves one task at a time, so under load an owner publishes many programs' next tasks
 in each turn, every one a message of its own: the broker, the owner and the worker each pay a
@@ -10,12 +10,17 @@ tasks spread over them.
 
 Each task's transition awaits the bundle's confirm before its report is acked, as before: a
 bundle is only a way to carry messages, not a change to what is guaranteed.
+
+A worker sends the reports of a bundle's tasks back the same way, a bundle a shard: those that
+ended in one turn go as one message, which the owner applies report by report (owner.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Hashable
+
+from prometheus_client import Counter
 
 from orchestrator import metrics
 from orchestrator.messages import MAX_BUNDLE, MAX_BUNDLE_BYTES, MAX_BUNDLED_BYTES, bundle
@@ -36,8 +41,13 @@ class Bundles:
     """The bundles being filled this loop turn, one a key (queue, priority, headers); `send(key,
     body)` publishes one and waits for its confirm."""
 
-    def __init__(self, send: Send) -> None:
+    def __init__(
+        self,
+        send: Send,
+        counters: tuple[Counter, Counter] = (metrics.BUNDLES, metrics.BUNDLED_TASKS),
+    ) -> None:
         self._send = send
+        self._counters = counters  # bundles sent, and the messages in them
         self._open: dict[Hashable, _Bundle] = {}
         self._flushing: set[asyncio.Task[None]] = set()  # referenced until done
         self.bundles = 0  # bundles of more than one task sent, and the tasks in them
@@ -83,6 +93,6 @@ class Bundles:
         if len(bodies) > 1:
             self.bundles += 1
             self.bundled += len(bodies)
-            metrics.BUNDLES.inc()
-            metrics.BUNDLED_TASKS.inc(len(bodies))
+            self._counters[0].inc()
+            self._counters[1].inc(len(bodies))
         current.sent.set_result(None)

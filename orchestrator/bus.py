@@ -22,6 +22,7 @@ from aio_pika.abc import (
 )
 from aio_pika.connection import make_url
 
+from orchestrator import metrics
 from orchestrator.bundling import Bundles
 from orchestrator.coalescing import CoalescingConnection
 from orchestrator.consuming import Deliveries
@@ -124,7 +125,9 @@ class Publisher(Requeues, Protocol):
     """What the transition logic needs from the transport (and the delivery policy's
     dead-letter and requeue); `Bus` is the real one."""
 
-    async def publish_to_shard(self, owner: int, body: bytes, priority: int = GOING_ON) -> None: ...
+    async def publish_to_shard(
+        self, owner: int, body: bytes, priority: int = GOING_ON, most: int = 1
+    ) -> None: ...
 
     async def publish_all(
         self,
@@ -181,6 +184,9 @@ class Bus:
         self._delay_queues: set[str] = set()
         self._pools: set[str] = set()  # task queues declared on this connection
         self._bundles = Bundles(self._publish_bundle)
+        self._reports = Bundles(
+            self._publish_reports, (metrics.REPORT_BUNDLES, metrics.BUNDLED_REPORTS)
+        )
         self._consumer_channels: dict[Deliveries, AbstractRobustChannel] = {}
         self._task_arguments: dict[str, dict[str, Any]] = {}  # by task queue, once checked
         self._unconfirmed = asyncio.Semaphore(MAX_UNCONFIRMED)
@@ -417,9 +423,16 @@ class Bus:
                 wait=False,
             )
 
-    async def publish_to_shard(self, owner: int, body: bytes, priority: int = GOING_ON) -> None:
+    async def publish_to_shard(
+        self, owner: int, body: bytes, priority: int = GOING_ON, most: int = 1
+    ) -> None:
         """Publish to the owner shard's queue and wait for the broker's confirm; Unroutable
-        when no queue takes it (a shard outside the ring that is not draining)."""
+        when no queue takes it (a shard outside the ring that is not draining). `most` > 1: a
+        report may go in this turn's bundle of up to `most` reports to that shard
+        (orchestrator/bundling.py)."""
+        if most > 1:
+            await self._reports.publish((owner, priority), body, most)
+            return
         try:
             # Straight to its queue through the default exchange, the same queue the
             # orchestrator exchange routes `owner` to: the broker skips a route lookup.
@@ -463,6 +476,11 @@ class Bus:
         """Publish a bundle (or a lone task message) of `publish_all`'s `key`."""
         pool, priority, headers = cast(tuple[str, int, tuple[tuple[str, Any], ...]], key)
         await self.publish_all(pool, [body], priority, dict(headers) or None)
+
+    async def _publish_reports(self, key: Hashable, body: bytes) -> None:
+        """Publish a bundle of reports (or a lone one) of `publish_to_shard`'s `key`."""
+        owner, priority = cast(tuple[int, int], key)
+        await self.publish_to_shard(owner, body, priority)
 
     async def _redeclaring(
         self,

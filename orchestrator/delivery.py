@@ -179,6 +179,16 @@ async def process(
     await settle(delivery, ok=True)
 
 
+async def split(delivery: Delivery, bus: Requeues, source: str, bodies: list[bytes]) -> None:
+    """Publish each message a bundle that came back carried alone to `source`, counted as
+    redelivered (the failures header): a try of the bundle was cut short, maybe by one of
+    them, which so takes no other program's message with it again."""
+    log.info("%s: a bundle of %d came back: each goes on alone", source, len(bodies))
+    headers = {FAILURES: 0, **(delivery.headers or {})}
+    for body in bodies:
+        await bus.requeue(source, body, headers, delivery.priority)
+
+
 def redelivered(delivery: Delivery) -> bool:
     """Whether an earlier try at this message may have been cut short: the broker redelivered
     it, or the policy published it again after a failure. Such a message publishes again what

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Annotated, Any, Literal
 
@@ -245,6 +246,10 @@ MAX_BUNDLE_BODY = MAX_BUNDLE_BYTES + MAX_BUNDLE + 1
 _SHARD = TypeAdapter(ShardMessage)
 _TASK = TypeAdapter(TaskMessage)
 _BUNDLE = TypeAdapter(Annotated[list[TaskMessage], Field(min_length=1, max_length=MAX_BUNDLE)])
+# What a worker reports of a task: the reports of a bundle's tasks may travel as one (a bundle
+# of reports), each to be applied as if it had come alone.
+Report = Annotated[Next | Failed, Field(discriminator="kind")]
+_REPORTS = TypeAdapter(Annotated[list[Report], Field(min_length=1, max_length=MAX_BUNDLE)])
 
 
 def _unused_new_fields(message: _Message) -> dict[str, Any]:
@@ -335,6 +340,26 @@ def decode_tasks(body: bytes) -> list[TaskMessage] | None:
     """A bundle's task messages (a JSON array of them), or None when `body` is no bundle (a
     task message on its own: `decode_task`); MessageError naming the fault. Each travels as if
     it had come alone, so none carries a batch or a limit: those go alone."""
+    tasks = _bundled(body, _BUNDLE, "task")
+    for i, task in enumerate(tasks or ()):
+        if task.batch or task.limit is not None:
+            raise MessageError(f"task {i}: a bundle's task carries no batch and no limit")
+    return tasks
+
+
+def decode_reports(body: bytes) -> list[Next | Failed] | None:
+    """A bundle's reports (a JSON array of `next` and `failed` messages), or None when `body`
+    is no bundle (`decode_shard_message`); MessageError naming the fault."""
+    return _bundled(body, _REPORTS, "report")
+
+
+def decode_shard_body(body: bytes) -> ShardMessage | list[Next | Failed]:
+    """What a shard queue's message holds: one message, or a bundle of reports."""
+    reports = decode_reports(body)
+    return decode_shard_message(body) if reports is None else reports
+
+
+def _bundled(body: bytes, adapter: TypeAdapter[list[Any]], part: str) -> list[Any] | None:
     if body[:1] != b"[":
         return None
     if len(body) > MAX_BUNDLE_BODY:
@@ -343,21 +368,19 @@ def decode_tasks(body: bytes) -> list[TaskMessage] | None:
         )
     _fits(body)
     try:
-        tasks = _BUNDLE.validate_json(body)
+        return adapter.validate_json(body)
     except ValidationError as exc:
-        raise MessageError(first_error(exc, _in_bundle, "bundle")) from None
-    for i, task in enumerate(tasks):
-        if task.batch or task.limit is not None:
-            raise MessageError(f"task {i}: a bundle's task carries no batch and no limit")
-    return tasks
+        where = functools.partial(_in_bundle, part)
+        raise MessageError(first_error(exc, where, "bundle")) from None
 
 
-def _in_bundle(loc: tuple[int | str, ...]) -> str:
-    return "task " + ".".join(str(part) for part in loc) if loc else "bundle"
+def _in_bundle(part: str, loc: tuple[int | str, ...]) -> str:
+    return f"{part} " + ".".join(str(step) for step in loc) if loc else "bundle"
 
 
 def bundle(bodies: list[bytes]) -> bytes:
-    """One body for task messages of different programs (`decode_tasks` reads it back)."""
+    """One body for messages of different programs (`decode_tasks`, `decode_reports` read it
+    back)."""
     return b"[" + b",".join(bodies) + b"]"
 
 

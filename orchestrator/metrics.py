@@ -66,6 +66,11 @@ BUNDLES = Counter(
     "Task messages that carried the single tasks of several programs (orchestrator/bundling.py).",
 )
 BUNDLED_TASKS = Counter("shardflow_bundled_tasks_total", "Tasks sent in those bundles.")
+REPORT_BUNDLES = Counter(
+    "shardflow_report_bundles_total",
+    "Shard messages that carried the reports of several of a bundle's tasks.",
+)
+BUNDLED_REPORTS = Counter("shardflow_bundled_reports_total", "Reports sent in those bundles.")
 DEAD_LETTERS = Counter(
     "shardflow_dead_letters_total",
     "Messages parked in the dead-letter queue: refused (poison) or over the failure limit.",

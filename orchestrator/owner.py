@@ -4,6 +4,7 @@ messages one at a time in delivery order, and so owns the ordering of their prog
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
@@ -13,15 +14,25 @@ from orchestrator import logs, metrics
 from orchestrator.backlog import Backlog
 from orchestrator.bus import NEW, Bus, Publisher
 from orchestrator.consuming import Deliveries, Incoming
-from orchestrator.delivery import UNREACHABLE, Delivery, process, redelivered, settle
+from orchestrator.delivery import (
+    UNREACHABLE,
+    Delivery,
+    Part,
+    process,
+    redelivered,
+    settle,
+    split,
+)
 from orchestrator.lifecycle import Service, format_counts, raise_if_cancelled
 from orchestrator.machine import PathError
 from orchestrator.marks import Marks
 from orchestrator.messages import (
+    Failed,
     MessageError,
+    Next,
     ShardMessage,
     Start,
-    decode_shard_message,
+    decode_shard_body,
     encode,
 )
 from orchestrator.ordering import ProgramOrder
@@ -56,18 +67,34 @@ async def handle_shard_message(
     """Apply one message of `shard` (`decoded`: its body, already parsed); ack only after
     what it publishes is confirmed."""
     async with process(delivery, bus, source, poison=SHARD_POISON, limit=limit):
-        if decoded is None:
-            decoded = decode_shard_message(delivery.body)
+        if decoded is None:  # raises the fault, a bundle's too
+            found = decode_shard_body(delivery.body)
+            if isinstance(found, list):
+                raise MessageError("a bundle of reports, where one message was expected")
+            decoded = found
         logs.bind(workflow_id=decoded.wf, step=getattr(decoded, "path", None), shard=shard)
         await transitions.apply(decoded, redelivered=redelivered(delivery), shard=shard)
 
 
-def _parsed(body: bytes) -> ShardMessage | None:
-    """The message, or None when it is malformed (handled, and dead-lettered, on its own)."""
+def _parsed(body: bytes) -> ShardMessage | list[Next | Failed] | None:
+    """The message (or a bundle's reports), or None when it is malformed (handled, and
+    dead-lettered, on its own)."""
     try:
-        return decode_shard_message(body)
+        return decode_shard_body(body)
     except MessageError:
         return None
+
+
+async def _settle_bundle(
+    whole: Delivery, parts: list[Part], runs: list[asyncio.Task[None]]
+) -> None:
+    """Ack a bundle of reports once each was settled on its own; hand it back whole when one
+    was handed back (the broker away, a stop) or its work failed past the policy."""
+    outcomes = await asyncio.gather(*runs, return_exceptions=True)
+    if any(isinstance(outcome, asyncio.CancelledError) for outcome in outcomes):
+        return  # a hard stop: the channel's close hands it back
+    failed = any(isinstance(outcome, BaseException) for outcome in outcomes)
+    await settle(whole, ok=not failed and not any(part.handed_back for part in parts))
 
 
 class ShardError(ValueError):
@@ -255,7 +282,7 @@ class Orchestrator(Service):
         slots = asyncio.Semaphore(self.settings.prefetch)
         order = ProgramOrder()
 
-        async def handle(message: Incoming, decoded: ShardMessage | None) -> None:
+        async def handle(message: Delivery, decoded: ShardMessage | None) -> None:
             async def begin() -> None:
                 if self._stop.is_set():  # stopping: never begun, handed back now, in order
                     await settle(message, ok=False)
@@ -275,5 +302,20 @@ class Orchestrator(Service):
         async for message in self._messages(start, self.bus.stop_consuming):
             await self.marks.owner(shard)  # who owns the shard, for `explain`
             await slots.acquire()
+            decoded = _parsed(message.body)
             # Spawned: a stop cancels this loop, never a message's work (it gets the grace).
-            self._spawn(handle(message, _parsed(message.body))).add_done_callback(settled)
+            if not isinstance(decoded, list):
+                self._spawn(handle(message, decoded)).add_done_callback(settled)
+            elif redelivered(message):
+                self._spawn(self._split(message, decoded, queue)).add_done_callback(settled)
+            else:
+                # Each report is one program's message, in its place in that program's order:
+                # spawned now, in delivery order, before the next message's work.
+                parts = [Part(message, functools.partial(encode, report)) for report in decoded]
+                runs = [self._spawn(handle(p, r)) for p, r in zip(parts, decoded, strict=True)]
+                self._spawn(_settle_bundle(message, parts, runs)).add_done_callback(settled)
+
+    async def _split(self, message: Incoming, reports: list[Next | Failed], queue: str) -> None:
+        """A bundle of reports that came back: each goes on alone (delivery.split)."""
+        async with process(message, self.bus, queue, limit=self.limit):
+            await split(message, self.bus, queue, [encode(report) for report in reports])

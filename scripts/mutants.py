@@ -82,6 +82,15 @@ BUNDLE_LARGEST = "tests/test_bundling.py::test_the_largest_bundle_an_owner_sends
 BUNDLE_QUEUE = (
     "tests/test_bundling.py::test_one_turns_tasks_for_a_queue_go_in_bundles_of_at_most_most"
 )
+REPORTS = "tests/test_report_bundles.py::"
+REPORTS_DECODE = REPORTS + "test_a_bundle_of_reports_decodes_and_names_its_fault"
+REPORTS_WORKER = (
+    REPORTS + "test_a_workers_reports_of_a_bundles_tasks_may_go_together_a_lone_tasks_alone"
+)
+REPORTS_AGAIN = REPORTS + "test_a_bundle_of_reports_that_came_back_goes_on_report_by_report"
+REPORTS_ORDER = REPORTS + "test_a_report_in_a_bundle_keeps_its_place_in_its_programs_order"
+REPORTS_STOP = REPORTS + "test_a_stop_hands_a_bundle_of_reports_back_whole_when_one_was_never_begun"
+REPORTS_APPLIED = REPORTS + "test_an_owner_applies_each_report_of_a_bundle_alone_and_acks_it_once"
 SLEEP = "tests/test_sleep_e2e.py::test_a_sleep_waits_and_passes_its_prev_on"
 SIGNALS = (
     "tests/test_signal_e2e.py::test_signals_sent_early_are_kept_and_each_is_taken_once_in_order"
@@ -996,7 +1005,7 @@ end""",
         "orchestrator/messages.py",
         "    if len(body) > MAX_BUNDLE_BODY:\n",
         "    if False:\n",
-        (BUNDLE_SIZE,),
+        (BUNDLE_SIZE, REPORTS_DECODE),
     ),
     # Bundles follow the shard queues' backlog too: a burst of submits bundles the first steps
     # of a pool whose workers are idle.
@@ -1026,6 +1035,50 @@ end""",
         "            key = (pool, priority, tuple(sorted(headers.items())) if headers else ())\n",
         "            key = (pool, GOING_ON, tuple(sorted(headers.items())) if headers else ())\n",
         (BUNDLE_QUEUE,),
+    ),
+    # A bundle of reports may carry any shard message: a start or a deadline rides in one.
+    "report-bundle-of-any-message": (
+        "orchestrator/messages.py",
+        "_REPORTS = TypeAdapter(Annotated[list[Report], ",
+        "_REPORTS = TypeAdapter(Annotated[list[ShardMessage], ",
+        (REPORTS_DECODE,),
+    ),
+    # Every report is offered to a bundle: a lone task's report waits a turn for nothing.
+    "reports-of-a-lone-task-bundled": (
+        "worker/pool.py",
+        "        most = MAX_BUNDLE if isinstance(delivery, Part) else 1\n",
+        "        most = MAX_BUNDLE\n",
+        (REPORTS_WORKER,),
+    ),
+    # A bundle of reports that came back applied whole again: one report that kills the owner
+    # takes the others down with it every time.
+    "report-bundle-applied-again-whole": (
+        "orchestrator/owner.py",
+        "            elif redelivered(message):\n",
+        "            elif False:\n",
+        (REPORTS_AGAIN,),
+    ),
+    # A bundle's reports started after the next message's work: a report and its program's
+    # next message swap places.
+    "report-bundle-spawned-late": (
+        "orchestrator/owner.py",
+        "runs = [self._spawn(handle(p, r)) for p, r in",
+        "runs = [(handle(p, r)) for p, r in",
+        (REPORTS_ORDER,),
+    ),
+    # A bundle acked though a report was handed back at a stop: that report is lost.
+    "report-bundle-acked-though-handed-back": (
+        "orchestrator/owner.py",
+        "    await settle(whole, ok=not failed and not any(part.handed_back for part in parts))\n",
+        "    await settle(whole, ok=not failed)\n",
+        (REPORTS_STOP,),
+    ),
+    # One report's fault parks the whole bundle's body: the others would run again if redriven.
+    "report-bundle-part-parks-the-whole": (
+        "orchestrator/owner.py",
+        "parts = [Part(message, functools.partial(encode, report)) for",
+        "parts = [Part(message, lambda: message.body) for",
+        (REPORTS_APPLIED,),
     ),
 }
 

@@ -206,6 +206,7 @@ async def test_chains_under_load_go_in_bundles_and_each_ends_with_its_own_result
         }
 
     before = metrics.BUNDLED_TASKS._value.get()
+    reports = metrics.BUNDLED_REPORTS._value.get()
     async with connected(settings, "bundling-e2e") as (store, bus):
         dev = Dev(settings, registry, store=store, bus=bus, concurrency=8)
         running = asyncio.create_task(dev.run())
@@ -225,6 +226,8 @@ async def test_chains_under_load_go_in_bundles_and_each_ends_with_its_own_result
     # The backlog made the owner send single tasks together (the counter is the process's).
     bundled = metrics.BUNDLED_TASKS._value.get() - before
     assert bundled >= 20, bundled
+    # And the worker sent reports of a bundle's tasks together (each applied on its own).
+    assert metrics.BUNDLED_REPORTS._value.get() - reports >= 2
 
 
 @pytest.mark.parametrize(

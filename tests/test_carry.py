@@ -62,6 +62,13 @@ class Bus(Recorder):
         super().__init__()
         self.headers: list[Any] = []
         self.most: list[int] = []
+        self.reports_most: list[int] = []  # the bundle size each report publish allowed
+
+    async def publish_to_shard(
+        self, owner: int, body: bytes, priority: int = 1, most: int = 1
+    ) -> None:
+        await super().publish_to_shard(owner, body, priority)
+        self.reports_most.append(most)
 
     async def publish_all(
         self,

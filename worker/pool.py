@@ -19,13 +19,13 @@ from orchestrator import limits, logs, metrics
 from orchestrator.bus import CONTROL_REBIND_S, GOING_ON, Transport, Unroutable
 from orchestrator.consuming import Deliveries
 from orchestrator.delivery import (
-    FAILURES,
     UNREACHABLE,
     Delivery,
     Part,
     Poison,
     process,
     redelivered,
+    split,
 )
 from orchestrator.lifecycle import Service, format_counts, raise_if_cancelled
 from orchestrator.marks import Marks
@@ -33,6 +33,7 @@ from orchestrator.messages import (
     CARRY,
     CARRYING,
     INLINE_BYTES,
+    MAX_BUNDLE,
     MAX_ERROR,
     Cancelled,
     Failed,
@@ -201,7 +202,7 @@ class Worker(Service):
         if redelivered(delivery):
             # A try was cut short (maybe by one of its handlers killing the worker) or failed:
             # each goes on alone, so such a task takes no other program's with it again.
-            await self._split(delivery, source, tasks)
+            await split(delivery, self.bus, source, [encode(task) for task in tasks])
             return
         pending = deque((Part(delivery, functools.partial(encode, task)), task) for task in tasks)
         parts = list(pending)
@@ -227,14 +228,6 @@ class Worker(Service):
             # The broker went away as one was settled: the bundle comes back whole.
             raise ConnectionError("a bundle's task could not be settled")
 
-    async def _split(self, delivery: Delivery, source: str, tasks: list[TaskMessage]) -> None:
-        """Publish each of a redelivered bundle's tasks alone to its queue, counted as
-        redelivered (the failures header), so a task whose report a crash cut short reports."""
-        log.info("a bundle of %d tasks came back: each goes on alone", len(tasks))
-        headers = {FAILURES: 0, **(delivery.headers or {})}
-        for task in tasks:
-            await self.bus.requeue(source, encode(task), headers, delivery.priority)
-
     async def _run_message(self, task: TaskMessage, delivery: Delivery, source: str) -> None:
         """Run one task message's tasks and publish their reports."""
         again = redelivered(delivery)
@@ -251,10 +244,12 @@ class Worker(Service):
             )
         else:
             reports = await self.run_tasks(task.split(), redelivered=again, carry=carry)
+        # A bundle's reports to one shard, sent in one turn, go as one (bundling.py).
+        most = MAX_BUNDLE if isinstance(delivery, Part) else 1
         for report in reports:
-            await self._report(task, encode(report))
+            await self._report(task, encode(report), most)
 
-    async def _report(self, task: TaskMessage, body: bytes) -> None:
+    async def _report(self, task: TaskMessage, body: bytes, most: int = 1) -> None:
         """Publish a report to the owner shard. Unroutable, a shard of the ring is tried again
         for a few seconds (its queue deleted, and not yet declared again), then parked, as a
         shard outside the ring at once: the message handled again would run the handler
@@ -262,7 +257,7 @@ class Worker(Service):
         tries = REPORT_TRIES if task.owner < self.settings.shards else 1
         for attempt in range(1, tries + 1):
             try:
-                await self.bus.publish_to_shard(task.owner, body)
+                await self.bus.publish_to_shard(task.owner, body, most=most)
                 return
             except Unroutable as exc:
                 if attempt == tries:
