@@ -33,6 +33,12 @@ strategies decide it by these rules):
   (a day) has not passed, live or ended; `next` or `failed` naming a leaf
   that is not the live cursor (an alias such as `00` or an Arabic-Indic zero, an iteration the
   loop never reaches, any leaf of an ended program): acked and ignored (stale, or a replay).
+- a bundle of reports (a JSON array of 1 to MAX_BUNDLE `next` and `failed` messages, as a
+  worker sends the reports of a bundle's tasks): each report as if it had come alone, parked
+  alone (its body as `encode` writes it again) by the rules above, and the bundle acked; one
+  that came back (the failures header) is split first, each report published again alone to
+  the same queue. One that does not decode (empty, over MAX_BUNDLE or MAX_BUNDLE_BODY, a member
+  that is no report, not JSON): dead whole, with the decoder's fault.
 - task for a program never submitted: dead, "<wf>: no such program", before any handler runs
   (one that sleeps an hour on the serial queue must not hold the cluster's serial lane).
 - task for a recorded program at a path that is not its live cursor: acked, not run (stale).
@@ -46,8 +52,8 @@ strategies decide it by these rules):
 
 Never drawn, since whoever may publish to the vhost is trusted that far (docs: the vhost's publish
 permission is the trust boundary): a well-formed `next`, `failed` or task message for a good
-program's live cursor (each may end or move it). `expect_*` refuse to publish such a message if
-a strategy ever drew one.
+program's live cursor, alone or in a bundle (each may end or move it). `expect_*` refuse to
+publish such a message if a strategy ever drew one.
 """
 
 from __future__ import annotations
@@ -81,10 +87,15 @@ from orchestrator.connections import connected
 from orchestrator.delivery import FAILURES, describe
 from orchestrator.keys import Names
 from orchestrator.messages import (
+    MAX_BUNDLE,
+    MAX_BUNDLE_BODY,
     MAX_ERROR,
     Cancelled,
+    ShardMessage,
     TaskMessage,
     bundle,
+    decode_reports,
+    decode_shard_body,
     decode_shard_message,
     decode_task,
     decode_tasks,
@@ -469,22 +480,38 @@ GHOST_PATHS = ("0", "1", "2", "00", chr(0x0660), "1/iter:0/0", "2/iter:7/1", *_E
 
 
 @st.composite
-def addresses(draw: st.DrawFn, w: World, *, for_tasks: bool = False) -> Address:
+def addresses(
+    draw: st.DrawFn, w: World, *, for_tasks: bool = False, shard: int | None = None
+) -> Address:
+    """Whom a message names, and the shard it goes to; `shard`: the queue is given (a bundle's
+    other reports), and a program it owns is named when there is one (else it is foreign)."""
     ways = ["ghost"] * 2 + ["good"] * 2 + ["ended"]
     ways += [] if for_tasks else ["good-foreign", "ended-foreign"]
     way = draw(st.sampled_from(ways))
     if way == "ghost":
-        return Address(
-            draw(ghost_ids(w)), draw(st.integers(0, SHARDS - 1)), None, GHOST_PATHS, False
-        )
-    known = pick(draw, w.good if way.startswith("good") else w.ended)
+        to = draw(st.integers(0, SHARDS - 1)) if shard is None else shard
+        return Address(draw(ghost_ids(w)), to, None, GHOST_PATHS, False)
+    programs = w.good if way.startswith("good") else w.ended
+    if shard is not None and not way.endswith("foreign"):
+        programs = tuple(k for k in programs if k.owner == shard) or programs
+    known = pick(draw, programs)
     every = (*sorted(known.cursors), *known.safe)
-    if way.endswith("foreign"):  # any path and kind: the shard must refuse it first
-        shard = (known.owner + draw(st.integers(1, SHARDS - 1))) % SHARDS
+    if shard is None:
+        shard = known.owner
+        if way.endswith("foreign"):
+            shard = (known.owner + draw(st.integers(1, SHARDS - 1))) % SHARDS
+    if shard != known.owner:  # any path and kind: the shard must refuse it first
         return Address(known.wf, shard, known, every, False)
-    if way == "good":
-        return Address(known.wf, known.owner, known, known.safe, True)
-    return Address(known.wf, known.owner, known, every, False)
+    if way.startswith("good"):
+        return Address(known.wf, shard, known, known.safe, True)
+    return Address(known.wf, shard, known, every, False)
+
+
+def anywhere(address: Address) -> Address:
+    """The address with every path of its program, its cursors too: for a message that must
+    never decode (a live cursor's report spoilt)."""
+    paths = address.known.cursors | set(address.paths) if address.known else address.paths
+    return Address(address.wf, address.shard, address.known, tuple(sorted(paths)), False)
 
 
 def _optional(draw: st.DrawFn, message: dict[str, Any], required: list[str]) -> dict[str, Any]:
@@ -493,8 +520,11 @@ def _optional(draw: st.DrawFn, message: dict[str, Any], required: list[str]) -> 
 
 
 @st.composite
-def shard_bodies(draw: st.DrawFn, address: Address, kind: str) -> dict[str, Any]:
-    """A well-formed shard message (for a shard that may not own it)."""
+def shard_bodies(
+    draw: st.DrawFn, address: Address, kind: str, small: bool = False
+) -> dict[str, Any]:
+    """A well-formed shard message (for a shard that may not own it); `small`: its values and
+    error of a few bytes (a hundred of them in a bundle stay under the bundle's bound)."""
     wf = address.wf
     if kind == "start":
         return {"kind": "start", "wf": wf}
@@ -508,8 +538,9 @@ def shard_bodies(draw: st.DrawFn, address: Address, kind: str) -> dict[str, Any]
     if kind == "next":
         if HAS_STORED and draw(st.integers(0, 5)) == 0:
             return {"kind": "next", "wf": wf, "path": path, "stored": True}
-        return {"kind": "next", "wf": wf, "path": path, "output": draw(BIG_VALUE)}
-    error = draw(st.text(max_size=30) | st.just("e" * MAX_ERROR))
+        output = draw(SMALL if small else BIG_VALUE)
+        return {"kind": "next", "wf": wf, "path": path, "output": output}
+    error = draw(st.text(max_size=30) | st.just("e" * (30 if small else MAX_ERROR)))
     failed = {
         "kind": "failed",
         "wf": wf,
@@ -518,7 +549,7 @@ def shard_bodies(draw: st.DrawFn, address: Address, kind: str) -> dict[str, Any]
         "attempt": draw(st.integers(0, 3) | st.just(MAX_ATTEMPTS - 1)),
         "task": draw(st.sampled_from(["", "echo", "flaky", "t" * 128])),
         "error": error,
-        "prev": draw(VALUE),
+        "prev": draw(SMALL if small else VALUE),
         "iteration": draw(st.integers()),
     }
     return _optional(draw, failed, REQUIRED["failed"])
@@ -591,8 +622,9 @@ def broken(draw: st.DrawFn, message: dict[str, Any], kind: str) -> bytes:
         message |= {"stored": True, "output": draw(SMALL.filter(lambda v: v is not None))}
     else:
         body = render(message)
-        # A task in a list is a bundle (orchestrator/bundling.py): broken only with a non-task.
-        listed = b"[" + body + (b",1]" if kind == "task" else b"]")
+        # A task, or a report, in a list is a bundle (orchestrator/bundling.py): broken only
+        # with a stranger.
+        listed = b"[" + body + (b",1]" if kind in ("task", "next", "failed") else b"]")
         return draw(
             st.sampled_from(
                 [body[: len(body) // 2], body + b"x", body + b"}", b"\xef\xbb\xbf" + body,
@@ -604,10 +636,12 @@ def broken(draw: st.DrawFn, message: dict[str, Any], kind: str) -> bytes:
     return render(message)
 
 
-def _dead_letter_props(draw: st.DrawFn) -> dict[str, Any]:
-    """AMQP properties for a message that must be parked: they change nothing about that."""
+def _dead_letter_props(draw: st.DrawFn, came_back: bool = False) -> dict[str, Any]:
+    """AMQP properties for a message that must be parked: they change nothing about that.
+    `came_back`: always the failures header (a bundle of reports that has it is split, each
+    report then settled as if it had come alone)."""
     props: dict[str, Any] = {}
-    if draw(st.integers(0, 3)) == 0:
+    if came_back or draw(st.integers(0, 3)) == 0:
         props["headers"] = {
             FAILURES: draw(st.sampled_from(["abc", -1, 0, 2, 2**62, 1.5, [1], {"a": 1}, True])),
             "x-shardflow-reason": "forged",
@@ -621,6 +655,83 @@ def _dead_letter_props(draw: st.DrawFn) -> dict[str, Any]:
     return props
 
 
+# What a bundle of reports holds (a worker's reports of a bundle's tasks travel to their shard
+# as one): well-formed reports of several programs, also in one that came back (split); as
+# many as the bound, or one more; none; a member that is no report, or spoilt; its whole body
+# spoilt; padded to its size bound, or a byte over it.
+BUNDLES = ["mixed"] * 3 + ["returned"] * 2 + ["full", "over", "empty", "alien", "spoilt", "edge"]
+ALIENS = ["start", "deadline", "signal", "wake", "task", "value", "bundle"]
+
+
+def _decodes(body: bytes) -> bool:
+    try:
+        decode_shard_message(body)
+    except messages.MessageError:
+        return False
+    return True
+
+
+@st.composite
+def reports(draw: st.DrawFn, address: Address, small: bool = False) -> bytes:
+    """A `next` or `failed` for `address` that decodes: one that does not spoils its whole
+    bundle, which a `spoilt` bundle draws on purpose."""
+    for _ in range(3):
+        kind = draw(st.sampled_from(["next", "failed"]))
+        body = render(draw(shard_bodies(address, kind, small)))
+        if _decodes(body):
+            return body
+    return render({"kind": "next", "wf": address.wf, "path": pick(draw, address.paths)})
+
+
+@st.composite
+def report_bundles(
+    draw: st.DrawFn, w: World, first: Address
+) -> tuple[str, bytes, dict[str, Any], bool]:
+    """A bundle of reports for `first`'s shard, and more programs': its kind, body and AMQP
+    properties, and whether it is built not to decode."""
+    kind = draw(st.sampled_from(BUNDLES))
+    small = kind in ("full", "over", "edge")
+    at = [first, *draw(st.lists(addresses(w, shard=first.shard), max_size=3))]
+    bodies = [draw(reports(a, small)) for a in at]
+    over = kind == "edge" and draw(st.booleans())
+    if kind in ("full", "over"):  # the first few again, up to the bound or one more
+        bodies = list(itertools.islice(itertools.cycle(bodies), MAX_BUNDLE + (kind == "over")))
+    elif kind == "empty":
+        bodies = []
+    elif kind == "alien":  # a shard message that is no report, or no shard message at all
+        a, alien = draw(st.sampled_from(at)), draw(st.sampled_from(ALIENS))
+        if alien in ("start", "deadline", "signal"):
+            stranger = render(draw(shard_bodies(a, alien)))
+        elif alien == "wake":
+            stranger = render({"kind": "wake", "wf": a.wf, "path": pick(draw, a.paths)})
+        elif alien == "task":
+            stranger = render(draw(task_bodies(a)))
+        elif alien == "value":
+            stranger = render(draw(SMALL))
+        else:
+            stranger = bundle(bodies)
+        bodies.insert(draw(st.integers(0, len(bodies))), stranger)
+    elif kind == "spoilt" and draw(st.booleans()):
+        # a member spoilt, even a report for a live cursor: the bundle must never decode
+        i = draw(st.integers(0, len(bodies) - 1))
+        report = draw(st.sampled_from(["next", "failed"]))
+        bodies[i] = draw(broken(draw(shard_bodies(anywhere(at[i]), report)), report))
+    elif kind == "spoilt":  # the whole body (with a space or a BOM first, it is no bundle)
+        whole = bundle(bodies)
+        cut = [whole[:-1], whole + b"x", whole[:-1] + b",]", b" " + whole, b"\xef\xbb\xbf" + whole]
+        return kind, draw(st.sampled_from(cut)), _dead_letter_props(draw), True
+    elif kind == "edge":  # its last report padded to the size bound, or a byte over it
+        pad = {"kind": "next", "wf": first.wf, "path": pick(draw, first.paths), "output": ""}
+        short = len(bundle([*bodies, render(pad)]))
+        pad["output"] = "x" * (MAX_BUNDLE_BODY + over - short)
+        bodies.append(render(pad))
+    refused = kind in ("over", "empty", "alien", "spoilt") or over
+    props = _dead_letter_props(draw) if refused else {}
+    if kind == "returned":  # split: each report published again alone, then settled as such
+        props = _dead_letter_props(draw, came_back=True)
+    return kind, bundle(bodies), props, refused
+
+
 @st.composite
 def shard_messages(draw: st.DrawFn, w: World) -> Hostile:
     address = draw(addresses(w))
@@ -628,16 +739,17 @@ def shard_messages(draw: st.DrawFn, w: World) -> Hostile:
     kind = draw(st.sampled_from(kinds))
     via_exchange = draw(st.booleans())
     queue = w.names.shard_queue(address.shard)
-    how = draw(st.sampled_from(["wellformed"] * 3 + ["broken"] * 2 + ["garbage"]))
+    how = draw(st.sampled_from(["wellformed"] * 3 + ["broken"] * 2 + ["garbage"] + ["bundle"] * 2))
     props: dict[str, Any] = {}
+    spoilt = how == "broken"
     if how == "garbage":
         body, props = draw(GARBAGE), _dead_letter_props(draw)
     elif how == "broken":
         # anything may be spoiled, even a report for a live cursor: it must never decode
-        any_path = address.known.cursors | set(address.paths) if address.known else address.paths
-        spoilt = Address(address.wf, address.shard, address.known, tuple(sorted(any_path)), False)
-        body = draw(broken(draw(shard_bodies(spoilt, kind)), kind))
+        body = draw(broken(draw(shard_bodies(anywhere(address), kind)), kind))
         props = _dead_letter_props(draw)
+    elif how == "bundle":  # several programs' reports in one message, each settled on its own
+        kind, body, props, spoilt = draw(report_bundles(w, address))
     else:
         body = render(draw(shard_bodies(address, kind)))
     return Hostile(
@@ -647,7 +759,7 @@ def shard_messages(draw: st.DrawFn, w: World) -> Hostile:
         str(address.shard) if via_exchange else queue,
         body,
         props,
-        broken=how == "broken",
+        broken=spoilt,
         shard=address.shard,
     )
 
@@ -855,11 +967,30 @@ Outcome = list[Expect]  # an empty list: acked, nothing parked
 
 def expect_shard(h: Hostile, w: World) -> Outcome:
     try:
-        message = decode_shard_message(h.body)
+        found = decode_shard_body(h.body)
     except messages.MessageError as exc:
         return [Expect(h.label, h.queue, h.body, reason=describe(exc))]
     assert not h.broken, f"built not to decode, but the decoder accepts it: {h!r}"
-    wf, dead = message.wf, [Expect(h.label, h.queue, h.body)]
+    if not isinstance(found, list):
+        return _expect_message(h, w, found, h.body)
+    # Each of a bundle's reports is parked alone, as it would be had it come alone: so too once
+    # the bundle came back, split, each published again alone to the same queue.
+    return [e for report in found for e in _expect_message(h, w, report, encode(report))]
+
+
+def bundle_fate(h: Hostile, outcome: Outcome) -> Counter[str]:
+    """What became of a bundle of reports, for the summary: parked whole, or its reports
+    parked alone and acked."""
+    kind = h.label.split(" for ")[0].removeprefix("bundle ")
+    if outcome and outcome[0].body == h.body:
+        return Counter({f"{kind} parked whole": 1})
+    reports = decode_reports(h.body) or []
+    done = {"parked alone": len(outcome), "acked": len(reports) - len(outcome)}
+    return Counter({f"{kind} settled": 1} | {f"reports {k}": n for k, n in done.items()})
+
+
+def _expect_message(h: Hostile, w: World, message: ShardMessage, body: bytes) -> Outcome:
+    wf, dead = message.wf, [Expect(h.label, h.queue, body)]
     known = w.known(wf)
     if known is None:
         if message.kind in ("deadline", "wake", "signal"):  # may outlive their program
@@ -1286,6 +1417,7 @@ def test_drawn_hostile_messages_change_nothing_and_are_parked_with_a_reason(
 
     ledger = Ledger(driver)
     published: Counter[str] = Counter()
+    bundled: Counter[str] = Counter()  # what became of the bundles of reports
     bad_control = 0
     examples = itertools.count()
 
@@ -1313,6 +1445,8 @@ def test_drawn_hostile_messages_change_nothing_and_are_parked_with_a_reason(
                 outcome = expect_ingress(h)
             elif h.shard >= 0:
                 outcome = expect_shard(h, world)
+                if h.label.startswith("bundle "):
+                    bundled.update(bundle_fate(h, outcome))
             else:
                 outcome = expect_task(h, world)
             expected += outcome
@@ -1387,7 +1521,8 @@ def test_drawn_hostile_messages_change_nothing_and_are_parked_with_a_reason(
     print(
         f"\nhostile fuzz: {EXAMPLES} batches, published {sum(published.values())} "
         f"({dict(sorted(published.items()))}), dead-lettered {ledger.matched} as expected, "
-        f"{len(ledger.acked)} acked, {bad_control} bad control messages ignored, good programs "
+        f"{len(ledger.acked)} acked, report bundles {dict(sorted(bundled.items()))}, "
+        f"{bad_control} bad control messages ignored, good programs "
         f"{len(good)} + twins {len(twins)}, PING slowest {max(pings['slowest']) * 1000:.1f} ms "
         f"of {pings['count']}, {time.monotonic() - started:.0f} s"
     )
