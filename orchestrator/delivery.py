@@ -49,6 +49,7 @@ FAILURES = "x-shardflow-failures"
 # The message id a requeued message's sender gave ("" for none), which its copy keeps.
 SENT_ID = "x-shardflow-message-id"
 MAX_MESSAGE_ID = 255  # an AMQP short string's
+OWN_HEADERS = "x-shardflow-"
 MAX_REASON = 1000
 # The services being away: not the message's fault, so never counted against it. (aiormq's
 # connection errors are OSErrors; a refused publish, DeliveryError, is not one of these.)
@@ -180,11 +181,11 @@ async def process(
 
 
 async def split(delivery: Delivery, bus: Requeues, source: str, bodies: list[bytes]) -> None:
-    """Publish each message a bundle that came back carried alone to `source`, counted as
-    redelivered (the failures header): a try of the bundle was cut short, maybe by one of
-    them, which so takes no other program's message with it again."""
-    log.info("%s: a bundle of %d came back: each goes on alone", source, len(bodies))
-    headers = {FAILURES: 0, **(delivery.headers or {})}
+    """Publish messages a bundle carried each alone to `source`, counted as redelivered (the
+    failures header): a try of the bundle was cut short, maybe by one of them, which so takes
+    no other program's message with it again, or these were not settled in its try."""
+    log.info("%s: %d message(s) of a bundle go on alone", source, len(bodies))
+    headers = {FAILURES: 0, **kept_headers(delivery.headers)}
     for body in bodies:
         await bus.requeue(source, body, headers, delivery.priority)
 
@@ -203,8 +204,8 @@ async def _again(
     services are away, or dead-letter it at `limit` failures; then ack the original."""
     unreachable = isinstance(exc, UNCOUNTED)
     try:
-        headers = dict(delivery.headers or {})
-        failures = _int(headers.get(FAILURES)) + (0 if unreachable else 1)
+        headers = kept_headers(delivery.headers)
+        failures = _int((delivery.headers or {}).get(FAILURES)) + (0 if unreachable else 1)
         if failures >= limit:
             reason = f"failed {failures} times, the limit; last: {describe(exc)}"
             await bus.dead_letter(delivery.body, reason=reason, source=source)
@@ -232,6 +233,22 @@ async def _again(
     await settle(delivery, ok=True)
     if failures < limit:
         await asyncio.sleep(RETRY_PAUSE_S)
+
+
+def kept_headers(headers: dict[str, Any] | None) -> dict[str, Any]:
+    """The headers a message published again keeps: shardflow's own (`x-shardflow-*`) as
+    values the client can write back, an integer or a short text. Any other header is read by
+    no part, and one the client cannot write back (a long string that is no UTF-8, a double
+    too large for it) made every try to publish it again fail, so a message sent back after a
+    failure, or a bundle split, went round forever."""
+    kept: dict[str, Any] = {}
+    for name, value in (headers or {}).items():
+        writable = (isinstance(value, int) and -(2**63) <= value < 2**63) or (
+            isinstance(value, str) and len(value) <= MAX_MESSAGE_ID
+        )
+        if name.startswith(OWN_HEADERS) and writable and not isinstance(value, bool):
+            kept[name] = value
+    return kept
 
 
 def sent_id(delivery: Delivery, message_id: str | None) -> str | None:

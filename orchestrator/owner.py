@@ -85,18 +85,6 @@ def _parsed(body: bytes) -> ShardMessage | list[Next | Failed] | None:
         return None
 
 
-async def _settle_bundle(
-    whole: Delivery, parts: list[Part], runs: list[asyncio.Task[None]]
-) -> None:
-    """Ack a bundle of reports once each was settled on its own; hand it back whole when one
-    was handed back (the broker away, a stop) or its work failed past the policy."""
-    outcomes = await asyncio.gather(*runs, return_exceptions=True)
-    if any(isinstance(outcome, asyncio.CancelledError) for outcome in outcomes):
-        return  # a hard stop: the channel's close hands it back
-    failed = any(isinstance(outcome, BaseException) for outcome in outcomes)
-    await settle(whole, ok=not failed and not any(part.handed_back for part in parts))
-
-
 class ShardError(ValueError):
     """Shards an orchestrator cannot own."""
 
@@ -277,19 +265,24 @@ class Orchestrator(Service):
             return iterator
 
         # Up to `prefetch` messages at once, each program's one at a time in delivery order
-        # (orchestrator/ordering.py); a slot is held until its message settled, through a
-        # failure's pause, so a broken dependency is tried at most `prefetch` times a pause.
+        # (orchestrator/ordering.py); a slot is held until its message settled. A bundle of
+        # reports takes one slot, so its reports also take one of `prefetch` turns to work,
+        # held through a failure's pause: a broken dependency is tried at most `prefetch` times
+        # a pause. A turn is taken after the program's earlier messages ended: whoever holds
+        # one waits for nobody else's.
         slots = asyncio.Semaphore(self.settings.prefetch)
+        turns = asyncio.Semaphore(self.settings.prefetch)
         order = ProgramOrder()
 
         async def handle(message: Delivery, decoded: ShardMessage | None) -> None:
             async def begin() -> None:
-                if self._stop.is_set():  # stopping: never begun, handed back now, in order
-                    await settle(message, ok=False)
-                    return
-                await handle_shard_message(
-                    message, self.transitions, self.bus, shard, queue, self.limit, decoded
-                )
+                async with turns:
+                    if self._stop.is_set():  # stopping: never begun, handed back now, in order
+                        await settle(message, ok=False)
+                        return
+                    await handle_shard_message(
+                        message, self.transitions, self.bus, shard, queue, self.limit, decoded
+                    )
 
             # A malformed message has no program to wait for: it is dead-lettered at once.
             await (order.run(decoded.wf, begin()) if decoded else begin())
@@ -313,7 +306,31 @@ class Orchestrator(Service):
                 # spawned now, in delivery order, before the next message's work.
                 parts = [Part(message, functools.partial(encode, report)) for report in decoded]
                 runs = [self._spawn(handle(p, r)) for p, r in zip(parts, decoded, strict=True)]
-                self._spawn(_settle_bundle(message, parts, runs)).add_done_callback(settled)
+                settling = self._settle_bundle(message, parts, runs, queue)
+                self._spawn(settling).add_done_callback(settled)
+
+    async def _settle_bundle(
+        self, whole: Incoming, parts: list[Part], runs: list[asyncio.Task[None]], queue: str
+    ) -> None:
+        """Ack a bundle of reports once each was settled on its own. Those handed back (not
+        begun at a stop, the broker away as one was settled) or whose work ended in an error
+        go on alone, as a split's do, so the reports already applied are not sent again (they
+        would publish their steps' tasks again); when even that cannot be published, the
+        whole bundle is handed back."""
+        outcomes = await asyncio.gather(*runs, return_exceptions=True)
+        if (current := asyncio.current_task()) is not None and current.cancelling():
+            return  # a hard stop: the channel's close hands it back
+        back = []
+        for part, outcome in zip(parts, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                log.error("orchestrator: a bundled report's work failed", exc_info=outcome)
+            if isinstance(outcome, BaseException) or part.handed_back:
+                back.append(part.body)
+        if not back:
+            await settle(whole, ok=True)
+            return
+        async with process(whole, self.bus, queue, limit=self.limit):
+            await split(whole, self.bus, queue, back)
 
     async def _split(self, message: Incoming, reports: list[Next | Failed], queue: str) -> None:
         """A bundle of reports that came back: each goes on alone (delivery.split)."""

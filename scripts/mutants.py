@@ -89,7 +89,12 @@ REPORTS_WORKER = (
 )
 REPORTS_AGAIN = REPORTS + "test_a_bundle_of_reports_that_came_back_goes_on_report_by_report"
 REPORTS_ORDER = REPORTS + "test_a_report_in_a_bundle_keeps_its_place_in_its_programs_order"
-REPORTS_STOP = REPORTS + "test_a_stop_hands_a_bundle_of_reports_back_whole_when_one_was_never_begun"
+REPORTS_STOP = REPORTS + "test_a_stop_sends_each_report_of_a_bundle_it_never_began_on_alone"
+REPORTS_PARTLY = REPORTS + "test_a_stop_sends_on_alone_only_the_reports_of_a_bundle_it_never_began"
+REPORTS_TURNS = REPORTS + "test_an_owner_works_on_at_most_its_prefetch_of_reports_at_once"
+KEPT_HEADERS = (
+    "tests/test_delivery.py::test_a_copy_keeps_only_our_headers_as_values_the_client_can_write_back"
+)
 REPORTS_APPLIED = REPORTS + "test_an_owner_applies_each_report_of_a_bundle_alone_and_acks_it_once"
 SLEEP = "tests/test_sleep_e2e.py::test_a_sleep_waits_and_passes_its_prev_on"
 SIGNALS = (
@@ -774,10 +779,10 @@ end""",
     # A stop lets the messages the owner holds begin during its grace.
     "stop-begins-held-messages": (
         "orchestrator/owner.py",
-        "                if self._stop.is_set():  # stopping: never begun, handed back now, "
-        "in order\n"
-        "                    await settle(message, ok=False)\n"
-        "                    return\n",
+        "                    if self._stop.is_set():  # stopping: never begun, handed back "
+        "now, in order\n"
+        "                        await settle(message, ok=False)\n"
+        "                        return\n",
         "",
         (WINDOW_STOP,),
     ),
@@ -1069,9 +1074,48 @@ end""",
     # A bundle acked though a report was handed back at a stop: that report is lost.
     "report-bundle-acked-though-handed-back": (
         "orchestrator/owner.py",
-        "    await settle(whole, ok=not failed and not any(part.handed_back for part in parts))\n",
-        "    await settle(whole, ok=not failed)\n",
-        (REPORTS_STOP,),
+        "            if isinstance(outcome, BaseException) or part.handed_back:\n",
+        "            if isinstance(outcome, BaseException):\n",
+        (REPORTS_STOP, REPORTS_PARTLY),
+    ),
+    # A bundle partly applied at a stop handed back whole: when it comes back and is split,
+    # each report already applied publishes its program's next task again.
+    "report-bundle-handed-back-whole-at-a-stop": (
+        "orchestrator/owner.py",
+        "        async with process(whole, self.bus, queue, limit=self.limit):\n"
+        "            await split(whole, self.bus, queue, back)\n",
+        "        await settle(whole, ok=False)\n",
+        (REPORTS_PARTLY,),
+    ),
+    # A bundle's reports each start a transition at once: a bundle of 100 runs 100 beside
+    # the prefetch's, and a broken Redis is tried 100 times a pause.
+    "report-bundle-unbounded": (
+        "orchestrator/owner.py",
+        "                async with turns:\n",
+        "                async with asyncio.Semaphore(1000):\n",
+        (REPORTS_TURNS,),
+    ),
+    # A message sent again after a failure keeps every header: one the client cannot write
+    # back fails each try to send it again, and it goes round forever.
+    "requeue-keeps-every-header": (
+        "orchestrator/delivery.py",
+        "        headers = kept_headers(delivery.headers)\n",
+        "        headers = dict(delivery.headers or {})\n",
+        (KEPT_HEADERS,),
+    ),
+    # A bundle's split keeps every header, with the same end.
+    "split-keeps-every-header": (
+        "orchestrator/delivery.py",
+        "    headers = {FAILURES: 0, **kept_headers(delivery.headers)}\n",
+        "    headers = {FAILURES: 0, **(delivery.headers or {})}\n",
+        (KEPT_HEADERS,),
+    ),
+    # A start rides in a bundle of reports, which an owner parks whole with the others.
+    "report-bundle-carries-a-start": (
+        "worker/pool.py",
+        "1 if isinstance(report, Start) else most",
+        "most",
+        (REPORTS_WORKER,),
     ),
     # One report's fault parks the whole bundle's body: the others would run again if redriven.
     "report-bundle-part-parks-the-whole": (

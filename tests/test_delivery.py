@@ -11,7 +11,8 @@ from redis.exceptions import ClusterDownError, ReadOnlyError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from orchestrator import delivery as policy
-from orchestrator.delivery import FAILURES, SENT_ID, Poison, process, sent_id
+from orchestrator.delivery import FAILURES, SENT_ID, Poison, process, sent_id, split
+from orchestrator.messages import CARRY
 
 
 @dataclass
@@ -161,3 +162,31 @@ async def test_a_copy_of_a_message_with_a_header_not_ours_keeps_the_senders_id()
         await _fail(original, bus, ValueError("bad"))
         copy = _copy(bus.sent[-1], 1)
         assert sent_id(copy, copy.message_id) is None, bad
+
+
+# Headers a hostile sender can give that the client cannot write back: a long string that is
+# no UTF-8 (read as bytes), a double too large for the client's single float; and a boolean, a
+# number past 64 bits, a long text, and headers that are not ours.
+HOSTILE_HEADERS = {
+    "x-shardflow-odd": b"\xff\xfe",
+    "x-shardflow-big": 1e300,
+    "x-shardflow-flag": True,
+    "x-shardflow-huge": 2**64,
+    "x-shardflow-long": "m" * 256,
+    "k": "fine",
+    "x-death": [{"count": 1}],
+}
+
+
+async def test_a_copy_keeps_only_our_headers_as_values_the_client_can_write_back() -> None:
+    """Every try to publish a copy with a header the client could not write back failed, so
+    the message (a bundle split too) went round forever, never parked."""
+    bus = Transport()
+    await _fail(Held(headers={FAILURES: 1, CARRY: 1, **HOSTILE_HEADERS}), bus, ValueError("x"))
+    assert bus.sent[-1][1] == {FAILURES: 2, CARRY: 1, SENT_ID: ""}
+    bus = Transport()
+    await split(Held(headers={CARRY: 1, **HOSTILE_HEADERS}), bus, "q", [b"a", b"b"])
+    assert [(body, headers) for body, headers, _ in bus.sent] == [
+        (b"a", {FAILURES: 0, CARRY: 1}),
+        (b"b", {FAILURES: 0, CARRY: 1}),
+    ]

@@ -82,6 +82,18 @@ async def test_a_workers_reports_of_a_bundles_tasks_may_go_together_a_lone_tasks
     await _worker(store, bus).handle(delivery, "q")
     assert delivery.acked
     assert len(bus.shard) == 3 and bus.reports_most == [MAX_BUNDLE] * 3
+    # A start (a compensating program's, after a late task) goes alone: no owner reads one in
+    # a bundle of reports.
+    worker = _worker(store, bus)
+    start = Start(wf=decode_task(bus.tasks[0]).wf)
+
+    async def late(*_: Any, **__: Any) -> list[Any]:
+        return [_next(start.wf), start]
+
+    worker.run_tasks = late  # type: ignore[method-assign]
+    bus.reports_most.clear()
+    await worker.handle(Delivery(bundle(list(bus.tasks[:2])), CARRYING), "q")
+    assert bus.reports_most == [MAX_BUNDLE, 1, MAX_BUNDLE, 1]
     store, lone, _, _ = await _started("report-bundle-lone")
     lone.reports_most.clear()
     await _worker(store, lone).handle(Delivery(lone.tasks[0], CARRYING), "q")
@@ -238,7 +250,7 @@ def _count_of(value: Callable[[], int], name: str = "value") -> Any:
 
 
 @pytest.mark.e2e
-async def test_a_stop_hands_a_bundle_of_reports_back_whole_when_one_was_never_begun(
+async def test_a_stop_sends_each_report_of_a_bundle_it_never_began_on_alone(
     settings: Settings,
 ) -> None:
     settings = _one_shard(settings)
@@ -259,8 +271,80 @@ async def test_a_stop_hands_a_bundle_of_reports_back_whole_when_one_was_never_be
         watch.gate.set()
         await running
         assert watch.after_stop == 0, "a report held at the stop was begun after it"
-        # Neither report was applied: the bundle is back in the queue whole, not acked.
-        state = await until(lambda: bus.shard_queue_state(0), lambda found: found[0] == 1, 5)
-        assert state == (1, 0)
+        # Neither report was applied: each is back in the queue alone, the bundle acked.
+        assert await _take(settings, bus.names.shard_queue(0)) == [
+            encode(_next(first)),
+            encode(_next(second)),
+        ]
         for wf in (first, second):
             assert (await _at(store, wf))["cursor"] == "0"
+
+
+@pytest.mark.e2e
+async def test_a_stop_sends_on_alone_only_the_reports_of_a_bundle_it_never_began(
+    settings: Settings,
+) -> None:
+    """Handing the bundle back whole would have it split when it came back, and each report
+    already applied would publish its program's next task a second time."""
+    settings = _one_shard(settings)
+    async with connected(settings, "report-bundles") as (store, bus):
+        router = Router(settings, store=store, bus=bus, known_tasks=None)
+        first, second = [(await router.submit(CHAIN)).workflow_id for _ in range(2)]
+        body = bundle([encode(_next(first, 1)), encode(_next(second, 2))])
+        await bus.publish_to_shard(0, body, NEW)  # behind both starts
+        owner = Orchestrator(settings, [0], store=store, bus=bus)
+        real = owner.transitions.apply
+        gate, applied = asyncio.Event(), []
+
+        async def apply(message: Any, **kwargs: Any) -> str:
+            if (message.wf, message.kind) == (second, "start"):
+                await gate.wait()  # the second's start holds its report until the stop
+            verdict = await real(message, **kwargs)
+            applied.append((message.wf, message.kind))
+            return verdict
+
+        owner.transitions.apply = apply  # type: ignore[method-assign]
+        requeued: list[bytes] = []
+        requeue = bus.requeue
+
+        async def spy(queue: str, body: bytes, headers: dict[str, Any], *args: Any) -> None:
+            requeued.append(body)
+            await requeue(queue, body, headers, *args)
+
+        bus.requeue = spy  # type: ignore[method-assign]
+        running = asyncio.create_task(owner.run())
+        await until(_count(applied), lambda found: found["applied"] == 2)  # first's two
+        owner.shutdown()
+        await asyncio.sleep(0.1)
+        gate.set()
+        await running
+        assert sorted(applied) == sorted([(first, "start"), (first, "next"), (second, "start")])
+        # Only the report never begun went on alone; the bundle itself was acked.
+        assert requeued == [encode(_next(second, 2))]
+        assert await bus.shard_queue_state(0) == (1, 0)
+        # The first program's next task was published once, the second's not yet.
+        seconds = [task for task in await _tasks(settings, bus, 3) if task.path == "1"]
+        assert [task.wf for task in seconds] == [first]
+        # Another owner takes the report on: the second program moves on as well.
+        async with _owner(settings):
+            await until(lambda: _at(store, second), lambda found: found["cursor"] == "1")
+
+
+@pytest.mark.e2e
+async def test_an_owner_works_on_at_most_its_prefetch_of_reports_at_once(
+    settings: Settings,
+) -> None:
+    """A bundle takes one of the prefetch's slots: its reports still wait for a turn, so a
+    bundle of 100 cannot start 100 transitions beside the others, nor try a broken Redis 100
+    times a pause."""
+    settings = _one_shard(settings).model_copy(update={"prefetch": 2})
+    async with _owner(settings) as (store, bus, owner, router):
+        watch = _Watch(owner.transitions.apply)
+        owner.transitions.apply = watch  # type: ignore[method-assign]
+        ids = [(await router.submit(CHAIN)).workflow_id for _ in range(6)]
+        firsts = await _tasks(settings, bus, 6)
+        watch.most = 0  # the starts' own window aside
+        await bus.publish_to_shard(0, bundle([encode(_next(task.wf)) for task in firsts]))
+        for wf in ids:
+            await until(lambda wf=wf: _at(store, wf), lambda found: found["cursor"] == "1")
+    assert watch.most == 2, watch.most

@@ -247,7 +247,8 @@ class Worker(Service):
         # A bundle's reports to one shard, sent in one turn, go as one (bundling.py).
         most = MAX_BUNDLE if isinstance(delivery, Part) else 1
         for report in reports:
-            await self._report(task, encode(report), most)
+            # A start (a compensating program's, after a late task) is no task's report: alone.
+            await self._report(task, encode(report), 1 if isinstance(report, Start) else most)
 
     async def _report(self, task: TaskMessage, body: bytes, most: int = 1) -> None:
         """Publish a report to the owner shard. Unroutable, a shard of the ring is tried again
