@@ -22,7 +22,7 @@ from aio_pika.abc import (
 )
 from aio_pika.connection import make_url
 
-from orchestrator import metrics
+from orchestrator import amqp_decode, metrics
 from orchestrator.bundling import Bundles
 from orchestrator.coalescing import CoalescingConnection
 from orchestrator.consuming import Deliveries
@@ -33,6 +33,7 @@ from orchestrator.program import MAX_PRIORITY, PARALLEL, SERIAL, is_lane
 from orchestrator.settings import Settings
 
 log = logging.getLogger(__name__)
+amqp_decode.install()  # before any frame is read: see orchestrator/amqp_decode.py
 Properties: TypeAlias = aiormq.spec.Basic.Properties  # pamqp's, as aiormq hands it on
 JSON = "application/json"
 PERSISTENT = 2  # AMQP's delivery mode: written to disk by the broker

@@ -1,0 +1,141 @@
+"""Timestamps datetime cannot hold (orchestrator/amqp_decode.py): decoded as pamqp did when it
+could, as the raw u64 when not, and on a real cluster parked like any other bad message
+instead of dropping the connection for good."""
+
+from __future__ import annotations
+
+import datetime
+import struct
+from typing import Any, cast
+
+import aio_pika
+import aiormq
+import pytest
+from aiormq.abc import DeliveredMessage
+from pamqp import decode, encode
+from pamqp.commands import Basic
+from pamqp.header import ContentHeader
+
+import orchestrator.bus  # noqa: F401 (installs the decoders, as in every process)
+from orchestrator import amqp_decode
+from orchestrator.consuming import Incoming
+from orchestrator.keys import Names
+from orchestrator.settings import Settings
+from router.client import Router
+from router.hashing import shard_for
+from tests.test_hostile import dead_reasons
+
+U64 = struct.Struct(">Q")
+UTC = datetime.UTC
+# pamqp reads a u64 over 0xFFFFFFFF as milliseconds.
+IN_RANGE = {
+    0: datetime.datetime(1970, 1, 1, tzinfo=UTC),
+    0xFFFFFFFF: datetime.datetime(2106, 2, 7, 6, 28, 15, tzinfo=UTC),
+    0xFFFFFFFF + 1: datetime.datetime.fromtimestamp(4_294_967.296, tz=UTC),
+    1_772_000_000_000: datetime.datetime.fromtimestamp(1_772_000_000, tz=UTC),
+    253_402_300_799_999: datetime.datetime.fromtimestamp(253_402_300_799.999, tz=UTC),
+}
+OUT_OF_RANGE = (
+    253_402_300_800_000,  # the first millisecond of the year 10000
+    2**63 + 5,
+    2**64 - 1,  # the max u64, and -1 as the Java client writes it
+    2**64 - 86_400,  # a day before 1970, as a u64
+)
+
+
+def test_a_timestamp_in_range_decodes_as_pamqp_decoded_it() -> None:
+    for raw, expected in IN_RANGE.items():
+        assert amqp_decode.timestamp(U64.pack(raw)) == (8, expected)
+        assert amqp_decode.PAMQP_TIMESTAMP(U64.pack(raw)) == (8, expected)
+        assert amqp_decode.property_timestamp(U64.pack(raw)) == (8, expected)
+
+
+def test_a_timestamp_out_of_range_is_the_raw_integer_in_a_table_and_none_as_a_property() -> None:
+    for raw in OUT_OF_RANGE:
+        assert amqp_decode.timestamp(U64.pack(raw) + b"rest") == (8, raw)
+        assert amqp_decode.property_timestamp(U64.pack(raw)) == (8, None)
+
+
+def test_a_truncated_timestamp_is_still_a_broken_frame() -> None:
+    with pytest.raises(ValueError, match="Could not unpack timestamp"):
+        amqp_decode.timestamp(b"\x00" * 7)
+
+
+def test_importing_the_bus_installed_the_decoders_and_installing_again_changes_nothing() -> None:
+    for _ in range(2):
+        assert decode.timestamp is amqp_decode.timestamp
+        assert decode.TABLE_MAPPING[b"T"] is amqp_decode.timestamp
+        assert decode.METHODS["timestamp"] is amqp_decode.property_timestamp
+        amqp_decode.install()
+    assert amqp_decode.PAMQP_TIMESTAMP is not amqp_decode.timestamp
+
+
+def stamped(header_stamps: dict[str, int] | None = None, stamp: int | None = None) -> bytes:
+    """Basic.Properties as on the wire, with 'T' headers and a `timestamp` of any u64: pamqp
+    (and so aio-pika) refuses to encode one datetime cannot hold. A text header goes last."""
+    flags, parts = 0, []
+    if header_stamps is not None:
+        entries = b"".join(
+            encode.short_string(name) + b"T" + U64.pack(raw) for name, raw in header_stamps.items()
+        )
+        entries += encode.short_string("x-after") + encode.encode_table_value("kept")
+        flags |= Basic.Properties.flags["headers"]
+        parts.append(struct.pack(">I", len(entries)) + entries)
+    if stamp is not None:
+        flags |= Basic.Properties.flags["timestamp"]
+        parts.append(U64.pack(stamp))
+    return struct.pack(">H", flags) + b"".join(parts)
+
+
+def test_a_delivery_with_such_timestamps_reaches_every_reader_of_it() -> None:
+    """pamqp's ContentHeader, aiormq's DeliveredMessage, aio-pika's IncomingMessage and our
+    Incoming all take an int header and a None timestamp."""
+    stamps = {f"x-stamp-{n}": raw for n, raw in enumerate(OUT_OF_RANGE)}
+    header = ContentHeader()
+    header.unmarshal(struct.pack(">HHQ", 60, 0, 2) + stamped(stamps, 2**63 + 5))
+    assert header.properties.headers == {**stamps, "x-after": "kept"}
+    assert header.properties.timestamp is None
+    deliver = Basic.Deliver(consumer_tag="c", delivery_tag=1, routing_key="q")
+    channel = cast(Any, None)
+    delivered = DeliveredMessage(delivery=deliver, header=header, body=b"{}", channel=channel)
+    assert aio_pika.IncomingMessage(delivered).headers == header.properties.headers
+    assert aio_pika.IncomingMessage(delivered).timestamp is None
+    assert Incoming(delivered, channel, no_ack=False).headers == header.properties.headers
+
+
+class RawProperties(Basic.Properties):
+    """Properties sent as the bytes given."""
+
+    def __init__(self, raw: bytes) -> None:
+        super().__init__()
+        self.raw = raw
+
+    def marshal(self) -> bytes:
+        return self.raw
+
+
+@pytest.mark.e2e
+async def test_messages_with_out_of_range_timestamps_are_dead_lettered_and_the_shard_goes_on(
+    cluster: Router, settings: Settings
+) -> None:
+    """Before amqp_decode, each took the owner's connection down on every delivery."""
+    good = "ts-good"
+    shard = str(shard_for(good, settings.shards))  # the shard the good program needs
+    exchange = Names(settings.prefix).orchestrator_exchange
+    hostile = {
+        b'{"kind": "start", "wf": "ghost-ts-header"}': stamped({"x-sent-at": 2**63 + 5}),
+        b'{"kind": "start", "wf": "ghost-ts-stamp"}': stamped(stamp=2**64 - 1),
+    }
+    connection = await aiormq.connect(settings.amqp_url)
+    try:
+        channel = await connection.channel()
+        for body, properties in hostile.items():
+            await channel.basic_publish(
+                body, exchange=exchange, routing_key=shard, properties=RawProperties(properties)
+            )
+    finally:
+        await connection.close()
+    reasons = sorted(await dead_reasons(settings, 2))
+    assert reasons == ["ghost-ts-header: no such program", "ghost-ts-stamp: no such program"]
+    await cluster.submit({"steps": [{"task": "echo"}]}, None, good)
+    assert (await cluster.wait(good, timeout_s=30))["status"] == "completed"
