@@ -95,6 +95,13 @@ REPORTS_TURNS = REPORTS + "test_an_owner_works_on_at_most_its_prefetch_of_report
 KEPT_HEADERS = (
     "tests/test_delivery.py::test_a_copy_keeps_only_our_headers_as_values_the_client_can_write_back"
 )
+HEADERS_SPLIT = (
+    REPORTS + "test_a_bundle_sent_back_with_a_header_the_client_cannot_write_is_split_and_parked"
+)
+STAMPS = (
+    "tests/test_amqp_decode.py::"
+    "test_messages_with_out_of_range_timestamps_are_dead_lettered_and_the_shard_goes_on"
+)
 REPORTS_APPLIED = REPORTS + "test_an_owner_applies_each_report_of_a_bundle_alone_and_acks_it_once"
 SLEEP = "tests/test_sleep_e2e.py::test_a_sleep_waits_and_passes_its_prev_on"
 SIGNALS = (
@@ -1109,6 +1116,22 @@ end""",
         "    headers = {FAILURES: 0, **kept_headers(delivery.headers)}\n",
         "    headers = {FAILURES: 0, **(delivery.headers or {})}\n",
         (KEPT_HEADERS,),
+    ),
+    # Both: every header kept, whatever its value (each path alone is masked by the other's
+    # fix on a real broker: a failed split is sent again whole with our headers only).
+    "kept-headers-keeps-all": (
+        "orchestrator/delivery.py",
+        "    return kept\n",
+        "    return dict(headers or {})\n",
+        (KEPT_HEADERS, HEADERS_SPLIT),
+    ),
+    # pamqp's own timestamp decoder: a timestamp no datetime holds drops the connection on
+    # every delivery, and the shard is wedged.
+    "amqp-decode-not-installed": (
+        "orchestrator/bus.py",
+        "amqp_decode.install()  # before any frame is read",
+        "amqp_decode.PAMQP_TIMESTAMP  # before any frame is read",
+        (STAMPS,),
     ),
     # A start rides in a bundle of reports, which an owner parks whole with the others.
     "report-bundle-carries-a-start": (

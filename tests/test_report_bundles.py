@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import struct
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import aiormq
 import pytest
+from pamqp.commands import Basic
+from pamqp.encode import short_string as encode_short_string
 
 from orchestrator import metrics
 from orchestrator.bus import NEW, Bus
 from orchestrator.connections import connected
 from orchestrator.delivery import FAILURES
-from orchestrator.keys import Keys
+from orchestrator.keys import Keys, Names
 from orchestrator.messages import (
     CARRYING,
     MAX_BUNDLE,
@@ -39,6 +43,7 @@ from orchestrator.shares import share_of, share_pool
 from orchestrator.store import Store
 from router.client import Router
 from tests.polling import until
+from tests.test_amqp_decode import RawProperties
 from tests.test_bundling import Flaky, Parked, _take, _three_at_their_first_task
 from tests.test_carry import Delivery, _started, _worker
 from tests.test_hostile import dead_reasons
@@ -348,3 +353,29 @@ async def test_an_owner_works_on_at_most_its_prefetch_of_reports_at_once(
         for wf in ids:
             await until(lambda wf=wf: _at(store, wf), lambda found: found["cursor"] == "1")
     assert watch.most == 2, watch.most
+
+
+@pytest.mark.e2e
+async def test_a_bundle_sent_back_with_a_header_the_client_cannot_write_is_split_and_parked(
+    cluster: Router, settings: Settings
+) -> None:
+    """The split copied every header, and the client could write back neither a long string
+    that is no UTF-8 nor a double too large for its single float: each try failed, and the
+    bundle went round forever, never parked."""
+    entries = (
+        encode_short_string(FAILURES) + b"I" + struct.pack(">i", 1)
+        + encode_short_string("k-bytes") + b"S" + struct.pack(">I", 2) + b"\xff\xfe"
+        + encode_short_string("k-double") + b"d" + struct.pack(">d", 1e300)
+    )  # fmt: skip
+    flags = Basic.Properties.flags["headers"]
+    raw = struct.pack(">HI", flags, len(entries)) + entries
+    body = bundle([encode(_next("ghost-odd-1")), encode(_next("ghost-odd-2"))])
+    connection = await aiormq.connect(settings.amqp_url)
+    try:
+        channel = await connection.channel()
+        queue = Names(settings.prefix).shard_queue(0)
+        await channel.basic_publish(body, routing_key=queue, properties=RawProperties(raw))
+    finally:
+        await connection.close()
+    reasons = sorted(await dead_reasons(settings, 2))
+    assert reasons == [f"ghost-odd-{n}: no such program" for n in (1, 2)]
