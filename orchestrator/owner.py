@@ -15,9 +15,11 @@ from orchestrator.backlog import Backlog
 from orchestrator.bus import NEW, Bus, Publisher
 from orchestrator.consuming import Deliveries, Incoming
 from orchestrator.delivery import (
+    FAILURES,
     UNREACHABLE,
     Delivery,
     Part,
+    kept_headers,
     process,
     redelivered,
     settle,
@@ -32,6 +34,7 @@ from orchestrator.messages import (
     Next,
     ShardMessage,
     Start,
+    bundle,
     decode_shard_body,
     encode,
 )
@@ -314,15 +317,16 @@ class Orchestrator(Service):
     ) -> None:
         """Ack a bundle of reports once each was settled on its own. Those handed back (not
         begun at a stop, the broker away as one was settled) or whose work ended in an error
-        go on alone, as a split's do, so the reports already applied are not sent again (they
-        would publish their steps' tasks again); when even that cannot be published, the
-        whole bundle is handed back."""
+        go on in one message, which the owner then splits (it carries the failures header), so
+        the reports already applied are not sent again: they would publish their steps' tasks
+        again. One message: published whole or not at all, never some of them twice. If even
+        that fails, the delivery policy sends the bundle again (or hands it back) whole. A hard
+        stop cancels this task in the gather: nothing is settled, the channel's close hands
+        the bundle back."""
         outcomes = await asyncio.gather(*runs, return_exceptions=True)
-        if (current := asyncio.current_task()) is not None and current.cancelling():
-            return  # a hard stop: the channel's close hands it back
         back = []
         for part, outcome in zip(parts, outcomes, strict=True):
-            if isinstance(outcome, BaseException):
+            if isinstance(outcome, BaseException):  # a run cancelled alone: sent on too
                 log.error("orchestrator: a bundled report's work failed", exc_info=outcome)
             if isinstance(outcome, BaseException) or part.handed_back:
                 back.append(part.body)
@@ -330,7 +334,9 @@ class Orchestrator(Service):
             await settle(whole, ok=True)
             return
         async with process(whole, self.bus, queue, limit=self.limit):
-            await split(whole, self.bus, queue, back)
+            log.info("%s: %d report(s) of a bundle go on", queue, len(back))
+            headers = {FAILURES: 0, **kept_headers(whole.headers)}
+            await self.bus.requeue(queue, bundle(back), headers, whole.priority)
 
     async def _split(self, message: Incoming, reports: list[Next | Failed], queue: str) -> None:
         """A bundle of reports that came back: each goes on alone (delivery.split)."""

@@ -1089,9 +1089,8 @@ end""",
     # each report already applied publishes its program's next task again.
     "report-bundle-handed-back-whole-at-a-stop": (
         "orchestrator/owner.py",
-        "        async with process(whole, self.bus, queue, limit=self.limit):\n"
-        "            await split(whole, self.bus, queue, back)\n",
-        "        await settle(whole, ok=False)\n",
+        "        async with process(whole, self.bus, queue, limit=self.limit):\n",
+        "        await settle(whole, ok=False)\n        if False:\n",
         (REPORTS_PARTLY,),
     ),
     # A bundle's reports each start a transition at once: a bundle of 100 runs 100 beside

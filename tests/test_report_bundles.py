@@ -276,10 +276,10 @@ async def test_a_stop_sends_each_report_of_a_bundle_it_never_began_on_alone(
         watch.gate.set()
         await running
         assert watch.after_stop == 0, "a report held at the stop was begun after it"
-        # Neither report was applied: each is back in the queue alone, the bundle acked.
+        # Neither report was applied: both went on in one message, to be split by the next
+        # owner, and the bundle was acked.
         assert await _take(settings, bus.names.shard_queue(0)) == [
-            encode(_next(first)),
-            encode(_next(second)),
+            bundle([encode(_next(first)), encode(_next(second))])
         ]
         for wf in (first, second):
             assert (await _at(store, wf))["cursor"] == "0"
@@ -324,8 +324,8 @@ async def test_a_stop_sends_on_alone_only_the_reports_of_a_bundle_it_never_began
         gate.set()
         await running
         assert sorted(applied) == sorted([(first, "start"), (first, "next"), (second, "start")])
-        # Only the report never begun went on alone; the bundle itself was acked.
-        assert requeued == [encode(_next(second, 2))]
+        # Only the report never begun went on; the bundle itself was acked.
+        assert requeued == [bundle([encode(_next(second, 2))])]
         assert await bus.shard_queue_state(0) == (1, 0)
         # The first program's next task was published once, the second's not yet.
         seconds = [task for task in await _tasks(settings, bus, 3) if task.path == "1"]
