@@ -732,14 +732,15 @@ async def _dead(settings: Settings, args: argparse.Namespace) -> int:
             "from": headers.get("x-shardflow-from"),
             "body": body.decode(errors="replace")[:500],
         }
-        _print(json.dumps(line))
+        # Parked by the broker, a message has its sender's headers: any AMQP value.
+        _print(json.dumps(line, default=str))
     return 0
 
 
 def _death_reason(headers: dict[str, Any]) -> str:
     # Dead-lettered by the broker (rejected, or over a quorum queue's delivery limit).
-    deaths = headers.get("x-death") or []
-    if deaths:
+    deaths = headers.get("x-death")
+    if isinstance(deaths, list) and deaths and isinstance(deaths[0], dict):
         death = deaths[0]
         return f"{death.get('reason')} by the broker from {death.get('queue')}"
     return "unknown"

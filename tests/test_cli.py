@@ -361,6 +361,37 @@ async def test_poison_messages_are_parked_with_their_reason_and_listed(
     assert done.returncode == 0, done.stderr
 
 
+async def test_dead_lists_a_message_parked_with_any_sender_headers(
+    dev: dict[str, str], settings: Settings
+) -> None:
+    """The broker parks a message (a quorum queue's delivery limit) with its sender's headers,
+    any AMQP value: a timestamp or an `x-death` that is no list crashed the listing."""
+    import datetime
+
+    import aio_pika
+
+    from orchestrator.connections import connected
+    from orchestrator.keys import Names
+
+    async with connected(settings):  # the dead-letter queue exists
+        pass
+    headers = {
+        "x-shardflow-from": datetime.datetime(2026, 12, 5, tzinfo=datetime.UTC),
+        "x-death": "not a list",
+    }
+    async with await aio_pika.connect(settings.amqp_url) as connection:
+        channel = await connection.channel()
+        message = aio_pika.Message(b"{}", headers=headers)
+        await channel.default_exchange.publish(
+            message, routing_key=Names(settings.prefix).dead_queue
+        )
+    listed = shardflow("dead", env=dev)
+    assert listed.returncode == 0, listed.stderr
+    assert [json.loads(line) for line in listed.stdout.splitlines()] == [
+        {"reason": "unknown", "from": "2026-12-05 00:00:00+00:00", "body": "{}"}
+    ]
+
+
 def test_cancel_of_an_unknown_program_exits_1(settings: Settings) -> None:
     result = shardflow("cancel", "nothing-here", env=environment(settings))
     assert (result.returncode, result.stderr) == (1, "shardflow: no program 'nothing-here'\n")
