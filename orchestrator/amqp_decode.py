@@ -1,4 +1,5 @@
-"""pamqp's timestamp decoding, made total: no AMQP timestamp can drop the connection.
+"""pamqp's decoding of what a publisher sets, made total: no timestamp, text or header a
+publisher can send drops the connection.
 
 pamqp turns every timestamp (a header table's 'T' field, the `timestamp` property) into a
 datetime, and one that datetime cannot hold (past the year 9999, a negative time written as a
@@ -7,6 +8,11 @@ whole connection, the robust connection reconnects, the unacked message comes ba
 consumer is wedged for good (mosquito/aiormq#186, open). pika fixed the same bug by keeping the
 raw integer (pika/pika#1699); `install()` does that here, in every process that imports
 orchestrator/bus.py.
+
+The same holds for a short string that is no UTF-8 (a message id, a routing key: RabbitMQ
+passes any bytes on), read here with U+FFFD for what is not, and for any other property pamqp
+cannot read (a header of an unknown type, a header name that is no UTF-8): the message comes
+without properties, to be judged by its body like any other.
 """
 
 from __future__ import annotations
@@ -14,11 +20,14 @@ from __future__ import annotations
 import datetime
 import struct
 
-from pamqp import common, decode
+from pamqp import commands, common, decode
+from pamqp.header import ContentHeader
 
 # pamqp's own decoder, kept before `install()` replaces it: the result for every value it takes.
 PAMQP_TIMESTAMP = decode.timestamp
+PAMQP_CONTENT_HEADER = ContentHeader.unmarshal
 _U64 = struct.Struct(">Q")
+_HEADER = struct.Struct(">HHQ")  # a content header's class, weight and body size
 
 
 def timestamp(value: bytes) -> tuple[int, common.FieldValue]:
@@ -38,8 +47,31 @@ def property_timestamp(value: bytes) -> tuple[int, datetime.datetime | None]:
     return consumed, decoded if isinstance(decoded, datetime.datetime) else None
 
 
+def short_str(value: bytes) -> tuple[int, str]:
+    """pamqp's short string, with U+FFFD for bytes that are no UTF-8 instead of an error."""
+    try:
+        length = value[0]
+    except IndexError:
+        raise ValueError("Could not unpack short string value") from None
+    return length + 1, value[1 : length + 1].decode("utf-8", errors="replace")
+
+
+def content_header(header: ContentHeader, data: bytes) -> None:
+    """pamqp's content header, or, when its properties cannot be read, the header with none."""
+    try:
+        PAMQP_CONTENT_HEADER(header, data)
+    except (ValueError, OverflowError, OSError):  # UnicodeDecodeError is a ValueError
+        if len(data) < _HEADER.size:
+            raise  # a truncated frame is broken
+        header.class_id, header.weight, header.body_size = _HEADER.unpack_from(data)
+        header.properties = commands.Basic.Properties()
+
+
 def install() -> None:
     """Put the total decoders where pamqp looks them up; calling it again changes nothing."""
     decode.timestamp = timestamp  # type: ignore[assignment]  # an int is the point
     decode.TABLE_MAPPING[b"T"] = timestamp  # header tables and arrays
     decode.METHODS["timestamp"] = property_timestamp  # Basic.Properties, through by_type
+    decode.short_str = short_str
+    decode.METHODS["shortstr"] = short_str  # method frames and properties, through by_type
+    ContentHeader.unmarshal = content_header  # type: ignore[method-assign,assignment]

@@ -100,8 +100,9 @@ HEADERS_SPLIT = (
 )
 STAMPS = (
     "tests/test_amqp_decode.py::"
-    "test_messages_with_out_of_range_timestamps_are_dead_lettered_and_the_shard_goes_on"
+    "test_messages_with_properties_pamqp_cannot_read_are_parked_and_the_shard_goes_on"
 )
+DECODERS = "tests/test_amqp_decode.py::"
 REPORTS_APPLIED = REPORTS + "test_an_owner_applies_each_report_of_a_bundle_alone_and_acks_it_once"
 SLEEP = "tests/test_sleep_e2e.py::test_a_sleep_waits_and_passes_its_prev_on"
 SIGNALS = (
@@ -1131,6 +1132,21 @@ end""",
         "amqp_decode.install()  # before any frame is read",
         "amqp_decode.PAMQP_TIMESTAMP  # before any frame is read",
         (STAMPS,),
+    ),
+    # pamqp's strict short strings: a routing key or message id that is no UTF-8 drops the
+    # connection (a properties one is caught by the content header's guard too).
+    "short-strings-strict": (
+        "orchestrator/amqp_decode.py",
+        '    decode.METHODS["shortstr"] = short_str',
+        "    pass",
+        (DECODERS + "test_a_short_string_that_is_no_utf8_reads_with_replacements",),
+    ),
+    # pamqp's strict content header: a header name that is no UTF-8 drops the connection.
+    "content-header-strict": (
+        "orchestrator/amqp_decode.py",
+        "    ContentHeader.unmarshal = content_header",
+        "    pass",
+        (STAMPS, DECODERS + "test_properties_pamqp_cannot_read_leave_a_delivery_with_none"),
     ),
     # A start rides in a bundle of reports, which an owner parks whole with the others.
     "report-bundle-carries-a-start": (

@@ -66,8 +66,40 @@ def test_importing_the_bus_installed_the_decoders_and_installing_again_changes_n
         assert decode.timestamp is amqp_decode.timestamp
         assert decode.TABLE_MAPPING[b"T"] is amqp_decode.timestamp
         assert decode.METHODS["timestamp"] is amqp_decode.property_timestamp
+        assert decode.METHODS["shortstr"] is amqp_decode.short_str
+        assert ContentHeader.unmarshal is amqp_decode.content_header
         amqp_decode.install()
-    assert amqp_decode.PAMQP_TIMESTAMP is not amqp_decode.timestamp
+
+
+def test_a_short_string_that_is_no_utf8_reads_with_replacements() -> None:
+    assert amqp_decode.short_str(b"\x03abcdef") == (4, "abc")  # as pamqp
+    assert amqp_decode.short_str(b"\x02\xff\xfe") == (3, "\ufffd\ufffd")
+    with pytest.raises(ValueError, match="Could not unpack short string"):
+        amqp_decode.short_str(b"")
+    # A delivery whose routing key is no UTF-8 (a fanout exchange takes any): its method frame
+    # decodes, so the connection stays up.
+    frame = struct.pack(">HH", 60, 60) + encode.short_string("c") + struct.pack(">Q?", 1, False)
+    frame += encode.short_string("x") + b"\x02\xff\xfe"
+    deliver = Basic.Deliver()
+    deliver.unmarshal(frame[4:])
+    assert (deliver.exchange, deliver.routing_key) == ("x", "\ufffd\ufffd")
+
+
+def test_properties_pamqp_cannot_read_leave_a_delivery_with_none() -> None:
+    """A header of a type AMQP has not, a header name that is no UTF-8: the message is kept,
+    with no properties, and judged by its body."""
+    table = encode.short_string("ok") + b"S" + struct.pack(">I", 2) + b"hi"
+    for broken in (table + b"\x01kZ", table + b"\x01\xffS" + struct.pack(">I", 0)):
+        raw = struct.pack(">HI", Basic.Properties.flags["headers"], len(broken)) + broken
+        header = ContentHeader()
+        header.unmarshal(struct.pack(">HHQ", 60, 0, 5) + raw)
+        assert header.body_size == 5 and header.properties.headers is None
+    header = ContentHeader()
+    good = struct.pack(">HI", Basic.Properties.flags["headers"], len(table)) + table
+    header.unmarshal(struct.pack(">HHQ", 60, 0, 5) + good)
+    assert header.properties.headers == {"ok": "hi"}  # as pamqp
+    with pytest.raises(struct.error):
+        ContentHeader().unmarshal(b"\x00" * 11)  # truncated: broken, as pamqp says
 
 
 def stamped(header_stamps: dict[str, int] | None = None, stamp: int | None = None) -> bytes:
@@ -115,16 +147,27 @@ class RawProperties(Basic.Properties):
 
 
 @pytest.mark.e2e
-async def test_messages_with_out_of_range_timestamps_are_dead_lettered_and_the_shard_goes_on(
+async def test_messages_with_properties_pamqp_cannot_read_are_parked_and_the_shard_goes_on(
     cluster: Router, settings: Settings
 ) -> None:
     """Before amqp_decode, each took the owner's connection down on every delivery."""
     good = "ts-good"
     shard = str(shard_for(good, settings.shards))  # the shard the good program needs
     exchange = Names(settings.prefix).orchestrator_exchange
+    odd_name = b"\x01\xffS" + struct.pack(">I", 0)  # a header named by a byte of no UTF-8
     hostile = {
         b'{"kind": "start", "wf": "ghost-ts-header"}': stamped({"x-sent-at": 2**63 + 5}),
         b'{"kind": "start", "wf": "ghost-ts-stamp"}': stamped(stamp=2**64 - 1),
+        # A message id and a header name that are no UTF-8: each dropped it too. (A header of
+        # no AMQP type RabbitMQ refuses itself.)
+        b'{"kind": "start", "wf": "ghost-id"}': struct.pack(
+            ">H", Basic.Properties.flags["message_id"]
+        )
+        + b"\x01\xff",
+        b'{"kind": "start", "wf": "ghost-name"}': struct.pack(
+            ">HI", Basic.Properties.flags["headers"], len(odd_name)
+        )
+        + odd_name,
     }
     connection = await aiormq.connect(settings.amqp_url)
     try:
@@ -135,7 +178,9 @@ async def test_messages_with_out_of_range_timestamps_are_dead_lettered_and_the_s
             )
     finally:
         await connection.close()
-    reasons = sorted(await dead_reasons(settings, 2))
-    assert reasons == ["ghost-ts-header: no such program", "ghost-ts-stamp: no such program"]
+    reasons = sorted(await dead_reasons(settings, 4))
+    assert reasons == [
+        f"ghost-{name}: no such program" for name in ("id", "name", "ts-header", "ts-stamp")
+    ]
     await cluster.submit({"steps": [{"task": "echo"}]}, None, good)
     assert (await cluster.wait(good, timeout_s=30))["status"] == "completed"
