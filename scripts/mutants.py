@@ -89,8 +89,8 @@ REPORTS_WORKER = (
 )
 REPORTS_AGAIN = REPORTS + "test_a_bundle_of_reports_that_came_back_goes_on_report_by_report"
 REPORTS_ORDER = REPORTS + "test_a_report_in_a_bundle_keeps_its_place_in_its_programs_order"
-REPORTS_STOP = REPORTS + "test_a_stop_sends_each_report_of_a_bundle_it_never_began_on_alone"
-REPORTS_PARTLY = REPORTS + "test_a_stop_sends_on_alone_only_the_reports_of_a_bundle_it_never_began"
+REPORTS_STOP = REPORTS + "test_a_stop_sends_on_the_reports_of_a_bundle_it_never_began"
+REPORTS_PARTLY = REPORTS + "test_a_stop_sends_on_only_the_reports_of_a_bundle_it_never_began"
 REPORTS_TURNS = REPORTS + "test_an_owner_works_on_at_most_its_prefetch_of_reports_at_once"
 KEPT_HEADERS = (
     "tests/test_delivery.py::test_a_copy_keeps_only_our_headers_as_values_the_client_can_write_back"

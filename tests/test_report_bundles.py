@@ -215,13 +215,9 @@ async def test_a_report_in_a_bundle_keeps_its_place_in_its_programs_order(
 ) -> None:
     settings = _one_shard(settings)
     async with connected(settings, "report-bundles") as (store, bus):
-        router = Router(settings, store=store, bus=bus, known_tasks=None)
-        first, second = [(await router.submit(CHAIN)).workflow_id for _ in range(2)]
         # In the queue before the owner starts, so it holds them all at once: each program's
         # start, a bundle of both's reports, then another start of the first.
-        # At the starts' level: the queue gives a program's next step before any new one.
-        both = bundle([encode(_next(first)), encode(_next(second))])
-        await bus.publish_to_shard(0, both, NEW)
+        first, second = await _two_behind_their_starts(settings, store, bus)
         await bus.publish_to_shard(0, encode(Start(wf=first)), NEW)
         owner = Orchestrator(settings, [0], store=store, bus=bus)
         applied: list[tuple[str, str]] = []
@@ -243,6 +239,18 @@ async def test_a_report_in_a_bundle_keeps_its_place_in_its_programs_order(
     assert watch.overlapped == [], "a program was in two transitions at once"
 
 
+async def _two_behind_their_starts(
+    settings: Settings, store: Store, bus: Bus, outputs: tuple[Any, Any] = (None, None)
+) -> tuple[str, str]:
+    """Two programs submitted, each start in the queue, and behind both, at the starts' level
+    (the queue gives a program's next step before any new one), a bundle of their reports."""
+    router = Router(settings, store=store, bus=bus, known_tasks=None)
+    first, second = [(await router.submit(CHAIN)).workflow_id for _ in range(2)]
+    reports = [encode(_next(wf, out)) for wf, out in zip((first, second), outputs, strict=True)]
+    await bus.publish_to_shard(0, bundle(reports), NEW)
+    return first, second
+
+
 def _count(applied: list[Any]) -> Any:
     return _count_of(lambda: len(applied), "applied")
 
@@ -255,15 +263,12 @@ def _count_of(value: Callable[[], int], name: str = "value") -> Any:
 
 
 @pytest.mark.e2e
-async def test_a_stop_sends_each_report_of_a_bundle_it_never_began_on_alone(
+async def test_a_stop_sends_on_the_reports_of_a_bundle_it_never_began(
     settings: Settings,
 ) -> None:
     settings = _one_shard(settings)
     async with connected(settings, "report-bundles") as (store, bus):
-        router = Router(settings, store=store, bus=bus, known_tasks=None)
-        first, second = [(await router.submit(CHAIN)).workflow_id for _ in range(2)]
-        body = bundle([encode(_next(first)), encode(_next(second))])
-        await bus.publish_to_shard(0, body, NEW)  # behind both starts
+        first, second = await _two_behind_their_starts(settings, store, bus)
         owner = Orchestrator(settings, [0], store=store, bus=bus)
         watch = _Watch(owner.transitions.apply)
         owner.transitions.apply = watch  # type: ignore[method-assign]
@@ -286,17 +291,14 @@ async def test_a_stop_sends_each_report_of_a_bundle_it_never_began_on_alone(
 
 
 @pytest.mark.e2e
-async def test_a_stop_sends_on_alone_only_the_reports_of_a_bundle_it_never_began(
+async def test_a_stop_sends_on_only_the_reports_of_a_bundle_it_never_began(
     settings: Settings,
 ) -> None:
     """Handing the bundle back whole would have it split when it came back, and each report
     already applied would publish its program's next task a second time."""
     settings = _one_shard(settings)
     async with connected(settings, "report-bundles") as (store, bus):
-        router = Router(settings, store=store, bus=bus, known_tasks=None)
-        first, second = [(await router.submit(CHAIN)).workflow_id for _ in range(2)]
-        body = bundle([encode(_next(first, 1)), encode(_next(second, 2))])
-        await bus.publish_to_shard(0, body, NEW)  # behind both starts
+        first, second = await _two_behind_their_starts(settings, store, bus, (1, 2))
         owner = Orchestrator(settings, [0], store=store, bus=bus)
         real = owner.transitions.apply
         gate, applied = asyncio.Event(), []
@@ -324,7 +326,8 @@ async def test_a_stop_sends_on_alone_only_the_reports_of_a_bundle_it_never_began
         gate.set()
         await running
         assert sorted(applied) == sorted([(first, "start"), (first, "next"), (second, "start")])
-        # Only the report never begun went on; the bundle itself was acked.
+        # Only the report never begun went on (in a bundle of its own, to be split); the
+        # bundle itself was acked.
         assert requeued == [bundle([encode(_next(second, 2))])]
         assert await bus.shard_queue_state(0) == (1, 0)
         # The first program's next task was published once, the second's not yet.
