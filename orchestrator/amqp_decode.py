@@ -60,7 +60,8 @@ def content_header(header: ContentHeader, data: bytes) -> None:
     """pamqp's content header, or, when its properties cannot be read, the header with none."""
     try:
         PAMQP_CONTENT_HEADER(header, data)
-    except (ValueError, OverflowError, OSError):  # UnicodeDecodeError is a ValueError
+    # UnicodeDecodeError is a ValueError; tables nested a few hundred deep, a RecursionError.
+    except (ValueError, OverflowError, OSError, RecursionError):
         if len(data) < _HEADER.size:
             raise  # a truncated frame is broken
         header.class_id, header.weight, header.body_size = _HEADER.unpack_from(data)

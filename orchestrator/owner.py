@@ -19,6 +19,7 @@ from orchestrator.delivery import (
     UNREACHABLE,
     Delivery,
     Part,
+    Requeues,
     kept_headers,
     process,
     redelivered,
@@ -29,6 +30,7 @@ from orchestrator.lifecycle import Service, format_counts, raise_if_cancelled
 from orchestrator.machine import PathError
 from orchestrator.marks import Marks
 from orchestrator.messages import (
+    MAX_BUNDLE_BODY,
     Failed,
     MessageError,
     Next,
@@ -86,6 +88,19 @@ def _parsed(body: bytes) -> ShardMessage | list[Next | Failed] | None:
         return decode_shard_body(body)
     except MessageError:
         return None
+
+
+async def send_on(whole: Delivery, bus: Requeues, queue: str, bodies: list[bytes]) -> None:
+    """Publish again, counted as redelivered, reports a bundle carried that were not settled
+    in its try: as one bundle, which the next owner splits (published whole or not at all, so
+    none goes twice), or each alone when they no longer fit in one (a bundle some other sender
+    wrote can be longer written again: 1e15 comes back as 1000000000000000.0)."""
+    log.info("%s: %d report(s) of a bundle go on", queue, len(bodies))
+    body = bundle(bodies)
+    if len(body) > MAX_BUNDLE_BODY:
+        await split(whole, bus, queue, bodies)
+        return
+    await bus.requeue(queue, body, {FAILURES: 0, **kept_headers(whole.headers)}, whole.priority)
 
 
 class ShardError(ValueError):
@@ -334,9 +349,7 @@ class Orchestrator(Service):
             await settle(whole, ok=True)
             return
         async with process(whole, self.bus, queue, limit=self.limit):
-            log.info("%s: %d report(s) of a bundle go on", queue, len(back))
-            headers = {FAILURES: 0, **kept_headers(whole.headers)}
-            await self.bus.requeue(queue, bundle(back), headers, whole.priority)
+            await send_on(whole, self.bus, queue, back)
 
     async def _split(self, message: Incoming, reports: list[Next | Failed], queue: str) -> None:
         """A bundle of reports that came back: each goes on alone (delivery.split)."""

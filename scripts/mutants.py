@@ -103,6 +103,9 @@ STAMPS = (
     "test_messages_with_properties_pamqp_cannot_read_are_parked_and_the_shard_goes_on"
 )
 DECODERS = "tests/test_amqp_decode.py::"
+REPORTS_SEND_ON = (
+    REPORTS + "test_reports_that_go_on_go_in_one_bundle_or_each_alone_when_they_no_longer_fit"
+)
 REPORTS_APPLIED = REPORTS + "test_an_owner_applies_each_report_of_a_bundle_alone_and_acks_it_once"
 SLEEP = "tests/test_sleep_e2e.py::test_a_sleep_waits_and_passes_its_prev_on"
 SIGNALS = (
@@ -1147,6 +1150,21 @@ end""",
         "    ContentHeader.unmarshal = content_header",
         "    pass",
         (STAMPS, DECODERS + "test_properties_pamqp_cannot_read_leave_a_delivery_with_none"),
+    ),
+    # Headers nested deeper than pamqp recurses: the guard misses its RecursionError.
+    "content-header-recursion-uncaught": (
+        "orchestrator/amqp_decode.py",
+        "    except (ValueError, OverflowError, OSError, RecursionError):",
+        "    except (ValueError, OverflowError, OSError):",
+        (DECODERS + "test_properties_pamqp_cannot_read_leave_a_delivery_with_none",),
+    ),
+    # Reports that go on always in one bundle: one written again longer than an owner reads
+    # is parked whole, valid reports with it.
+    "send-on-over-the-bound": (
+        "orchestrator/owner.py",
+        "    if len(body) > MAX_BUNDLE_BODY:\n        await split(",
+        "    if False:\n        await split(",
+        (REPORTS_SEND_ON,),
     ),
     # A start rides in a bundle of reports, which an owner parks whole with the others.
     "report-bundle-carries-a-start": (

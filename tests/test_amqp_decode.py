@@ -94,6 +94,14 @@ def test_properties_pamqp_cannot_read_leave_a_delivery_with_none() -> None:
         header = ContentHeader()
         header.unmarshal(struct.pack(">HHQ", 60, 0, 5) + raw)
         assert header.body_size == 5 and header.properties.headers is None
+    # Tables nested too deep for pamqp's recursion: a RecursionError, not a ValueError.
+    nested = b""
+    for _ in range(3000):
+        nested = encode.short_string("n") + b"F" + struct.pack(">I", len(nested)) + nested
+    raw = struct.pack(">HI", Basic.Properties.flags["headers"], len(nested)) + nested
+    header = ContentHeader()
+    header.unmarshal(struct.pack(">HHQ", 60, 0, 5) + raw)
+    assert header.body_size == 5 and header.properties.headers is None
     header = ContentHeader()
     good = struct.pack(">HI", Basic.Properties.flags["headers"], len(table)) + table
     header.unmarshal(struct.pack(">HHQ", 60, 0, 5) + good)
