@@ -30,7 +30,9 @@ class Recorder:
         self.tasks: list[bytes] = []
         self.crash = False
 
-    async def publish_to_shard(self, owner: int, body: bytes, priority: int = 1) -> None:
+    async def publish_to_shard(
+        self, owner: int, body: bytes, priority: int = 1, most: int = 1
+    ) -> None:
         self.shard.append(body)
 
     async def publish_to_shard_later(self, owner: int, body: bytes, delay_s: float) -> None:
