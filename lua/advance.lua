@@ -45,7 +45,8 @@
 --          only) the ms since the moving cursor reached ARGV[1] (its updated_ms; "" if none:
 --          the owner's step timings, on Redis's clock), and verdict is
 --   applied  the transition happened now: publish what it produces
---   replay   it already happened (cursor moved from ARGV[1]): a redelivery publishes again
+--   replay   it already happened (cursor moved from ARGV[1]; for a redriven run's start, the
+--            cursor still at where it put it): a redelivery publishes again
 --   stale    the message is older than the program's state: ignore it
 --   missing  no such program
 local s = redis.call("HMGET", KEYS[1], "status", "cursor", "from", "epoch", "updated_ms")
@@ -191,6 +192,12 @@ if live and cursor == ARGV[1] then
   return {"applied", ARGV[3], ARGV[2], joined(), elapsed}
 end
 if from == ARGV[1] then
+  return {"replay", status, cursor, joined()}
+end
+-- a redriven run's start came from its `prior` (above), not from "": redelivered while the
+-- cursor still stands where it put it, it is a replay too, or what it owes is never sent
+if ARGV[1] == "" and scope == "" and cursor ~= "" and cursor == ARGV[2]
+    and from == (redis.call("HGET", KEYS[1], "prior") or "") then
   return {"replay", status, cursor, joined()}
 end
 return {"stale", status, cursor}

@@ -170,3 +170,47 @@ async def test_a_replayed_advance_into_a_bag_republishes_only_branches_still_at_
     assert sent() == {("0/branch:0/1", None)}
     assert await transitions.apply(start, redelivered=True, shard=owner) == "replay"
     assert sent() == {("0/branch:1/0", None), ("0", 2)}
+
+
+async def test_a_redelivered_start_of_a_redriven_run_republishes_its_step() -> None:
+    """A redriven run's start comes from its `prior`, not from "": its redelivery was stale, so
+    a crash between its advance and its publish lost the run (found by the property test)."""
+    await _redriven_start_replays(Settings(prefix="redriven"), MemoryStore(Keys("redriven")))
+
+
+async def test_the_lua_replays_a_redelivered_start_of_a_redriven_run(
+    settings: Settings, store: Any
+) -> None:
+    await _redriven_start_replays(settings, store)
+
+
+async def _redriven_start_replays(settings: Settings, store: Any) -> None:
+    bus = Recorder()
+    transitions = Transitions(store, bus, Plans(store, 8))
+    router = Router(settings, store=store, bus=bus)
+    program = {"steps": [{"task": "work"}, {"task": "work"}]}
+    owner = (await router.submit(program, None, "again")).shard
+    start = decode_shard_message(bus.shard.pop())
+    assert await transitions.apply(start, redelivered=False, shard=owner) == "applied"
+    report = Next(wf="again", path="0", output="first")
+    assert await transitions.apply(report, redelivered=False, shard=owner) == "applied"
+    failed = Failed(wf="again", path="1", task="work", error="no")
+    await transitions.apply(failed, redelivered=False, shard=owner)
+    assert (await store.state("again"))["status"] == "failed"
+    bus.tasks.clear()
+    await router.redrive("again")  # from the failed step 1, with step 0's output as its prev
+    rerun = decode_shard_message(bus.shard.pop())
+    assert isinstance(rerun, Start)
+    # The owner advances the new run to step 1, then dies before its task is published.
+    bus.crash = True
+    with pytest.raises(Crash):
+        await transitions.apply(rerun, redelivered=False, shard=owner)
+    assert (await store.state("again"))["cursor"] == "1" and not bus.tasks
+    # The broker delivers the start again, flagged: what the crash cut short is published.
+    assert await transitions.apply(rerun, redelivered=True, shard=owner) == "replay"
+    [task] = [decode_task(body) for body in bus.tasks]
+    assert (task.path, task.prev, task.epoch) == ("1", "first", 1)
+    # A start not flagged, or one after the run moved on, owes nothing.
+    bus.tasks.clear()
+    assert await transitions.apply(rerun, redelivered=False, shard=owner) == "replay"
+    assert not bus.tasks
