@@ -265,9 +265,9 @@ class MemoryStore:
             return Verdict("replay", now_status, now_cursor or "", joined())
         # A redriven run's start came from its `prior`: redelivered while the cursor stands
         # where it put it, a replay too.
-        if not expected and not scope and now_cursor and now_cursor == cursor:
-            if came_from == (self._hash(key).get("prior") or ""):
-                return Verdict("replay", now_status, now_cursor, joined())
+        again = bool(not expected and not scope and now_cursor and now_cursor == cursor)
+        if again and came_from == (self._hash(key).get("prior") or ""):
+            return Verdict("replay", now_status, now_cursor or "", joined())
         return Verdict("stale", now_status, now_cursor or "")
 
     def _scoped(self, wf: str, path: str, *fields: str) -> list[str | None]:

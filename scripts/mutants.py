@@ -1182,8 +1182,8 @@ end""",
     ),
     "redriven-start-never-replays-in-the-model": (
         "orchestrator/memory_store.py",
-        "        if not expected and not scope and now_cursor and now_cursor == cursor:\n",
-        "        if False:\n",
+        "        again = bool(not expected and not scope and now_cursor and now_cursor == cursor)",
+        "        again = False",
         (REDRIVEN_START,),
     ),
     # A start rides in a bundle of reports, which an owner parks whole with the others.
