@@ -38,8 +38,8 @@ class _Bundle:
 
 
 class Bundles:
-    """The bundles being filled this loop turn, one a key (queue, priority, headers); `send(key,
-    body)` publishes one and waits for its confirm."""
+    """The bundles being filled this loop turn, one a key (a task queue, priority and headers;
+    or a shard and priority); `send(key, body)` publishes one and waits for its confirm."""
 
     def __init__(
         self,
@@ -50,11 +50,11 @@ class Bundles:
         self._counters = counters  # bundles sent, and the messages in them
         self._open: dict[Hashable, _Bundle] = {}
         self._flushing: set[asyncio.Task[None]] = set()  # referenced until done
-        self.bundles = 0  # bundles of more than one task sent, and the tasks in them
+        self.bundles = 0  # bundles of more than one message sent, and the messages in them
         self.bundled = 0
 
     async def publish(self, key: Hashable, body: bytes, most: int) -> None:
-        """Publish `body` in the turn's bundle for `key` (at most `most` tasks), and wait for
+        """Publish `body` in the turn's bundle for `key` (at most `most` messages), and wait for
         that bundle's confirm."""
         loop = asyncio.get_running_loop()
         most = min(most, MAX_BUNDLE)  # what a worker takes

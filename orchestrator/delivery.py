@@ -185,9 +185,15 @@ async def split(delivery: Delivery, bus: Requeues, source: str, bodies: list[byt
     failures header): a try of the bundle was cut short, maybe by one of them, which so takes
     no other program's message with it again, or these were not settled in its try."""
     log.info("%s: %d message(s) of a bundle go on alone", source, len(bodies))
-    headers = {FAILURES: 0, **kept_headers(delivery.headers)}
+    headers = split_headers(delivery)
     for body in bodies:
         await bus.requeue(source, body, headers, delivery.priority)
+
+
+def split_headers(delivery: Delivery) -> dict[str, Any]:
+    """The headers of what a bundle carried, published again on its own: counted as
+    redelivered (the failures header), with the bundle's own headers that may be kept."""
+    return {FAILURES: 0, **kept_headers(delivery.headers)}
 
 
 def redelivered(delivery: Delivery) -> bool:

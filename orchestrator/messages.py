@@ -231,12 +231,13 @@ class TaskMessage(_Message):
         ]
 
 
-# Task messages of different programs sent as one (a bundle): at most this many. The owner
-# bundles a loop turn's single tasks for one queue while it has a backlog (bundling.py).
+# Messages of different programs sent as one (a bundle): at most this many. The owner bundles
+# a loop turn's single tasks for one queue while it has a backlog, and a worker those tasks'
+# reports for one shard (bundling.py).
 MAX_BUNDLE = 100
-# A task message larger than this goes alone, and a bundle holds at most MAX_BUNDLE_BYTES of
-# them. A worker refuses a larger bundle: each task is written again alone when it is parked
-# or published again, and JSON written again can be some times longer (1e15 ->
+# A message larger than this goes alone, and a bundle holds at most MAX_BUNDLE_BYTES of them.
+# A larger bundle is refused: each message is written again alone when it is parked or
+# published again, and JSON written again can be some times longer (1e15 ->
 # 1000000000000000.0), so a bundle near MAX_MESSAGE_BYTES could not be.
 MAX_BUNDLED_BYTES = 64 * 1024
 MAX_BUNDLE_BYTES = 1024 * 1024

@@ -15,16 +15,15 @@ from orchestrator.backlog import Backlog
 from orchestrator.bus import NEW, Bus, Publisher
 from orchestrator.consuming import Deliveries, Incoming
 from orchestrator.delivery import (
-    FAILURES,
     UNREACHABLE,
     Delivery,
     Part,
     Requeues,
-    kept_headers,
     process,
     redelivered,
     settle,
     split,
+    split_headers,
 )
 from orchestrator.lifecycle import Service, format_counts, raise_if_cancelled
 from orchestrator.machine import PathError
@@ -100,7 +99,7 @@ async def send_on(whole: Delivery, bus: Requeues, queue: str, bodies: list[bytes
     if len(body) > MAX_BUNDLE_BODY:
         await split(whole, bus, queue, bodies)
         return
-    await bus.requeue(queue, body, {FAILURES: 0, **kept_headers(whole.headers)}, whole.priority)
+    await bus.requeue(queue, body, split_headers(whole), whole.priority)
 
 
 class ShardError(ValueError):

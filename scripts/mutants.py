@@ -1122,8 +1122,8 @@ end""",
     # A bundle's split keeps every header, with the same end.
     "split-keeps-every-header": (
         "orchestrator/delivery.py",
-        "    headers = {FAILURES: 0, **kept_headers(delivery.headers)}\n",
-        "    headers = {FAILURES: 0, **(delivery.headers or {})}\n",
+        "    return {FAILURES: 0, **kept_headers(delivery.headers)}\n",
+        "    return {FAILURES: 0, **(delivery.headers or {})}\n",
         (KEPT_HEADERS,),
     ),
     # Both: every header kept, whatever its value (each path alone is masked by the other's
