@@ -191,7 +191,7 @@ class Bus:
         self._consumer_channels: dict[Deliveries, AbstractRobustChannel] = {}
         self._task_arguments: dict[str, dict[str, Any]] = {}  # by task queue, once checked
         self._unconfirmed = asyncio.Semaphore(MAX_UNCONFIRMED)
-        self._probe: AbstractRobustChannel | None = None  # for queue_state
+        self._probe: aiormq.abc.AbstractChannel | None = None  # for queue_state
         self._probing = asyncio.Lock()
 
     async def connect(self) -> None:
@@ -347,29 +347,36 @@ class Bus:
         and closed for each call cost two more round trips, and each one opened leaves about
         4.5 KB behind in aio-pika 10.2 over aiormq 7.2 (a close callback on an observer future
         of the connection that is never removed). The owner samples queues several times a
-        second (orchestrator/backlog.py): about 50 MB an hour of a busy owner's RSS.
-        A missing queue closes the probe (the broker's answer, 404); the next call opens one."""
+        second (orchestrator/backlog.py). A missing queue closes the probe (the broker's
+        answer, 404); the next call opens one. The probe is aiormq's own channel, not aio-pika's
+        robust one: a robust channel the broker closed reopens itself behind our close, and
+        each 404 left one more channel open on the broker (2,047 at most on a connection).
+        The connection's next reconnect closes it, and the next call opens one on the new."""
         async with self._probing:
-            if self._probe is not None and self._probe.is_closed:
-                await _close_quietly(self._probe)  # a robust channel would reopen itself
-                self._probe = None
-            if self._probe is None:
-                self._probe = await self._consumer_channel()
             probe = self._probe
+            if probe is None or probe.is_closed:
+                self._probe = probe = await self._raw_channel()
             try:
-                # aiormq's declare: aio-pika's robust channel answers a passive declare of a
-                # queue it declared before from its cache, without asking the broker.
-                underlay = await _underlay(probe)
-                result = await within(underlay.queue_declare(name, passive=True), PROBE_TIMEOUT_S)
-            except aio_pika.exceptions.ChannelClosed:
+                result = await within(probe.queue_declare(name, passive=True), PROBE_TIMEOUT_S)
+            except aiormq.exceptions.ChannelClosed:  # 404: the broker closed the channel
                 self._probe = None
-                await _close_quietly(probe)  # else a robust channel reopens itself
                 return None
             except BaseException:  # a timeout or a lost connection: start over on a fresh one
                 self._probe = None
-                await _close_quietly(probe)
+                with contextlib.suppress(Exception):
+                    await within(probe.close(), CLOSE_TIMEOUT_S)
                 raise
         return result.message_count or 0, result.consumer_count or 0
+
+    async def _raw_channel(self) -> aiormq.abc.AbstractChannel:
+        """A channel of aiormq's on the connection of the moment (never reopened by itself);
+        ConnectionError while the connection is down."""
+        if self._connection is None:
+            raise RuntimeError("Bus.connect() was not called")
+        transport = self._connection.transport
+        if transport is None or not self._connection.connected.is_set():
+            raise ConnectionError("the broker connection is down; it reconnects by itself")
+        return await transport.connection.channel(publisher_confirms=False)
 
     def _queue_arguments(
         self, *, single_active: bool = False, dead_letter: bool = True, max_priority: int = 0
