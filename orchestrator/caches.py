@@ -13,8 +13,18 @@ from typing import Any, Generic, TypeVar
 # Distinct programs kept parsed (deployments run tens of kinds). A constant, not a setting:
 # each may be up to a program's limit, which MAX_PROGRAM_BYTES bounds in all.
 MAX_PROGRAMS = 256
-# Bytes of the JSON text the kept programs were parsed from (parsed, a few times that).
-MAX_PROGRAM_BYTES = 8 << 20
+# What the kept programs hold parsed, by `json_bytes` (their text was counted before: a parse
+# holds 12-40 times its text, so 8 MiB of text could hold 300 MB).
+MAX_PROGRAM_BYTES = 32 << 20
+# What a JSON value holds once read (`json_bytes`), besides its text: each object or array
+# (a dict 200-250 bytes, a list 56 and more), each item (a comma: an int or a float in a list
+# takes 30-35). A parsed program (`program_bytes`) holds its pydantic models too: about 4 KB
+# whatever its size, and 500-1,200 bytes a task (tracemalloc, tests/test_plans.py).
+VALUE_BYTES = 128
+OBJECT_BYTES = 250
+ITEM_BYTES = 40
+PROGRAM_BYTES = 4096
+TASK_BYTES = 700
 
 K = TypeVar("K")
 T = TypeVar("T")
@@ -31,7 +41,8 @@ class ByText(Generic[T]):
     def __init__(self, make: Callable[[Any], T], *, exact: bool = False) -> None:
         self._make = make
         self._exact = exact
-        # By the text's digest: what its text reads back as (when exact), and what was made.
+        # By the text's digest: what its text reads back as (when exact), and what was made,
+        # charged what a program parsed from it holds.
         self._programs: Lru[bytes, tuple[Any, T]] = Lru(MAX_PROGRAMS, MAX_PROGRAM_BYTES)
         self.made = 0
 
@@ -49,7 +60,9 @@ class ByText(Generic[T]):
         if found is not None and (not exact or found[0] == source):
             return found[1]
         parsed = self._made(source)
-        self._programs.put(key, (json.loads(text) if exact else None, parsed), len(text))
+        # What was made holds a program parsed; an exact one also holds the value read back.
+        cost = program_bytes(text) + (json_bytes(text) if exact else 0)
+        self._programs.put(key, (json.loads(text) if exact else None, parsed), cost)
         return parsed
 
     def _made(self, source: Any) -> T:
@@ -60,12 +73,21 @@ class ByText(Generic[T]):
 
 class Lru(Generic[K, T]):
     """The values used last, at most `size` of them and `max_bytes` of their costs (the one
-    put last is kept whatever its cost)."""
+    put last is kept whatever its cost). `shared(value)`: a part of it that values may share
+    and what that part holds, charged once while any value kept holds it (a parsed program
+    that the plans of one program text share)."""
 
-    def __init__(self, size: int, max_bytes: int) -> None:
+    def __init__(
+        self,
+        size: int,
+        max_bytes: int,
+        shared: Callable[[T], tuple[object, int]] | None = None,
+    ) -> None:
         self._size = size
         self._max_bytes = max_bytes
+        self._shared = shared
         self._values: OrderedDict[K, tuple[T, int]] = OrderedDict()
+        self._holders: dict[int, int] = {}  # id of a shared part: values kept that hold it
         self.bytes = 0
 
     def __len__(self) -> int:
@@ -81,16 +103,51 @@ class Lru(Generic[K, T]):
     def put(self, key: K, value: T, cost: int) -> None:
         self.pop(key)
         self._values[key] = (value, cost)
-        self.bytes += cost
+        self.bytes += cost + self._hold(value)
         while len(self._values) > 1 and (
             len(self._values) > self._size or self.bytes > self._max_bytes
         ):
-            self.bytes -= self._values.popitem(last=False)[1][1]
+            old, old_cost = self._values.popitem(last=False)[1]
+            self.bytes -= old_cost + self._release(old)
 
     def pop(self, key: K) -> None:
         found = self._values.pop(key, None)
         if found is not None:
-            self.bytes -= found[1]
+            self.bytes -= found[1] + self._release(found[0])
+
+    def _hold(self, value: T) -> int:
+        """What holding `value`'s shared part adds: its cost when no value kept held it."""
+        if self._shared is None:
+            return 0
+        part, cost = self._shared(value)
+        held = self._holders.get(id(part), 0)  # a part held is alive: its id is its own
+        self._holders[id(part)] = held + 1
+        return 0 if held else cost
+
+    def _release(self, value: T) -> int:
+        """What letting go of `value` frees of its shared part: its cost when it held it last."""
+        if self._shared is None:
+            return 0
+        part, cost = self._shared(value)
+        left = self._holders[id(part)] - 1
+        if left:
+            self._holders[id(part)] = left
+            return 0
+        del self._holders[id(part)]
+        return cost
+
+
+def json_bytes(text: bytes) -> int:
+    """About what a JSON text holds once read, in bytes: its text, each object and array, each
+    item. 1-2.5 times what tracemalloc measures (tests/test_plans.py); a brace or a comma inside
+    a string is counted too, which only ever counts more."""
+    objects = text.count(b"{") + text.count(b"[")
+    return VALUE_BYTES + len(text) + OBJECT_BYTES * objects + ITEM_BYTES * text.count(b",")
+
+
+def program_bytes(text: bytes) -> int:
+    """About what a program parsed from this JSON text holds: its value's and its models'."""
+    return PROGRAM_BYTES + json_bytes(text) + TASK_BYTES * text.count(b'"task"')
 
 
 def _text(source: Any) -> bytes:

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.caches import ByText, Lru
+from orchestrator.caches import ByText, Lru, json_bytes, program_bytes
 from orchestrator.messages import INLINE_BYTES
 from orchestrator.program import (
     MAX_PRIORITY,
@@ -30,9 +30,11 @@ from orchestrator.program import (
 from orchestrator.shares import share_of
 from orchestrator.store import Store
 
-# What the plan cache may hold, in bytes of its inputs' JSON text (parsed, a few times that):
-# a count alone let 1,024 plans of 256 KiB inputs outgrow the chart's 256 MiB limit.
-MAX_PLAN_BYTES = 16 << 20
+# What the plan cache may hold, in bytes (caches.py's estimates): its inputs, and each distinct
+# program its plans hold parsed, once. A count alone let 1,024 plans of 256 KiB inputs outgrow
+# the chart's 256 MiB limit; inputs' text alone let 16,384 plans of programs of their own (a
+# bag of 100 members with their args: 92 KB parsed each) grow to 1.5 GB.
+MAX_PLAN_BYTES = 64 << 20
 # What a plan costs besides its input's text: its key, the Plan and the table's entry
 # (215 bytes measured with tracemalloc, and a 32-character id).
 PLAN_OVERHEAD = 300
@@ -53,6 +55,9 @@ class Plan:
     share: int = 0
     # The program's priority (0..MAX_PRIORITY, given at submit): its tasks' head start.
     priority: int = 0
+    # What its program holds parsed, about (`caches.program_bytes`): shared by the plans of one
+    # program text, and charged to the plan cache once.
+    program_bytes: int = 0
 
     @property
     def undoable(self) -> frozenset[str]:
@@ -67,6 +72,7 @@ class _Parsed:
     program: Program
     evaluates: bool
     share: int
+    cost: int  # what the program holds parsed, about
 
 
 class Plans:
@@ -75,7 +81,7 @@ class Plans:
 
     def __init__(self, store: Store, size: int) -> None:
         self._store = store
-        self._cache: Lru[str, Plan] = Lru(size, MAX_PLAN_BYTES)
+        self._cache: Lru[str, Plan] = Lru(size, MAX_PLAN_BYTES, _program_of)
         self._programs = ByText(self._parse)
 
     async def get(self, wf: str) -> Plan | None:
@@ -96,8 +102,11 @@ class Plans:
             parsed.evaluates,
             parsed.share,
             _priority(raw.get("priority")),
+            parsed.cost,
         )
-        self._cache.put(wf, plan, PLAN_OVERHEAD + len(text) * (2 if big else 1))
+        # The input as read, and its text too when the plan keeps that.
+        cost = PLAN_OVERHEAD + json_bytes(text.encode()) + (len(text) if big else 0)
+        self._cache.put(wf, plan, cost)
         return plan
 
     def forget(self, wf: str) -> None:
@@ -111,7 +120,14 @@ class Plans:
     @staticmethod
     def _parse(source: Any) -> _Parsed:
         program = parse_program(source, max_bytes=1 << 30)
-        return _Parsed(program, _evaluates(program.steps), share_of(program))
+        text = source if isinstance(source, str) else json.dumps(source)
+        cost = program_bytes(text.encode())
+        return _Parsed(program, _evaluates(program.steps), share_of(program), cost)
+
+
+def _program_of(plan: Plan) -> tuple[object, int]:
+    """The part plans share: their parsed program, and what it holds."""
+    return plan.program, plan.program_bytes
 
 
 def _priority(value: Any) -> int:

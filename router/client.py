@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.bus import NEW, Bus, Publisher
-from orchestrator.caches import ByText
+from orchestrator.caches import ByText, Lru, json_bytes
 from orchestrator.documents import check_input, check_value
 from orchestrator.ending import end_program
 from orchestrator.keys import check_workflow_id
@@ -32,6 +32,11 @@ from orchestrator.store import TERMINAL, Store
 from router import explain as explaining
 from router import listing, redriving
 from router.hashing import shard_for
+
+# Plans a router keeps read (for status and signals), at most, and their bytes
+# (`caches.json_bytes`): a plan may hold a program and an input at their limits, 2 MB read.
+PLANS_KEPT = 256
+PLAN_BYTES_KEPT = 16 << 20
 
 SIGNAL_PATTERN = re.compile(SIGNAL_NAME)
 MAX_SIGNAL_ID = 200
@@ -73,7 +78,8 @@ class Router:
         self.bus = bus
         self.known_tasks = known_tasks
         self._marks = Marks(store)
-        self._plans: dict[str, Any] = {}  # immutable once recorded: read once per program
+        # Immutable once recorded: read once per program, the last used kept.
+        self._plans: Lru[str, Any] = Lru(PLANS_KEPT, PLAN_BYTES_KEPT)
         # A program submitted again (the common case) is validated once: it, and its JSON.
         self._validated = ByText(self._validate, exact=True)
 
@@ -296,11 +302,13 @@ class Router:
         return status
 
     async def _plan(self, workflow_id: str) -> Any:
-        if workflow_id not in self._plans:
-            if len(self._plans) >= 256:
-                self._plans.clear()
-            self._plans[workflow_id] = await self.store.plan(workflow_id)
-        return self._plans[workflow_id]
+        """The recorded plan, or None (not kept: the id may be submitted yet)."""
+        plan = self._plans.get(workflow_id)
+        if plan is None:
+            plan = await self.store.plan(workflow_id)
+            if plan is not None:
+                self._plans.put(workflow_id, plan, json_bytes(json.dumps(plan).encode()))
+        return plan
 
     async def list_programs(
         self,

@@ -106,6 +106,8 @@ DECODERS = "tests/test_amqp_decode.py::"
 REPORTS_SEND_ON = (
     REPORTS + "test_reports_that_go_on_go_in_one_bundle_or_each_alone_when_they_no_longer_fit"
 )
+PLAN_BYTES = "tests/test_plans.py::test_plans_of_programs_of_their_own_stay_within_the_cache_bytes"
+PARSE_BYTES = "tests/test_plans.py::test_what_a_parsed_program_holds_is_counted_at_least_in_full"
 PROBE = "tests/test_backlog.py::test_sampling_a_queue_opens_no_channel_per_sample"
 REDRIVEN_START = (
     "tests/test_owner_steps.py::test_a_redelivered_start_of_a_redriven_run_republishes_its_step"
@@ -1208,6 +1210,21 @@ end""",
         "self._probe = probe = await self._raw_channel()",
         "self._probe = probe = await _underlay(await self._consumer_channel())",
         (PROBE,),
+    ),
+    # The plan cache counts inputs only: plans of programs of their own hold their parses
+    # uncounted, 1.5 GB at the default 16,384.
+    "plan-cache-ignores-programs": (
+        "orchestrator/plans.py",
+        "    return plan.program, plan.program_bytes\n",
+        "    return plan.program, 0\n",
+        (PLAN_BYTES,),
+    ),
+    # A program's models counted as plain JSON: a chain of tasks holds more than it says.
+    "program-bytes-without-models": (
+        "orchestrator/caches.py",
+        "    return PROGRAM_BYTES + json_bytes(text) + TASK_BYTES * text.count(b'\"task\"')",
+        "    return json_bytes(text)",
+        (PARSE_BYTES,),
     ),
 }
 

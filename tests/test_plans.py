@@ -4,21 +4,28 @@ within their bounds."""
 
 from __future__ import annotations
 
+import gc
 import json
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from orchestrator import caches as caches_module
 from orchestrator import plans as plans_module
+from orchestrator.caches import json_bytes, program_bytes
 from orchestrator.plans import Plans
-from orchestrator.program import ProgramError
+from orchestrator.program import ProgramError, parse_program
 from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
+from router import client as client_module
 from router import explain as explain_module
 from router.client import Router
 from tests.test_owner_steps import Recorder
 
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 BAG = {"steps": [{"task": "a"}, {"bag": [{"task": "b"}, {"task": "c", "pool": "parallel"}]}]}
 
 
@@ -94,27 +101,133 @@ async def test_distinct_programs_kept_parsed_are_bounded(
 async def test_both_caches_hold_a_bounded_number_of_bytes(
     settings: Settings, store: RedisStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """However few entries: plans by their inputs' text, programs by theirs; the one put last
-    is kept even when it alone is over the budget."""
-    monkeypatch.setattr(plans_module, "MAX_PLAN_BYTES", 2500 + 3 * plans_module.PLAN_OVERHEAD)
+    """However few entries: plans by their inputs, and the program they share once; programs
+    by what they hold parsed; the one put last is kept even when it alone is over the
+    budget."""
     program = {"name": "bytes", "steps": [{"task": "a"}]}
     ids = await _submit(settings, store, program, ["x" * 1000 for _ in range(4)])
+    each = plans_module.PLAN_OVERHEAD + json_bytes(json.dumps("x" * 1000).encode())
+    shared = (await Plans(store, size=1).get(ids[0])).program_bytes  # type: ignore[union-attr]
+    assert shared > 0
+    monkeypatch.setattr(plans_module, "MAX_PLAN_BYTES", shared + 2 * each + 100)
     plans = Plans(store, size=100)
     for wf in ids:
         assert await plans.get(wf) is not None
-    each = plans_module.PLAN_OVERHEAD + 1002  # the text has its quotes
-    assert len(plans._cache) == 2 and plans._cache.bytes == 2 * each
+    assert len(plans._cache) == 2 and plans._cache.bytes == 2 * each + shared
     plans.forget(ids[3])
-    assert len(plans._cache) == 1 and plans._cache.bytes == each
+    assert len(plans._cache) == 1 and plans._cache.bytes == each + shared
+    plans.forget(ids[2])  # the last plan of the program: its parse is let go too
+    assert len(plans._cache) == 0 and plans._cache.bytes == 0
     wide = [
         {"name": f"w{k}", "steps": [{"task": "a", "args": {"pad": "y" * 500}}]} for k in range(3)
     ]
-    monkeypatch.setattr(caches_module, "MAX_PROGRAM_BYTES", 1200)  # two of these texts
+    cost = program_bytes(json.dumps(wide[0]).encode())
+    monkeypatch.setattr(caches_module, "MAX_PROGRAM_BYTES", 2 * cost + 10)  # two of these
     texts = caches_module.ByText(lambda source: source["name"])
     assert [texts.get(w) for w in wide] == ["w0", "w1", "w2"]
     assert len(texts) == 2 and texts.get(wide[0]) == "w0" and texts.made == 4
     huge = caches_module.ByText(lambda source: len(source))
     assert huge.get("z" * 5000) == 5000 and len(huge) == 1  # alone over it: kept
+
+
+async def test_plans_of_programs_of_their_own_stay_within_the_cache_bytes(
+    settings: Settings, store: RedisStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each submit with a program of its own (a bag whose members carry their own args, as
+    examples/thumbnails.json): each plan holds its own parse, 12-40 times the program's text,
+    which the cache counted nowhere, and 16,384 of them grew an owner to 1.5 GB. What the
+    cache holds, measured, now stays within its bytes."""
+    monkeypatch.setattr(plans_module, "MAX_PLAN_BYTES", 4 << 20)
+    programs = [
+        {
+            "steps": [
+                {
+                    "bag": [
+                        {"task": "thumb", "args": {"url": f"img/{k}/{i}.jpg"}} for i in range(100)
+                    ]
+                }
+            ]
+        }
+        for k in range(120)
+    ]
+    router = Router(settings, store=store, bus=Recorder())
+    ids = [(await router.submit(program, k)).workflow_id for k, program in enumerate(programs)]
+    plans = Plans(store, size=100_000)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        for wf in ids:
+            assert await plans.get(wf) is not None
+        plans._programs = caches_module.ByText(plans._parse)  # only what the plans hold
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert plans._cache.bytes <= 4 << 20
+    assert held <= 4 << 20, f"the plans hold {held} bytes"
+    assert 10 <= len(plans._cache) < 120  # some were let go, by their bytes
+
+
+def _held(make: Callable[[str], Any], text: str) -> float:
+    """What `make(text)` holds, measured: the mean of 10."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        made = [make(text) for _ in range(10)]
+        return (tracemalloc.get_traced_memory()[0] - before) / len(made)
+    finally:
+        tracemalloc.stop()
+
+
+MEASURED_PROGRAMS = [
+    {"steps": [{"task": f"s{i}", "retry": {"max_attempts": 3}} for i in range(50)]},
+    {"steps": [{"bag": [{"task": "t"} for _ in range(1000)]}]},
+    {
+        "steps": [
+            {"bag": [{"task": "t", "args": {"url": f"i/{i}", "s": [1, 2]}} for i in range(100)]}
+        ]
+    },
+    {"steps": [{"task": "t", "args": {"blob": "x" * 100_000}}]},
+    {"steps": [{"task": "t", "args": {"l": [[1, 2, {"a": [3, 4]}] for _ in range(500)]}}]},
+    {
+        "steps": [
+            {
+                "until": "prev.n > 3",
+                "max_iterations": 5,
+                "steps": [{"task": f"l{i}"} for i in range(10)],
+            }
+        ]
+    },
+    {"steps": [{"bag": [{"steps": [{"task": f"b{j}{i}"} for i in range(9)]} for j in range(9)]}]},
+    *(json.loads(path.read_text()) for path in sorted(EXAMPLES.glob("*.json"))),
+]
+MEASURED_VALUES = [
+    {"user": "ann", "n": 5},
+    {"items": [{"id": i, "name": f"item {i}", "tags": ["a", "b"]} for i in range(100)]},
+    list(range(5000)),
+    [i / 3 for i in range(3000)],
+    "y" * 100_000,
+    [[[i]] for i in range(2000)],
+]
+
+
+@pytest.mark.parametrize("index", range(len(MEASURED_PROGRAMS)))
+def test_what_a_parsed_program_holds_is_counted_at_least_in_full(index: int) -> None:
+    """caches.json_bytes against tracemalloc: never under what a parse holds (a cache bound
+    by it holds no more than it says), and not far over (or it holds few)."""
+    text = json.dumps(MEASURED_PROGRAMS[index])
+    held = _held(parse_program, text)
+    counted = program_bytes(text.encode())
+    assert held <= counted <= held * 3, (counted, held)
+
+
+@pytest.mark.parametrize("index", range(len(MEASURED_VALUES)))
+def test_what_a_read_value_holds_is_counted_at_least_in_full(index: int) -> None:
+    text = json.dumps(MEASURED_VALUES[index])
+    held = _held(json.loads, text)
+    counted = json_bytes(text.encode())
+    assert held <= counted <= held * 3, (counted, held)
 
 
 async def test_a_router_validates_a_program_given_again_once_and_exactly(
@@ -150,3 +263,25 @@ async def test_status_parses_a_recorded_program_once(settings: Settings, store: 
     statuses = [await router.status(wf) for wf in ids]
     assert [status and status["steps"] for status in statuses] == [1, 1, 1]
     assert explain_module._RECORDED.made == before + 1
+
+
+async def test_a_router_keeps_plans_within_its_bytes_and_never_keeps_a_missing_one(
+    settings: Settings, store: RedisStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A router reads a plan for status and signals and keeps the last used, within
+    PLAN_BYTES_KEPT (256 plans at their size limits read were about 0.5 GB). A signal to an id
+    not yet submitted finds no program, and must not keep that answer: the same router's
+    signals to it after its submit would all say "no program"."""
+    router = Router(settings, store=store, bus=Recorder())
+    wf = "early-signal"
+    with pytest.raises(LookupError, match="no program"):
+        await router.signal(wf, "go", 1)
+    program = {"steps": [{"signal": "go"}, {"task": "a"}]}
+    await router.submit(program, None, workflow_id=wf)
+    assert (await router.signal(wf, "go", 1))["duplicate"] is False
+    monkeypatch.setattr(client_module, "PLAN_BYTES_KEPT", 3 * 110_000)
+    router = Router(settings, store=store, bus=Recorder())
+    ids = await _submit(settings, store, program, ["x" * 100_000 for _ in range(5)])
+    for wf in ids:
+        await router.signal(wf, "go", 1)
+    assert len(router._plans) == 3 and router._plans.bytes <= 3 * 110_000
