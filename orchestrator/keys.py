@@ -98,6 +98,12 @@ class Keys:
         return f"{self.prefix}:index:created"
 
     @property
+    def index_ended(self) -> str:
+        """Programs that ended, by when (sorted set, score ms; kept while a retention applies):
+        when their keys expire, the prune drops them from `index_created` (marks.py)."""
+        return f"{self.prefix}:index:ended"
+
+    @property
     def serial_lane(self) -> str:
         """`<wf> <path> <task> <ms>` of the serial task started last (for `explain`)."""
         return self.lane("serial")

@@ -39,6 +39,10 @@ PRUNE_SCAN = 5000
 # Entries checked per round trip: one pipeline of 5,000 held about 5 MB at once (its commands,
 # replies and read timers: bench/prune.py), a high mark the owner's RSS kept; 500 hold 0.07x.
 PRUNE_PAGE = 500
+# Programs whose retention ran out a sweep drops from the indexes at most (`prune_ended`):
+# 3,333 ended a second, every 30 s sweep of one process. The scan of PRUNE_SCAN alone, which
+# walks over every program still kept, fell behind from 167 a second per process.
+PRUNE_ENDED = 100_000
 
 
 def now_ms() -> int:
@@ -111,6 +115,43 @@ class Marks:
                 return dropped
             self._prune_rank = first + seen - dropped  # kept if a later page fails
         return dropped
+
+    async def prune_ended(self, budget: int = PRUNE_ENDED, page: int = PRUNE_PAGE) -> int:
+        """Drop from the creation index, `page` a round trip and at most `budget`, the programs
+        that ended a retention (and the grace) ago and whose keys are gone; how many. One
+        whose keys are still there (redriven, and not ended since) leaves the ended index
+        only: its next end notes it again. The oldest first, so several owners pruning at
+        once do the same work, not more of it."""
+        if self._client is None or self._retention_ms <= 0:
+            return 0
+        due = now_ms() - self._retention_ms - INDEX_GRACE_MS
+        seen = dropped = 0
+        while seen < budget:  # at most budget / page rounds: each takes at least one entry
+            wfs: list[str] = await self._client.zrangebyscore(
+                self.keys.index_ended, "-inf", due, start=0, num=min(page, budget - seen)
+            )  # type: ignore[assignment]
+            if not wfs:
+                break
+            async with self._client.pipeline(transaction=False) as pipe:
+                for wf in wfs:
+                    pipe.exists(self.keys.state(wf))
+                found = await pipe.execute()
+            gone = [wf for wf, there in zip(wfs, found, strict=True) if not there]
+            await self.forget(gone, ended=wfs)
+            seen += len(wfs)
+            dropped += len(gone)
+        return dropped
+
+    async def forget(self, wfs: list[str], ended: list[str] | None = None) -> None:
+        """Take programs whose keys are gone (expired, purged) out of both indexes; `ended`:
+        others out of the ended index only."""
+        if self._client is None or not (wfs or ended):
+            return
+        async with self._client.pipeline(transaction=False) as pipe:  # two keys, two slots
+            if wfs:
+                pipe.zrem(self.keys.index_created, *wfs)
+            pipe.zrem(self.keys.index_ended, *(ended if ended is not None else wfs))
+            await pipe.execute()
 
     async def failed(self, report: Failed, delay_s: float | None) -> None:
         """A task's attempt failed; the next one is published in `delay_s` (None: none is)."""

@@ -242,6 +242,7 @@ class Orchestrator(Service):
                     await self.bus.publish_to_shard(shard, encode(Start(wf=wf)), NEW)
                     started += 1
         await self.marks.index(indexed)
+        await self.marks.prune_ended()
         await self.marks.prune_index()
         return started
 

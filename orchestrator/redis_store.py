@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from importlib import resources
 from typing import Any
@@ -390,8 +391,15 @@ class RedisStore:
             await pipe.execute()
 
     async def untrack(self, wf: str, owner: int) -> None:
-        """The program ended: idempotent, so every redelivery of its end may call it."""
-        await self.client.srem(self.keys.live(owner), wf)  # type: ignore[misc]
+        """The program ended: idempotent, so every redelivery of its end may call it. Noted in
+        the ended index when its keys expire (a later end moves it later, never earlier)."""
+        if self.retention_ms <= 0:  # kept for good: so is its entry in the creation index
+            await self.client.srem(self.keys.live(owner), wf)  # type: ignore[misc]
+            return
+        async with self.client.pipeline(transaction=False) as pipe:  # two keys, two slots
+            pipe.srem(self.keys.live(owner), wf)
+            pipe.zadd(self.keys.index_ended, {wf: time.time() * 1000}, gt=True)
+            await pipe.execute()
 
     async def in_flight(self, shard: int) -> int:
         return int(await self.client.scard(self.keys.live(shard)))  # type: ignore[misc]

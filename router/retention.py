@@ -6,7 +6,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 
-from orchestrator.marks import Marks
+from orchestrator.marks import PRUNE_PAGE, Marks
 from orchestrator.store import TERMINAL, Store
 
 
@@ -21,7 +21,15 @@ async def purge(
         raise ValueError(f"statuses: choose among {', '.join(sorted(TERMINAL))}")
     cutoff_ms = int((time.time() - older_than_s) * 1000)
     counts: Counter[str] = Counter()
+    marks, purged = Marks(store), []
     async for wf in store.programs():
-        counts[await store.purge(wf, ",".join(sorted(wanted)), cutoff_ms)] += 1
-    await Marks(store).prune_index()  # the creation index loses what was purged
+        verdict = await store.purge(wf, ",".join(sorted(wanted)), cutoff_ms)
+        counts[verdict] += 1
+        if verdict == "purged":
+            purged.append(wf)
+        if len(purged) >= PRUNE_PAGE:  # the indexes lose what was purged, a page at a time
+            await marks.forget(purged)
+            purged = []
+    await marks.forget(purged)
+    await marks.prune_index()
     return counts

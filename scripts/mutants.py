@@ -108,6 +108,11 @@ REPORTS_SEND_ON = (
 )
 PLAN_BYTES = "tests/test_plans.py::test_plans_of_programs_of_their_own_stay_within_the_cache_bytes"
 PARSE_BYTES = "tests/test_plans.py::test_what_a_parsed_program_holds_is_counted_at_least_in_full"
+ENDED_PRUNE = (
+    "tests/test_list.py::"
+    "test_programs_whose_retention_ran_out_leave_the_index_behind_any_number_kept"
+)
+PURGE_INDEX = "tests/test_list.py::test_a_purge_takes_what_it_purged_out_of_the_indexes"
 PROBE = "tests/test_backlog.py::test_sampling_a_queue_opens_no_channel_per_sample"
 REDRIVEN_START = (
     "tests/test_owner_steps.py::test_a_redelivered_start_of_a_redriven_run_republishes_its_step"
@@ -1225,6 +1230,35 @@ end""",
         "    return PROGRAM_BYTES + json_bytes(text) + TASK_BYTES * text.count(b'\"task\"')",
         "    return json_bytes(text)",
         (PARSE_BYTES,),
+    ),
+    # The sweep only scans the creation index: past 167 programs a second per process the
+    # index grows for good.
+    "sweep-skips-the-ended-prune": (
+        "orchestrator/owner.py",
+        "        await self.marks.prune_ended()\n",
+        "",
+        (ENDED_PRUNE,),
+    ),
+    # An end is not noted: nothing is ever due in the ended index.
+    "untrack-notes-no-end": (
+        "orchestrator/redis_store.py",
+        "            pipe.zadd(self.keys.index_ended, {wf: time.time() * 1000}, gt=True)\n",
+        "",
+        (ENDED_PRUNE, PURGE_INDEX),
+    ),
+    # A later end moves the note earlier (or a replayed end does): due before its keys expire.
+    "untrack-moves-the-end-earlier": (
+        "orchestrator/redis_store.py",
+        "{wf: time.time() * 1000}, gt=True)",
+        "{wf: time.time() * 1000})",
+        (ENDED_PRUNE,),
+    ),
+    # A purge leaves its programs in the indexes, for a scan that may never reach them.
+    "purge-leaves-the-index": (
+        "router/retention.py",
+        "    await marks.forget(purged)\n    await marks.prune_index()\n",
+        "    await marks.prune_index()\n",
+        (PURGE_INDEX,),
     ),
 }
 

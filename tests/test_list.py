@@ -21,6 +21,7 @@ from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
 from router.client import Router
 from router.listing import ListError, list_programs, parse_duration, prune_index
+from router.retention import purge
 from tests.brokers import PrivateRedisCluster
 from tests.test_cli import environment, shardflow
 
@@ -152,6 +153,64 @@ async def test_live_programs_at_the_old_end_do_not_stop_the_prune(store: RedisSt
     left = await client.zrange(store.keys.index_created, 0, -1)
     assert left == [*names[:6], "young"]
     assert await marks.prune_index(scan=4, page=2) == 0  # from the oldest again
+
+
+async def test_programs_whose_retention_ran_out_leave_the_index_behind_any_number_kept(
+    settings: Settings, store: RedisStore
+) -> None:
+    """The scan walks PRUNE_SCAN entries a sweep over every program still kept: past 167
+    programs a second per process it fell behind, and the index grew for good. An ended
+    program is noted by its end (`untrack`); the sweep drops it once its retention ran out,
+    wherever it stands: here behind 6,000 kept programs, more than a scan reaches."""
+    client: Redis = store.client  # type: ignore[assignment]
+    retention_ms = store.retention_ms
+    long_ago = time.time() * 1000 - retention_ms - 3 * INDEX_GRACE_MS
+    kept = [f"k{i}" for i in range(6000)]
+    ended = [f"e{i}" for i in range(50)]
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.zadd(store.keys.index_created, {wf: long_ago + i for i, wf in enumerate(kept)})
+        pipe.zadd(store.keys.index_created, {wf: long_ago + 6000 for wf in [*ended, "r", "n"]})
+        for wf in [*kept, "r"]:
+            pipe.hset(store.keys.state(wf), "status", "completed")
+        await pipe.execute()
+    for wf in [*ended, "r", "n"]:
+        await store.untrack(wf, 0)  # each ended: noted now
+    assert await client.zscore(store.keys.index_ended, "e0") is not None
+    # Time passes: the ended ones' keys expire, all but "r" (redriven since) and "n" (its
+    # keys purged before its retention ran out: not yet due).
+    await client.zadd(store.keys.index_ended, {wf: long_ago for wf in [*ended, "r"]})
+    async with connected(settings) as (store2, bus):
+        await Orchestrator(settings, [0], store=store2, bus=bus).sweep()
+    created = set(await client.zrange(store.keys.index_created, 0, -1))
+    assert created == {*kept, "r", "n"}, "an ended program whose keys are gone is still listed"
+    assert await client.zrange(store.keys.index_ended, 0, -1) == ["n"]
+    assert await Marks(store).prune_ended() == 0  # nothing more is due
+    # A later end moves the note later, never earlier.
+    await client.zadd(store.keys.index_ended, {"n": 1.0})
+    await store.untrack("n", 0)
+    assert (await client.zscore(store.keys.index_ended, "n") or 0) > long_ago
+    before = await client.zscore(store.keys.index_ended, "n")
+    await client.zadd(store.keys.index_ended, {"n": before + 10**9})
+    await store.untrack("n", 0)
+    assert await client.zscore(store.keys.index_ended, "n") == before + 10**9
+
+
+async def test_a_purge_takes_what_it_purged_out_of_the_indexes(
+    settings: Settings, store: RedisStore
+) -> None:
+    """`shardflow purge` deletes ended programs now: their index entries go with them, not
+    at some later scan that may not reach them."""
+    async with connected(settings) as (store2, bus):
+        router = Router(settings, store=store2, bus=bus)
+        for wf in ("p0", "p1"):
+            await router.submit(ONE, None, wf)
+            await router.cancel(wf)
+    client: Redis = store.client  # type: ignore[assignment]
+    assert await client.zscore(store.keys.index_ended, "p0") is not None
+    counts = await purge(store)
+    assert counts["purged"] == 2
+    for key in (store.keys.index_created, store.keys.index_ended):
+        assert await client.zrange(key, 0, -1) == []
 
 
 def test_durations_and_bad_arguments() -> None:
