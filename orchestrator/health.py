@@ -1,4 +1,4 @@
-"""The HTTP endpoint of a long-running process: /metrics, /healthz and /readyz.
+"""The HTTP endpoint of a long-running process: /metrics, /livez, /healthz and /readyz.
 
 Served by the standard library's WSGI server (`wsgiref`) in a thread of its own, with
 prometheus_client's WSGI app for /metrics: a scrape or a probe never waits on the event loop,
@@ -6,6 +6,10 @@ so a blocked loop is reported (503, "no heartbeat"), not hidden behind a probe's
 What the answers say is sampled in the loop: a heartbeat coroutine measures the loop's lag and
 reads RabbitMQ's connection state, a probe coroutine pings Redis with a timeout; the HTTP
 thread only reads their latest results and how old they are.
+
+/livez asks only whether the loop turns: the one fault a restart mends. RabbitMQ and Redis
+clients reconnect by themselves, so an outage of either shows on /healthz and /readyz and
+never makes a liveness probe kill a process (and the handlers it runs).
 """
 
 from __future__ import annotations
@@ -98,13 +102,16 @@ class Health:
             raise_if_cancelled()
             await asyncio.sleep(PROBE_S)
 
+    def not_live(self) -> list[str]:
+        """Why a restart would help: the event loop stopped turning; empty while it turns."""
+        late = time.monotonic() - self._beat
+        return [f"event loop: no heartbeat for {late:.1f}s"] if late > self.stale_s else []
+
     def faults(self) -> list[str]:
         """Why the process is not healthy; empty when it is."""
-        now = time.monotonic()
-        found = []
-        if now - self._beat > self.stale_s:
-            found.append(f"event loop: no heartbeat for {now - self._beat:.1f}s")
-        else:  # a stuck loop samples nothing: what it last saw is not news
+        found = self.not_live()
+        if not found:  # a stuck loop samples nothing: what it last saw is not news
+            now = time.monotonic()
             if not self._rabbitmq:
                 state = "not checked yet" if self._rabbitmq is None else "not connected"
                 found.append(f"rabbitmq: {state}")
@@ -121,8 +128,9 @@ class Health:
 
 
 def application(health: Health, registry: Any = None) -> Callable[..., Iterable[bytes]]:
-    """The WSGI app: /metrics (Prometheus text format), /healthz, /readyz (JSON), else 404."""
+    """The WSGI app: /metrics (Prometheus text), /livez, /healthz, /readyz (JSON), else 404."""
     metrics = make_wsgi_app(registry) if registry is not None else make_wsgi_app()
+    checks = {"/livez": health.not_live, "/healthz": health.faults, "/readyz": health.not_ready}
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
@@ -130,8 +138,8 @@ def application(health: Health, registry: Any = None) -> Callable[..., Iterable[
             return _answer(start_response, "405 Method Not Allowed", {"error": "GET only"})
         if path == "/metrics":
             return metrics(environ, start_response)  # type: ignore[no-any-return]
-        if path in ("/healthz", "/readyz"):
-            faults = health.faults() if path == "/healthz" else health.not_ready()
+        if path in checks:
+            faults = checks[path]()
             status = "503 Service Unavailable" if faults else "200 OK"
             body = {"status": "unhealthy" if faults else "ok", "faults": faults}
             return _answer(start_response, status, body)
@@ -176,7 +184,7 @@ def serve(app: Callable[..., Iterable[bytes]], addr: str, port: int) -> WSGIServ
 async def serving(
     settings: Settings, store: Any, bus: Any, service: Consuming
 ) -> AsyncIterator[Health | None]:
-    """Serve /metrics, /healthz and /readyz on SHARDFLOW_METRICS_PORT while the block runs
+    """Serve /metrics, /livez, /healthz and /readyz on SHARDFLOW_METRICS_PORT while the block runs
     (port 0: nothing). `store` is a RedisStore (its client is pinged), `bus` a Bus."""
     if not settings.metrics_port:
         yield None
@@ -194,7 +202,7 @@ async def serving(
         )
         yield None
         return
-    log.info("serving /metrics, /healthz, /readyz on port %d", server.server_port)
+    log.info("serving /metrics, /livez, /healthz, /readyz on port %d", server.server_port)
     sampling = asyncio.create_task(health.run())
     try:
         yield health

@@ -77,7 +77,7 @@ class Settings(BaseSettings):
     wait_poll_s: float = Field(default=0.05, gt=0, le=60)
     # How often an orchestrator looks for programs recorded but never started (and starts them).
     sweep_s: float = Field(default=30.0, ge=0.1, le=86400)
-    # /metrics, /healthz and /readyz of a long-running process (docs/observability.md); 0: none.
+    # /metrics, /livez, /healthz, /readyz of a long-running process (docs/observability.md); 0: off.
     metrics_port: int = Field(default=9464, ge=0, le=65535)
     metrics_addr: str = "0.0.0.0"
     log_format: Literal["text", "json"] = "text"

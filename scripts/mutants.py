@@ -113,6 +113,12 @@ ENDED_PRUNE = (
     "test_programs_whose_retention_ran_out_leave_the_index_behind_any_number_kept"
 )
 PURGE_INDEX = "tests/test_list.py::test_a_purge_takes_what_it_purged_out_of_the_indexes"
+LIVEZ = "tests/test_health.py::test_livez_stays_green_while_redis_and_rabbitmq_are_unreachable"
+LIVEZ_BLOCKED = "tests/test_health.py::test_a_blocked_event_loop_is_reported_while_it_is_blocked"
+PROBED_PATHS = (
+    "tests/test_helm.py::"
+    "test_every_process_serves_metrics_and_health_on_one_port_and_is_probed_there"
+)
 PROBE = "tests/test_backlog.py::test_sampling_a_queue_opens_no_channel_per_sample"
 REDRIVEN_START = (
     "tests/test_owner_steps.py::test_a_redelivered_start_of_a_redriven_run_republishes_its_step"
@@ -1259,6 +1265,27 @@ end""",
         "    await marks.forget(purged)\n    await marks.prune_index()\n",
         "    await marks.prune_index()\n",
         (PURGE_INDEX,),
+    ),
+    # /livez asks the dependencies too: an outage of Redis or RabbitMQ restarts every pod.
+    "livez-checks-dependencies": (
+        "orchestrator/health.py",
+        '"/livez": health.not_live',
+        '"/livez": health.faults',
+        (LIVEZ,),
+    ),
+    # /livez always answers 200: a stuck loop is never restarted.
+    "livez-always-live": (
+        "orchestrator/health.py",
+        '"/livez": health.not_live',
+        '"/livez": list',
+        (LIVEZ_BLOCKED,),
+    ),
+    # The chart's liveness probe stays on /healthz.
+    "liveness-probe-on-healthz": (
+        "helm/shardflow/templates/_helpers.tpl",
+        "{path: /livez,",
+        "{path: /healthz,",
+        (PROBED_PATHS,),
     ),
 }
 

@@ -326,7 +326,7 @@ def _metrics_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-port",
         type=_port,
-        help="serve /metrics, /healthz, /readyz on this port; 0: none "
+        help="serve /metrics, /livez, /healthz, /readyz on this port; 0: none "
         "(default: SHARDFLOW_METRICS_PORT, else 9464)",
     )
 

@@ -1,11 +1,13 @@
 """/healthz and /readyz: a stopped Redis, a closed RabbitMQ connection, a blocked event loop and
-a process that no longer consumes each turn them red, over real HTTP."""
+a process that no longer consumes each turn them red, over real HTTP. /livez (the liveness
+probe) turns red for a blocked event loop only: an outage of Redis or RabbitMQ leaves it green."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import shutil
+import socket
 import subprocess
 import threading
 import uuid
@@ -13,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis.asyncio
 
 from orchestrator import health
 from orchestrator.connections import connected
@@ -59,6 +62,7 @@ def test_health_turns_red_while_redis_is_stopped_and_green_when_it_is_back(
         )
         assert [fault for fault in found if fault.startswith("redis: ")], found
         assert faults(port, "/readyz")[0] == 503
+        assert faults(port, "/livez") == (200, [])  # alive: no restart would bring Redis back
         assert value(scrape(port), "shardflow_dependency_up", dependency="redis") == 0
         assert value(scrape(port), "shardflow_dependency_up", dependency="rabbitmq") == 1
 
@@ -157,7 +161,9 @@ async def test_a_blocked_event_loop_is_reported_while_it_is_blocked() -> None:
     serving = Serving(health.Health(_pong, lambda: True, lambda: True, stale_s=0.5))
     try:
         await serving.until("/healthz", (200, []), 10)
+        await serving.until("/livez", (200, []), 10)
         seen: list[tuple[int, list[str]]] = []
+        live: list[tuple[int, list[str]]] = []
         unblock = threading.Event()
 
         def watch() -> None:  # another thread: the loop below is blocked meanwhile
@@ -167,6 +173,7 @@ async def test_a_blocked_event_loop_is_reported_while_it_is_blocked() -> None:
 
             try:
                 wait_until(red, 20, "a 503 from the blocked process")
+                live.append(faults(serving.port, "/livez"))  # still blocked: a restart helps
             finally:
                 unblock.set()
 
@@ -175,7 +182,11 @@ async def test_a_blocked_event_loop_is_reported_while_it_is_blocked() -> None:
         status, found = seen[-1]
         assert status == 503
         assert len(found) == 1 and found[0].startswith("event loop: no heartbeat for "), found
+        [(status, found)] = live
+        assert status == 503
+        assert len(found) == 1 and found[0].startswith("event loop: no heartbeat for "), found
         await serving.until("/healthz", (200, []), 10)  # turning again
+        await serving.until("/livez", (200, []), 10)
     finally:
         await serving.close()
 
@@ -189,6 +200,37 @@ async def test_a_redis_that_does_not_answer_in_time_is_a_fault() -> None:
         await serving.until("/healthz", (503, [f"redis: no answer in {PING_S}s"]), 10)
     finally:
         await serving.close()
+
+
+async def test_livez_stays_green_while_redis_and_rabbitmq_are_unreachable() -> None:
+    """A Redis or RabbitMQ outage is no reason for a liveness probe to kill a process (and the
+    handlers it runs): the clients reconnect by themselves. While the loop turns /livez says
+    200, however long the outage, and /healthz and /readyz say 503 with the faults."""
+    with socket.socket() as closed:  # a port nobody listens on: refused at once
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    client = redis.asyncio.Redis.from_url(f"redis://127.0.0.1:{port}")  # as RedisStore's
+    serving = Serving(health.Health(client.ping, lambda: False, lambda: True))
+    try:
+        deadline = asyncio.get_running_loop().time() + 20
+        while True:  # until both outages are seen: first "not checked yet"
+            status, found = await serving.get()
+            if found[:1] == ["rabbitmq: not connected"] and found[1:] != ["redis: not checked yet"]:
+                break
+            assert asyncio.get_running_loop().time() < deadline, found
+            await asyncio.sleep(0.05)
+        # The client retries, then gives up (ConnectionError) or outlasts the ping's bound.
+        assert status == 503 and len(found) == 2 and found[1].startswith("redis: "), found
+        # Past several heartbeats and Redis probes, the outage goes on and /livez stays green.
+        until = asyncio.get_running_loop().time() + 3
+        while asyncio.get_running_loop().time() < until:
+            assert await serving.get("/livez") == (200, [])
+            assert (await serving.get())[0] == 503
+            assert (await serving.get("/readyz"))[0] == 503
+            await asyncio.sleep(0.1)
+    finally:
+        await serving.close()
+        await client.aclose()
 
 
 async def test_readyz_waits_for_consuming_and_other_paths_are_refused() -> None:
@@ -237,6 +279,7 @@ async def test_a_closed_rabbitmq_connection_is_a_fault_until_it_is_back(
                 check=True, capture_output=True, timeout=60,
             )  # fmt: skip
             await serving.until("/healthz", (503, ["rabbitmq: not connected"]), 20)
+            assert await serving.get("/livez") == (200, [])  # no restart: it reconnects
             await serving.until("/healthz", (200, []), 30)  # aio-pika reconnects by itself
         finally:
             await serving.close()

@@ -788,7 +788,9 @@ def test_every_process_serves_metrics_and_health_on_one_port_and_is_probed_there
     for name, deployment in found.items():
         only = container(deployment)
         assert only["ports"] == [{"name": "metrics", "containerPort": 9464}], name
-        for probe, path in (("startupProbe", "/healthz"), ("livenessProbe", "/healthz"),
+        # Liveness asks only that the event loop turns: a RabbitMQ or Redis outage restarts
+        # nothing (the clients reconnect). A starting process must reach both (/healthz).
+        for probe, path in (("startupProbe", "/healthz"), ("livenessProbe", "/livez"),
                             ("readinessProbe", "/readyz")):  # fmt: skip
             assert only[probe]["httpGet"] == {"path": path, "port": "metrics"}, (name, probe)
         assert only["livenessProbe"]["failureThreshold"] == 6

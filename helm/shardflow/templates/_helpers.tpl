@@ -123,22 +123,24 @@ spec:
         {{- with $.Values.extraEnv }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
-      # /metrics, /healthz and /readyz (SHARDFLOW_METRICS_PORT, from the ConfigMap).
+      # /metrics, /livez, /healthz and /readyz (SHARDFLOW_METRICS_PORT, from the ConfigMap).
       ports:
         - name: metrics
           containerPort: {{ $.Values.metrics.port }}
       {{- with $.Values.probes }}
       {{- if .enabled }}
-      # Startup: until the process reached RabbitMQ and Redis. Liveness: restart a process
-      # whose event loop stopped turning or that lost RabbitMQ or Redis for good. Readiness:
-      # healthy and consuming (not while it stops and finishes what it holds).
+      # Startup (/healthz): until the process reached RabbitMQ and Redis. Liveness (/livez):
+      # restart a process whose event loop stopped turning, and only that: a restart does not
+      # bring RabbitMQ or Redis back (the clients reconnect by themselves) but would cancel the
+      # running handlers. Readiness (/readyz): healthy and consuming (not while it stops and
+      # finishes what it holds, nor while RabbitMQ or Redis is away).
       startupProbe:
         httpGet: {path: /healthz, port: metrics}
         periodSeconds: 5
         timeoutSeconds: {{ .timeoutSeconds }}
         failureThreshold: {{ div (add .startupSeconds 4) 5 }}
       livenessProbe:
-        httpGet: {path: /healthz, port: metrics}
+        httpGet: {path: /livez, port: metrics}
         periodSeconds: {{ .periodSeconds }}
         timeoutSeconds: {{ .timeoutSeconds }}
         failureThreshold: {{ .livenessFailureThreshold }}
