@@ -1287,6 +1287,16 @@ end""",
         "{path: /healthz,",
         (PROBED_PATHS,),
     ),
+    # A queue that answers 404 is tried every second for hours: a channel, and 4.3 KB, a try.
+    "refused-start-not-backed-off": (
+        "orchestrator/lifecycle.py",
+        "pause = min(RECONSUME_S * 2 ** max(0, refused - 1), REFUSED_MAX_S)",
+        "pause = RECONSUME_S",
+        (
+            "tests/test_lifecycle.py::"
+            "test_a_queue_that_refuses_each_start_is_tried_again_later_and_later",
+        ),
+    ),
 }
 
 

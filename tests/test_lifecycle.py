@@ -7,6 +7,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 import pytest
+from aiormq.exceptions import ChannelNotFoundEntity
 
 from orchestrator import lifecycle
 from orchestrator.lifecycle import Service
@@ -199,3 +200,47 @@ async def test_a_start_given_up_that_opens_its_consumer_late_is_stopped(
             break
         await asyncio.sleep(0.01)
     assert stopped == [late]
+
+
+async def test_a_queue_that_refuses_each_start_is_tried_again_later_and_later(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """404 at each start (the queue's cluster node is down): each try opens a channel, of which
+    aio-pika keeps 4.3 KB, so the pause doubles up to REFUSED_MAX_S; any other failure, and a
+    start that worked, set it back to RECONSUME_S."""
+    monkeypatch.setattr(lifecycle, "RECONSUME_S", 0.01)
+    monkeypatch.setattr(lifecycle, "REFUSED_MAX_S", 0.04)
+    refused = ChannelNotFoundEntity("NOT_FOUND - home node of queue 'q' is down")
+    starts: list[BaseException | _Iterator] = [
+        *[refused] * 4,
+        ConnectionRefusedError("broker gone"),
+        refused,
+        _Iterator(["a"], ConnectionResetError("broker gone")),
+        refused,
+        _Iterator(["last"]),
+    ]
+
+    class _Refused(_Reader):
+        async def _read(self) -> None:
+            async def start() -> Any:
+                found = starts.pop(0)
+                if isinstance(found, BaseException):
+                    raise found
+                return found
+
+            async def stop(iterator: Any) -> None:
+                pass
+
+            async for message in self._messages(start, stop):
+                self.got.append(message)
+                if message == "last":
+                    self.shutdown()
+                    await asyncio.Event().wait()
+
+    caplog.set_level("WARNING", logger="orchestrator.lifecycle")
+    reader = _Refused([])
+    await asyncio.wait_for(reader.run(), 5)
+    assert reader.got == ["a", "last"]
+    pauses = [float(r.getMessage().rsplit(" in ", 1)[1].rstrip("s")) for r in caplog.records
+              if "did not start" in r.getMessage()]  # fmt: skip
+    assert pauses == [0.01, 0.02, 0.04, 0.04, 0.01, 0.01, 0.01]
