@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, Protocol, TypeAlias, cast
 from urllib.parse import unquote, urlsplit
@@ -662,7 +663,11 @@ class Bus:
     async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:
         """Park an unusable message with the reason in its headers."""
         log.warning("dead-lettering a message from %s: %s", source, reason)
-        headers = {"x-shardflow-reason": reason, "x-shardflow-from": source}
+        headers = {
+            "x-shardflow-reason": reason,
+            "x-shardflow-from": source,
+            "x-shardflow-at": int(time.time() * 1000),  # when parked: `shardflow dead --purge`
+        }
         # Declared again if it was deleted, or the message would go back to its queue's head
         # for good.
         queue = self.names.dead_queue
@@ -685,6 +690,33 @@ class Bus:
                 held.append(message)
             # Closing the channel hands every held message back, in order.
             return [(dict(message.headers or {}), message.body) for message in held]
+        finally:
+            await channel.close()
+
+    async def purge_dead(
+        self, old: Callable[[dict[str, Any]], bool] | None, most: int
+    ) -> tuple[int, int]:
+        """Delete dead-lettered messages: all (`old` None), or from the oldest on, at most
+        `most`, those `old(headers)` says are, up to the first it says is not (parked in
+        order: what follows is younger), which stays where it was. (deleted, left)."""
+        channel = await self._consumer_channel()
+        try:
+            queue = await channel.get_queue(self.names.dead_queue, ensure=True)
+            if old is None:
+                purged = await queue.purge()
+                return purged.message_count or 0, 0
+            deleted = 0
+            while deleted < most:
+                message = await queue.get(no_ack=False, fail=False)
+                if message is None:
+                    break
+                if not old(dict(message.headers or {})):
+                    await message.nack(requeue=True)  # back at the head, where it was
+                    break
+                await message.ack()
+                deleted += 1
+            left = await queue.declare()
+            return deleted, left.message_count or 0
         finally:
             await channel.close()
 

@@ -1297,6 +1297,16 @@ end""",
             "test_a_queue_that_refuses_each_start_is_tried_again_later_and_later",
         ),
     ),
+    # `dead --purge --older-than` deletes whatever it meets, young or old.
+    "dead-purge-ignores-age": (
+        "orchestrator/bus.py",
+        "                if not old(dict(message.headers or {})):\n",
+        "                if False:\n",
+        (
+            "tests/test_cli.py::"
+            "test_dead_purge_deletes_all_or_those_parked_before_a_time_in_order",
+        ),
+    ),
 }
 
 

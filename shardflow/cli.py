@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import logging
 import math
@@ -57,6 +58,7 @@ LONG_RUNNING = ("dev", "orchestrator", "router", "worker")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MAX_CONCURRENCY = 1000  # as SHARDFLOW_PARALLEL_CONCURRENCY
 MAX_DEAD = 1000  # `dead` holds what it lists in memory
+MAX_DEAD_PURGE = 100_000  # `dead --purge --older-than` takes them one at a time: a run's worth
 MAX_WAIT_S = 10 * 365 * 86400.0
 
 
@@ -238,7 +240,11 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     dead = commands.add_parser(
-        "dead", help="list dead-lettered messages with the reason each was refused"
+        "dead",
+        help="list dead-lettered messages with the reason each was refused (or delete them)",
+        description="List the dead-lettered messages, oldest first, one JSON line each: why it "
+        "was refused, the queue it came from, when it was parked (`at`, ms; null when not "
+        "known) and its body. They stay in the queue. With --purge, delete them instead.",
     )
     dead.add_argument(
         "--limit",
@@ -246,6 +252,20 @@ def _parser() -> argparse.ArgumentParser:
         default=100,
         metavar="N",
         help=f"at most N, 1 to {MAX_DEAD} (default 100); they stay in the queue",
+    )
+    dead.add_argument(
+        "--purge",
+        action="store_true",
+        help="delete dead-lettered messages (all of them, or with --older-than the older "
+        "ones) and print how many were deleted and how many are left",
+    )
+    dead.add_argument(
+        "--older-than",
+        type=_duration,
+        metavar="DURATION",
+        help=f"with --purge: only those parked at least this long ago, e.g. 12h, 7d, at most "
+        f"{MAX_DEAD_PURGE:,} a run (one whose time is not known counts as old: it was parked "
+        "before those after it)",
     )
 
     about = (
@@ -724,17 +744,45 @@ async def _purge(settings: Settings, args: argparse.Namespace) -> int:
 
 async def _dead(settings: Settings, args: argparse.Namespace) -> int:
 
+    if args.older_than is not None and not args.purge:
+        raise CliError("--older-than goes with --purge")
     async with connected(settings, "shardflow-dead") as (_, bus):
+        if args.purge:
+            old = None
+            if args.older_than is not None:
+                cutoff = (time.time() - args.older_than) * 1000
+
+                def old(headers: dict[str, Any]) -> bool:
+                    at = _parked_at(headers)
+                    return at is None or at <= cutoff
+
+            deleted, left = await bus.purge_dead(old, MAX_DEAD_PURGE)
+            _print(json.dumps({"purged": deleted, "left": left}))
+            return 0
         messages = await bus.peek_dead(args.limit)
     for headers, body in messages:
         line = {
             "reason": headers.get("x-shardflow-reason") or _death_reason(headers),
             "from": headers.get("x-shardflow-from"),
+            "at": _parked_at(headers),
             "body": body.decode(errors="replace")[:500],
         }
         # Parked by the broker, a message has its sender's headers: any AMQP value.
         _print(json.dumps(line, default=str))
     return 0
+
+
+def _parked_at(headers: dict[str, Any]) -> int | None:
+    """When a message was parked, in ms: ours say so; the broker's `x-death` has its time."""
+    at = headers.get("x-shardflow-at")
+    if isinstance(at, int) and not isinstance(at, bool):
+        return at
+    deaths = headers.get("x-death")
+    if isinstance(deaths, list) and deaths and isinstance(deaths[0], dict):
+        when = deaths[0].get("time")
+        if isinstance(when, datetime.datetime):
+            return int(when.timestamp() * 1000)
+    return None
 
 
 def _death_reason(headers: dict[str, Any]) -> str:

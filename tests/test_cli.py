@@ -354,6 +354,7 @@ async def test_poison_messages_are_parked_with_their_reason_and_listed(
     by_queue = {entry["from"]: entry for entry in listed}
     shard = by_queue[names.shard_queue(1)]
     assert shard["reason"].startswith("message: Invalid JSON") and shard["body"] == "{not json"
+    assert abs(shard["at"] - time.time() * 1000) < 60_000  # parked just now
     assert by_queue[names.task_queue("parallel")]["reason"] == "owner: Field required"
     # Listing leaves them where they are, and the cluster goes on working.
     assert len(shardflow("dead", env=dev).stdout.splitlines()) == 2
@@ -388,8 +389,44 @@ async def test_dead_lists_a_message_parked_with_any_sender_headers(
     listed = shardflow("dead", env=dev)
     assert listed.returncode == 0, listed.stderr
     assert [json.loads(line) for line in listed.stdout.splitlines()] == [
-        {"reason": "unknown", "from": "2026-12-05 00:00:00+00:00", "body": "{}"}
+        {"reason": "unknown", "from": "2026-12-05 00:00:00+00:00", "at": None, "body": "{}"}
     ]
+
+
+async def test_dead_purge_deletes_all_or_those_parked_before_a_time_in_order(
+    dev: dict[str, str], settings: Settings
+) -> None:
+    """`dead --purge --older-than`: from the oldest on, up to the first parked since (what
+    follows it is younger), which stays where it was; one with no time counts as old (it was
+    parked before the rest: by a version that wrote none). `dead --purge`: all."""
+    import aio_pika
+
+    from orchestrator.connections import connected
+    from orchestrator.keys import Names
+
+    async with connected(settings):  # the dead-letter queue exists
+        pass
+    now = int(time.time() * 1000)
+    parked = [None, now - 2 * 3600_000, now, now - 3 * 3600_000]
+    async with await aio_pika.connect(settings.amqp_url) as connection:
+        channel = await connection.channel()
+        for k, at in enumerate(parked):
+            headers = {"x-shardflow-reason": f"r{k}"}
+            if at is not None:
+                headers["x-shardflow-at"] = at
+            message = aio_pika.Message(f"{k}".encode(), headers=headers)  # type: ignore[arg-type]
+            await channel.default_exchange.publish(
+                message, routing_key=Names(settings.prefix).dead_queue
+            )
+    alone = shardflow("dead", "--older-than", "1h", env=dev)
+    assert alone.returncode == 2 and "--older-than goes with --purge" in alone.stderr
+    purged = shardflow("dead", "--purge", "--older-than", "1h", env=dev)
+    assert purged.returncode == 0, purged.stderr
+    assert json.loads(purged.stdout) == {"purged": 2, "left": 2}
+    listed = [json.loads(line) for line in shardflow("dead", env=dev).stdout.splitlines()]
+    assert [(entry["body"], entry["at"]) for entry in listed] == [("2", now), ("3", parked[3])]
+    assert json.loads(shardflow("dead", "--purge", env=dev).stdout) == {"purged": 2, "left": 0}
+    assert shardflow("dead", env=dev).stdout == ""
 
 
 def test_cancel_of_an_unknown_program_exits_1(settings: Settings) -> None:
