@@ -1302,10 +1302,7 @@ end""",
         "orchestrator/bus.py",
         "                if not old(dict(message.headers or {})):\n",
         "                if False:\n",
-        (
-            "tests/test_cli.py::"
-            "test_dead_purge_deletes_all_or_those_parked_before_a_time_in_order",
-        ),
+        ("tests/test_cli.py::test_dead_purge_deletes_all_or_those_parked_before_a_time_in_order",),
     ),
 }
 
