@@ -698,13 +698,15 @@ class Bus:
     ) -> tuple[int, int]:
         """Delete dead-lettered messages: all (`old` None), or from the oldest on, at most
         `most`, those `old(headers)` says are, up to the first it says is not (parked in
-        order: what follows is younger), which stays where it was. (deleted, left)."""
+        order: what follows is younger), which is handed back: to where it was in a classic
+        queue, to the tail in a quorum queue. (deleted, left)."""
         channel = await self._consumer_channel()
         try:
             queue = await channel.get_queue(self.names.dead_queue, ensure=True)
             if old is None:
                 purged = await queue.purge()
-                return purged.message_count or 0, 0
+                left = await queue.declare()  # any held by a listing now come back later
+                return purged.message_count or 0, left.message_count or 0
             deleted = 0
             while deleted < most:
                 message = await queue.get(no_ack=False, fail=False)

@@ -17,14 +17,17 @@ MAX_PROGRAMS = 256
 # holds 12-40 times its text, so 8 MiB of text could hold 300 MB).
 MAX_PROGRAM_BYTES = 32 << 20
 # What a JSON value holds once read (`json_bytes`), besides its text: each object or array
-# (a dict 200-250 bytes, a list 56 and more), each item (a comma: an int or a float in a list
-# takes 30-35). A parsed program (`program_bytes`) holds its pydantic models too: about 4 KB
-# whatever its size, and 500-1,200 bytes a task (tracemalloc, tests/test_plans.py).
+# (a dict 200-250 bytes, a list 56 and more), each item (a comma: a number or a short string
+# in a list takes 35-80), each key (a colon: its string and the dict's slot). A parsed program
+# (`program_bytes`) holds a pydantic model for each object too: about 4 KB whatever its size,
+# and 500-1,200 bytes a step. 1-4 times what tracemalloc measures (tests/test_plans.py); a
+# program whose args hold many objects, up to 5.
 VALUE_BYTES = 128
-OBJECT_BYTES = 250
-ITEM_BYTES = 40
+OBJECT_BYTES = 200
+ITEM_BYTES = 72
+KEY_BYTES = 120
 PROGRAM_BYTES = 4096
-TASK_BYTES = 700
+MODEL_BYTES = 500
 
 K = TypeVar("K")
 T = TypeVar("T")
@@ -139,15 +142,22 @@ class Lru(Generic[K, T]):
 
 def json_bytes(text: bytes) -> int:
     """About what a JSON text holds once read, in bytes: its text, each object and array, each
-    item. 1-2.5 times what tracemalloc measures (tests/test_plans.py); a brace or a comma inside
-    a string is counted too, which only ever counts more."""
+    item and key. 1-4 times what tracemalloc measures (tests/test_plans.py); a brace, a comma
+    or a colon inside a string is counted too, which only ever counts more."""
     objects = text.count(b"{") + text.count(b"[")
-    return VALUE_BYTES + len(text) + OBJECT_BYTES * objects + ITEM_BYTES * text.count(b",")
+    return (
+        VALUE_BYTES
+        + len(text)
+        + OBJECT_BYTES * objects
+        + ITEM_BYTES * text.count(b",")
+        + KEY_BYTES * text.count(b":")
+    )
 
 
 def program_bytes(text: bytes) -> int:
-    """About what a program parsed from this JSON text holds: its value's and its models'."""
-    return PROGRAM_BYTES + json_bytes(text) + TASK_BYTES * text.count(b'"task"')
+    """About what a program parsed from this JSON text holds: its value's and its models'
+    (an object in `args` is counted as one too, which only ever counts more)."""
+    return PROGRAM_BYTES + json_bytes(text) + MODEL_BYTES * text.count(b"{")
 
 
 def _text(source: Any) -> bytes:

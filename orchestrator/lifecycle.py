@@ -148,7 +148,8 @@ class Service:
                     iterator = await _started(start, stop)
             except _NOT_YET as exc:
                 raise_if_cancelled()
-                refused = refused + 1 if isinstance(exc, ChannelNotFoundEntity) else 0
+                # Counted up to a bound: 2 ** 1024 is no float (a node down for 4.5 hours).
+                refused = min(refused + 1, 16) if isinstance(exc, ChannelNotFoundEntity) else 0
                 pause = min(RECONSUME_S * 2 ** max(0, refused - 1), REFUSED_MAX_S)
                 log.warning(
                     "%s: a consumer did not start (%r); trying again in %gs", self.name, exc, pause

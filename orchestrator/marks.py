@@ -119,9 +119,9 @@ class Marks:
     async def prune_ended(self, budget: int = PRUNE_ENDED, page: int = PRUNE_PAGE) -> int:
         """Drop from the creation index, `page` a round trip and at most `budget`, the programs
         that ended a retention (and the grace) ago and whose keys are gone; how many. One
-        whose keys are still there (redriven, and not ended since) leaves the ended index
-        only: its next end notes it again. The oldest first, so several owners pruning at
-        once do the same work, not more of it."""
+        whose keys are still there (redriven since; a retention lowered, or another process's
+        longer; a clock behind) is noted again as of now, to be looked at one retention later.
+        The oldest first, so several owners pruning at once do the same work, not more of it."""
         if self._client is None or self._retention_ms <= 0:
             return 0
         due = now_ms() - self._retention_ms - INDEX_GRACE_MS
@@ -137,20 +137,23 @@ class Marks:
                     pipe.exists(self.keys.state(wf))
                 found = await pipe.execute()
             gone = [wf for wf, there in zip(wfs, found, strict=True) if not there]
-            await self.forget(gone, ended=wfs)
+            still = [wf for wf, there in zip(wfs, found, strict=True) if there]
+            await self.forget(gone)
+            if still:  # XX: one a purge took out meanwhile is not put back
+                await self._client.zadd(
+                    self.keys.index_ended, dict.fromkeys(still, now_ms()), xx=True
+                )
             seen += len(wfs)
             dropped += len(gone)
         return dropped
 
-    async def forget(self, wfs: list[str], ended: list[str] | None = None) -> None:
-        """Take programs whose keys are gone (expired, purged) out of both indexes; `ended`:
-        others out of the ended index only."""
-        if self._client is None or not (wfs or ended):
+    async def forget(self, wfs: list[str]) -> None:
+        """Take programs whose keys are gone (expired, purged) out of both indexes."""
+        if self._client is None or not wfs:
             return
         async with self._client.pipeline(transaction=False) as pipe:  # two keys, two slots
-            if wfs:
-                pipe.zrem(self.keys.index_created, *wfs)
-            pipe.zrem(self.keys.index_ended, *(ended if ended is not None else wfs))
+            pipe.zrem(self.keys.index_created, *wfs)
+            pipe.zrem(self.keys.index_ended, *wfs)
             await pipe.execute()
 
     async def failed(self, report: Failed, delay_s: float | None) -> None:

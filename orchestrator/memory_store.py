@@ -746,7 +746,7 @@ class MemoryStore:
     async def untrack(self, wf: str, owner: int) -> None:
         self._set(self.keys.live(owner)).discard(wf)
         self._drop_if_empty(self.keys.live(owner))
-        if self.retention_ms > 0:  # the ended index, by time: a later end moves it last
+        if self.retention_ms > 0:  # the ended index, by time: a later call moves it last
             ended = self.data.setdefault(self.keys.index_ended, [])
             assert isinstance(ended, list)
             if wf in ended:

@@ -392,13 +392,14 @@ class RedisStore:
 
     async def untrack(self, wf: str, owner: int) -> None:
         """The program ended: idempotent, so every redelivery of its end may call it. Noted in
-        the ended index when its keys expire (a later end moves it later, never earlier)."""
+        the ended index, by when (a later call moves it later: the prune only ever comes
+        later for it; no GT, which needs Redis 6.2)."""
         if self.retention_ms <= 0:  # kept for good: so is its entry in the creation index
             await self.client.srem(self.keys.live(owner), wf)  # type: ignore[misc]
             return
         async with self.client.pipeline(transaction=False) as pipe:  # two keys, two slots
             pipe.srem(self.keys.live(owner), wf)
-            pipe.zadd(self.keys.index_ended, {wf: time.time() * 1000}, gt=True)
+            pipe.zadd(self.keys.index_ended, {wf: time.time() * 1000})
             await pipe.execute()
 
     async def in_flight(self, shard: int) -> int:

@@ -773,15 +773,16 @@ async def _dead(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _parked_at(headers: dict[str, Any]) -> int | None:
-    """When a message was parked, in ms: ours say so; the broker's `x-death` has its time."""
-    at = headers.get("x-shardflow-at")
-    if isinstance(at, int) and not isinstance(at, bool):
-        return at
+    """When a message was parked, in ms: the broker's `x-death` says when it parked one
+    (which keeps its sender's headers, ours too), ours say when we did."""
     deaths = headers.get("x-death")
     if isinstance(deaths, list) and deaths and isinstance(deaths[0], dict):
         when = deaths[0].get("time")
         if isinstance(when, datetime.datetime):
             return int(when.timestamp() * 1000)
+    at = headers.get("x-shardflow-at")
+    if isinstance(at, int) and not isinstance(at, bool):
+        return at
     return None
 
 

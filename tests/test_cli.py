@@ -549,3 +549,18 @@ async def test_redrive_runs_an_ended_program_again_and_refuses_what_it_cannot(
         assert (refused.returncode, refused.stderr) == (code, f"shardflow: {error}\n"), args
     helped = shardflow("redrive", "--help")
     assert helped.returncode == 0 and "--from STEP" in helped.stdout
+
+
+def test_a_dead_letter_was_parked_when_the_broker_says_before_what_its_headers_say() -> None:
+    """The broker parks a message with its sender's headers, ours too (a copy sent again keeps
+    `x-shardflow-*`): its `x-death` time is when it was parked. Ours: `x-shardflow-at`."""
+    import datetime
+
+    from shardflow.cli import _parked_at
+
+    when = datetime.datetime(2026, 12, 5, 4, 0, tzinfo=datetime.UTC)
+    death = {"reason": "delivery_limit", "queue": "q", "time": when}
+    later = int(when.timestamp() * 1000) + 10**9
+    assert _parked_at({"x-death": [death], "x-shardflow-at": later}) == later - 10**9
+    assert _parked_at({"x-shardflow-at": later}) == later
+    assert _parked_at({"x-shardflow-at": True, "x-death": [{"time": "soon"}]}) is None

@@ -202,6 +202,30 @@ async def test_a_start_given_up_that_opens_its_consumer_late_is_stopped(
     assert stopped == [late]
 
 
+class _Refusing(_Reader):
+    """Starts that raise, or iterators, in turn."""
+
+    def __init__(self, starts: list[BaseException | _Iterator]) -> None:
+        super().__init__([])
+        self.starts = starts
+
+    async def _read(self) -> None:
+        async def start() -> Any:
+            found = self.starts.pop(0)
+            if isinstance(found, BaseException):
+                raise found
+            return found
+
+        async def stop(iterator: Any) -> None:
+            pass
+
+        async for message in self._messages(start, stop):
+            self.got.append(message)
+            if message == "last":
+                self.shutdown()
+                await asyncio.Event().wait()
+
+
 async def test_a_queue_that_refuses_each_start_is_tried_again_later_and_later(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -211,6 +235,13 @@ async def test_a_queue_that_refuses_each_start_is_tried_again_later_and_later(
     monkeypatch.setattr(lifecycle, "RECONSUME_S", 0.01)
     monkeypatch.setattr(lifecycle, "REFUSED_MAX_S", 0.04)
     refused = ChannelNotFoundEntity("NOT_FOUND - home node of queue 'q' is down")
+    monkeypatch.setattr(lifecycle, "REFUSED_MAX_S", 0.0)
+    many: list[BaseException | _Iterator] = [*[refused] * 1100, _Iterator(["last"])]
+    reader = _Refusing(many)
+    await asyncio.wait_for(reader.run(), 20)  # 2 ** 1024 was no float: the service crashed
+    assert reader.got == ["last"]
+    monkeypatch.setattr(lifecycle, "REFUSED_MAX_S", 0.04)
+    caplog.clear()
     starts: list[BaseException | _Iterator] = [
         *[refused] * 4,
         ConnectionRefusedError("broker gone"),
@@ -220,25 +251,8 @@ async def test_a_queue_that_refuses_each_start_is_tried_again_later_and_later(
         _Iterator(["last"]),
     ]
 
-    class _Refused(_Reader):
-        async def _read(self) -> None:
-            async def start() -> Any:
-                found = starts.pop(0)
-                if isinstance(found, BaseException):
-                    raise found
-                return found
-
-            async def stop(iterator: Any) -> None:
-                pass
-
-            async for message in self._messages(start, stop):
-                self.got.append(message)
-                if message == "last":
-                    self.shutdown()
-                    await asyncio.Event().wait()
-
     caplog.set_level("WARNING", logger="orchestrator.lifecycle")
-    reader = _Refused([])
+    reader = _Refusing(starts)
     await asyncio.wait_for(reader.run(), 5)
     assert reader.got == ["a", "last"]
     pauses = [float(r.getMessage().rsplit(" in ", 1)[1].rstrip("s")) for r in caplog.records
