@@ -183,6 +183,12 @@ class Router:
         if plan is None:
             raise LookupError(f"no program {workflow_id!r}")
         names = parse_program(plan["program"], max_bytes=1 << 30).signals()
+        if name not in names:  # the plan kept may be of an id purged and submitted again
+            self._plans.pop(workflow_id)
+            plan = await self._plan(workflow_id)
+            if plan is None:
+                raise LookupError(f"no program {workflow_id!r}")
+            names = parse_program(plan["program"], max_bytes=1 << 30).signals()
         if name not in names:
             waits = ", ".join(map(repr, sorted(names))) or "none"
             raise ValueError(
@@ -191,6 +197,7 @@ class Router:
         text = json.dumps(data, ensure_ascii=False)
         kept = await self.store.signal(workflow_id, name, text, signal_id or "")
         if kept.verdict == "missing":
+            self._plans.pop(workflow_id)  # purged or expired: its id may be submitted again
             raise LookupError(f"no program {workflow_id!r}")
         if kept.verdict == "ended":
             raise ValueError(f"program {workflow_id!r} has ended ({kept.status}): not signalled")

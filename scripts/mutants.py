@@ -120,6 +120,9 @@ PROBED_PATHS = (
     "tests/test_helm.py::"
     "test_every_process_serves_metrics_and_health_on_one_port_and_is_probed_there"
 )
+ROUTER_PLANS = (
+    "tests/test_plans.py::test_a_router_keeps_plans_within_its_bytes_and_never_keeps_a_missing_one"
+)
 PROBE = "tests/test_backlog.py::test_sampling_a_queue_opens_no_channel_per_sample"
 REDRIVEN_START = (
     "tests/test_owner_steps.py::test_a_redelivered_start_of_a_redriven_run_republishes_its_step"
@@ -1323,6 +1326,22 @@ end""",
         '        + KEY_BYTES * text.count(b":")\n',
         "",
         (PARSE_BYTES, READ_BYTES),
+    ),
+    # A router keeps a plan of an id purged and submitted again: signals are checked against
+    # the old program's.
+    "router-keeps-a-stale-plan": (
+        "router/client.py",
+        "        if name not in names:  # the plan kept may be of an id purged and submitted again\n"
+        "            self._plans.pop(workflow_id)\n",
+        "        if False:\n",
+        (ROUTER_PLANS,),
+    ),
+    # ... and one whose program is gone.
+    "router-keeps-a-missing-plan": (
+        "router/client.py",
+        "            self._plans.pop(workflow_id)  # purged or expired",
+        "            pass  # purged or expired",
+        (ROUTER_PLANS,),
     ),
 }
 

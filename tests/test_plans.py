@@ -23,6 +23,7 @@ from orchestrator.settings import Settings
 from router import client as client_module
 from router import explain as explain_module
 from router.client import Router
+from router.retention import purge
 from tests.test_owner_steps import Recorder
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -289,6 +290,16 @@ async def test_a_router_keeps_plans_within_its_bytes_and_never_keeps_a_missing_o
     program = {"steps": [{"signal": "go"}, {"task": "a"}]}
     await router.submit(program, None, workflow_id=wf)
     assert (await router.signal(wf, "go", 1))["duplicate"] is False
+    # Purged and submitted again with another program: the plan kept is not the one to check.
+    await router.cancel(wf)
+    assert (await purge(store))["purged"] == 1
+    await router.submit({"steps": [{"signal": "stop"}]}, None, workflow_id=wf)
+    assert (await router.signal(wf, "stop", 1))["duplicate"] is False
+    await router.cancel(wf)
+    assert (await purge(store))["purged"] == 1
+    with pytest.raises(LookupError, match="no program"):
+        await router.signal(wf, "stop", 2)
+    assert router._plans.get(wf) is None  # gone: not kept for the id's next program
     monkeypatch.setattr(client_module, "PLAN_BYTES_KEPT", 3 * 110_000)
     router = Router(settings, store=store, bus=Recorder())
     ids = await _submit(settings, store, program, ["x" * 100_000 for _ in range(5)])
