@@ -1331,9 +1331,8 @@ end""",
     # the old program's.
     "router-keeps-a-stale-plan": (
         "router/client.py",
-        "        if name not in names:  # the plan kept may be of an id purged and submitted again\n"
-        "            self._plans.pop(workflow_id)\n",
-        "        if False:\n",
+        "        if name not in names:  # the plan kept may be of an id purged and",
+        "        if False:  # the plan kept may be of an id purged and",
         (ROUTER_PLANS,),
     ),
     # ... and one whose program is gone.
