@@ -224,7 +224,7 @@ class Router:
         changed nothing) unless `stop_compensations`: then it ends compensation_failed."""
         if self.bus is None:
             raise RuntimeError("Router needs a bus to cancel")
-        raw = await self._plan(workflow_id)
+        raw = await self._plan(workflow_id, fresh=True)  # it decides: never an old id's
         program = None if raw is None else parse_program(raw["program"], max_bytes=1 << 30)
         compensates = program is not None and bool(program.compensations)
         verdict = await end_program(
@@ -255,7 +255,7 @@ class Router:
         if not state:
             raise LookupError(f"no program {workflow_id!r}")
         _refuse(workflow_id, state["status"])
-        raw = await self._plan(workflow_id)
+        raw = await self._plan(workflow_id, fresh=True)  # it decides: never an old id's
         if raw is None:
             raise LookupError(f"no program {workflow_id!r}")
         program = parse_program(raw["program"], max_bytes=1 << 30)
@@ -292,7 +292,7 @@ class Router:
             return None
         status = _basic(workflow_id, state)
         found = await explaining.details(
-            self.store, workflow_id, state, await self._plan(workflow_id)
+            self.store, workflow_id, state, await self._plan(workflow_id, fresh=True)
         )
         status.update(
             updated_ms=_int(state.get("updated_ms")),
@@ -308,9 +308,11 @@ class Router:
             status["compensations"] = found_saga
         return status
 
-    async def _plan(self, workflow_id: str) -> Any:
-        """The recorded plan, or None (not kept: the id may be submitted yet)."""
-        plan = self._plans.get(workflow_id)
+    async def _plan(self, workflow_id: str, *, fresh: bool = False) -> Any:
+        """The recorded plan, or None (not kept: the id may be submitted yet). `fresh`: read
+        now, not the one kept, which may be of an id purged and submitted again since (a
+        signal, whose names are checked, reads it again when they refuse)."""
+        plan = None if fresh else self._plans.get(workflow_id)
         if plan is None:
             plan = await self.store.plan(workflow_id)
             if plan is not None:

@@ -1342,6 +1342,14 @@ end""",
         "            pass  # purged or expired",
         (ROUTER_PLANS,),
     ),
+    # Status (and cancel, redrive) from the plan kept: an id purged and submitted again shows
+    # the old program's steps, and a cancel decides on its compensations.
+    "router-status-from-a-kept-plan": (
+        "router/client.py",
+        "        plan = None if fresh else self._plans.get(workflow_id)\n",
+        "        plan = self._plans.get(workflow_id)\n",
+        (ROUTER_PLANS,),
+    ),
 }
 
 

@@ -294,7 +294,12 @@ async def test_a_router_keeps_plans_within_its_bytes_and_never_keeps_a_missing_o
     await router.cancel(wf)
     assert (await purge(store))["purged"] == 1
     await router.submit({"steps": [{"signal": "stop"}]}, None, workflow_id=wf)
-    assert (await router.signal(wf, "stop", 1))["duplicate"] is False
+    assert (await router.signal(wf, "stop", 1))["duplicate"] is False  # read again
+    await router.cancel(wf)
+    assert (await purge(store))["purged"] == 1
+    three = {"steps": [{"signal": "stop"}, {"task": "a"}, {"task": "b"}]}
+    await router.submit(three, None, workflow_id=wf)
+    assert (await router.status(wf))["steps"] == 3  # type: ignore[index]  # read afresh
     await router.cancel(wf)
     assert (await purge(store))["purged"] == 1
     with pytest.raises(LookupError, match="no program"):
