@@ -713,7 +713,7 @@ class Bus:
                 if message is None:
                     break
                 if not old(dict(message.headers or {})):
-                    await message.nack(requeue=True)  # back at the head, where it was
+                    await message.nack(requeue=True)  # handed back (see above)
                     break
                 await message.ack()
                 deleted += 1

@@ -33,7 +33,7 @@ from router import explain as explaining
 from router import listing, redriving
 from router.hashing import shard_for
 
-# Plans a router keeps read (for status and signals), at most, and their bytes
+# Plans a router keeps read (for signals), at most, and their bytes
 # (`caches.json_bytes`): a plan may hold a program and an input at their limits, 2 MB read.
 PLANS_KEPT = 256
 PLAN_BYTES_KEPT = 16 << 20
@@ -312,7 +312,9 @@ class Router:
         """The recorded plan, or None (not kept: the id may be submitted yet). `fresh`: read
         now, not the one kept, which may be of an id purged and submitted again since (a
         signal, whose names are checked, reads it again when they refuse)."""
-        plan = None if fresh else self._plans.get(workflow_id)
+        if fresh:
+            return await self.store.plan(workflow_id)
+        plan = self._plans.get(workflow_id)
         if plan is None:
             plan = await self.store.plan(workflow_id)
             if plan is not None:

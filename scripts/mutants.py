@@ -1346,8 +1346,8 @@ end""",
     # the old program's steps, and a cancel decides on its compensations.
     "router-status-from-a-kept-plan": (
         "router/client.py",
-        "        plan = None if fresh else self._plans.get(workflow_id)\n",
-        "        plan = self._plans.get(workflow_id)\n",
+        "        if fresh:\n            return await self.store.plan(workflow_id)\n",
+        "",
         (ROUTER_PLANS,),
     ),
 }

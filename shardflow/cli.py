@@ -775,11 +775,9 @@ async def _dead(settings: Settings, args: argparse.Namespace) -> int:
 def _parked_at(headers: dict[str, Any]) -> int | None:
     """When a message was parked, in ms: the broker's `x-death` says when it parked one
     (which keeps its sender's headers, ours too), ours say when we did."""
-    deaths = headers.get("x-death")
-    if isinstance(deaths, list) and deaths and isinstance(deaths[0], dict):
-        when = deaths[0].get("time")
-        if isinstance(when, datetime.datetime):
-            return int(when.timestamp() * 1000)
+    when = (_first_death(headers) or {}).get("time")
+    if isinstance(when, datetime.datetime):
+        return int(when.timestamp() * 1000)
     at = headers.get("x-shardflow-at")
     if isinstance(at, int) and not isinstance(at, bool):
         return at
@@ -788,11 +786,19 @@ def _parked_at(headers: dict[str, Any]) -> int | None:
 
 def _death_reason(headers: dict[str, Any]) -> str:
     # Dead-lettered by the broker (rejected, or over a quorum queue's delivery limit).
-    deaths = headers.get("x-death")
-    if isinstance(deaths, list) and deaths and isinstance(deaths[0], dict):
-        death = deaths[0]
+    death = _first_death(headers)
+    if death is not None:
         return f"{death.get('reason')} by the broker from {death.get('queue')}"
     return "unknown"
+
+
+def _first_death(headers: dict[str, Any]) -> dict[str, Any] | None:
+    """The broker's latest `x-death` entry, when the header is the list of tables it writes
+    (a sender may set it to anything)."""
+    deaths = headers.get("x-death")
+    if isinstance(deaths, list) and deaths and isinstance(deaths[0], dict):
+        return deaths[0]
+    return None
 
 
 async def _shards(settings: Settings, args: argparse.Namespace) -> int:
