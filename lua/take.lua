@@ -4,6 +4,7 @@
 -- KEYS[2]  the step's output    <prefix>:{<wf>}:out:<path>
 -- KEYS[3]  the signal's list    <prefix>:{<wf>}:sig:<name>
 -- ARGV[1]  the step's path
+-- ARGV[2]  the run (epoch) the caller read its cursor in; "" or absent: not checked
 -- returns  {"taken"}    the step has its output: taken now, or before (a replay after a
 --                       crash finds it again, whatever the cursor is now, and never takes a
 --                       second signal)
@@ -12,12 +13,16 @@
 --          {"missing"}  no such program
 -- A leaf in a parallel branch (a path with `/branch:K/`) is compared with its branch's
 -- cursor and leaf, in <prefix>:{<wf>}:cur:<scope> (see advance.lua), and is stale once its
--- bag was left (advance.lua's fence); the status checked is the program's. No epoch is
--- checked (take.lua is given none, for a branch or not): the owner calls it at a cursor it
--- just read, and the `next` it then sends carries the run, which advance.lua compares.
-local s = redis.call("HMGET", KEYS[1], "status", "cursor", "leaf")
+-- bag was left (advance.lua's fence); the status checked is the program's. The run is
+-- checked first: an owner that stalled after reading the cursor must not take a signal for
+-- a run redriven meanwhile (its `next` would be stale, and the signal gone with it).
+local s = redis.call("HMGET", KEYS[1], "status", "cursor", "leaf", "epoch")
 if not s[1] then
   return {"missing"}
+end
+local epoch = ARGV[2] or ""
+if epoch ~= "" and epoch ~= (s[4] or "0") then
+  return {"stale"}
 end
 if redis.call("EXISTS", KEYS[2]) == 1 then
   return {"taken"}

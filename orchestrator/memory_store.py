@@ -622,11 +622,13 @@ class MemoryStore:
         self._register(wf, self.keys.signals(wf, name))
         return Verdict("kept", str(len(waiting)), "")
 
-    async def take(self, wf: str, path: str, name: str) -> str:
+    async def take(self, wf: str, path: str, name: str, epoch: int | None = None) -> str:
         """lua/take.lua"""
-        (status,) = self._hmget(self.keys.state(wf), "status")
+        status, run = self._hmget(self.keys.state(wf), "status", "epoch")
         if status is None:
             return "missing"
+        if epoch is not None and str(epoch) != (run or "0"):
+            return "stale"
         if self.keys.output(wf, path) in self.data:
             return "taken"
         _, cursor, leaf = self._scoped(wf, path, "status", "cursor", "leaf")

@@ -305,10 +305,11 @@ class RedisStore:
         verdict, detail = await self._signal(keys=keys, args=args)
         return Verdict(verdict, str(detail), "")
 
-    async def take(self, wf: str, path: str, name: str) -> str:
+    async def take(self, wf: str, path: str, name: str, epoch: int | None = None) -> str:
         """The signal step at `path` takes its signal (see lua/take.lua)."""
         keys = [self.keys.state(wf), self.keys.output(wf, path), self.keys.signals(wf, name)]
-        [verdict] = await self._take(keys=keys, args=[path])
+        run = "" if epoch is None else str(epoch)
+        [verdict] = await self._take(keys=keys, args=[path, run])
         return str(verdict)
 
     async def acquire(

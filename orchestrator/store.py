@@ -247,9 +247,9 @@ class Store(Protocol):
         kept (status: how many wait now), duplicate, full, ended (status) or missing."""
         ...
 
-    async def take(self, wf: str, path: str, name: str) -> str:
+    async def take(self, wf: str, path: str, name: str, epoch: int | None = None) -> str:
         """The signal step at `path` takes its signal (lua/take.lua): taken, waiting, stale
-        or missing."""
+        (`epoch` given: also when the program is in another run) or missing."""
         ...
 
     async def acquire(

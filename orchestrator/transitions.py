@@ -257,7 +257,7 @@ class Transitions:
             verdict = await self._signalled(message, plan)
             self.counts[verdict] += 1
             return verdict
-        epoch: int | None = None  # a start belongs to whatever run the program is in
+        epoch: int | None = None  # a start belongs to whatever run the program is in...
         state: dict[str, str] = {}  # read by a start only (its run, and when it was created)
         output: str | None = None  # a finished single task's, recorded with the advance
         if isinstance(message, Next | Failed) and is_saga(message.path):
@@ -267,7 +267,9 @@ class Transitions:
         if isinstance(message, Start):
             expected = ""
             state = await self.store.state(message.wf)
-            run = int(state.get("epoch") or 0)
+            # ...as read here: its advance applies to that run only, so an owner that stalled
+            # between this read and the advance cannot move a run redriven meanwhile.
+            epoch = run = int(state.get("epoch") or 0)
             if state.get("status") == "compensating":  # the compensations start
                 verdict = await self._compensate(
                     message.wf, plan, "", None, run, state, redelivered=redelivered
@@ -508,7 +510,7 @@ class Transitions:
         """The signal step at `path` takes its signal, if one is kept: its data is then the
         step's output in Redis, and the owner tells itself the step is done (a `next` it reads
         from Redis, so a crash anywhere replays the same data and never takes a second)."""
-        verdict = await self.store.take(wf, path, step.signal)
+        verdict = await self.store.take(wf, path, step.signal, epoch)
         if verdict == "taken":
             body = encode(Next(wf=wf, path=path, stored=True, epoch=epoch))
             await self.bus.publish_to_shard(plan.owner, body)

@@ -242,6 +242,22 @@ DEEP_RUN = (
     "test_an_input_as_deep_as_the_ingress_takes_with_a_big_number_runs_to_its_end"
 )
 
+STALLED_START = (
+    "tests/test_owner_steps.py::"
+    "test_a_start_that_stalled_before_its_advance_leaves_a_redriven_run_alone"
+)
+STALLED_START_LUA = (
+    "tests/test_owner_steps.py::test_the_lua_leaves_a_redriven_run_alone_for_a_stalled_start"
+)
+STALLED_TAKE = (
+    "tests/test_owner_steps.py::"
+    "test_a_signal_handler_that_stalled_takes_nothing_from_a_redriven_run"
+)
+STALLED_TAKE_LUA = (
+    "tests/test_owner_steps.py::"
+    "test_the_lua_takes_no_signal_for_a_stalled_handler_of_an_earlier_run"
+)
+
 MUTANTS = {
     # A worker runs a current task whatever owner shard it names: a forged one runs its
     # handler, and again on every delivery, its report unroutable.
@@ -1349,6 +1365,29 @@ end""",
         "        if fresh:\n            return await self.store.plan(workflow_id)\n",
         "",
         (ROUTER_PLANS,),
+    ),
+    # A start's advance is given no run: an owner that stalled between reading the state
+    # and its advance moves a run redriven meanwhile to a step of the old one, and the
+    # redrive's start is stale: a running program with nothing in flight.
+    "start-advances-any-run": (
+        "orchestrator/transitions.py",
+        '            epoch = run = int(state.get("epoch") or 0)',
+        '            run = int(state.get("epoch") or 0)',
+        (STALLED_START, STALLED_START_LUA),
+    ),
+    # take.lua checks no run: a stalled signal handler takes the signal for a redriven run
+    # and sends a stale `next`; the step waits on with its signal gone.
+    "take-checks-no-run": (
+        "lua/take.lua",
+        'if epoch ~= "" and epoch ~= (s[4] or "0") then\n  return {"stale"}',
+        'if false then\n  return {"stale"}',
+        (STALLED_TAKE_LUA,),
+    ),
+    "take-given-no-run": (
+        "orchestrator/transitions.py",
+        "        verdict = await self.store.take(wf, path, step.signal, epoch)",
+        "        verdict = await self.store.take(wf, path, step.signal)",
+        (STALLED_TAKE, STALLED_TAKE_LUA),
     ),
 }
 

@@ -3,6 +3,7 @@ test reaches only at its long budget (a wake redelivered after a crash), and for
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -214,3 +215,100 @@ async def _redriven_start_replays(settings: Settings, store: Any) -> None:
     bus.tasks.clear()
     assert await transitions.apply(rerun, redelivered=False, shard=owner) == "replay"
     assert not bus.tasks
+
+
+async def test_a_start_that_stalled_before_its_advance_leaves_a_redriven_run_alone() -> None:
+    await _stalled_start_is_stale(Settings(prefix="stalled"), MemoryStore(Keys("stalled")))
+
+
+async def test_the_lua_leaves_a_redriven_run_alone_for_a_stalled_start(
+    settings: Settings, store: Any
+) -> None:
+    await _stalled_start_is_stale(settings, store)
+
+
+async def _stalled_start_is_stale(settings: Settings, store: Any) -> None:
+    """An owner reads a start's run, then stalls (a pause longer than the broker's patience);
+    the start goes to a standby, the run fails and is redriven. The stalled advance must not
+    move the new run: it did, to a step of the old run that every worker refuses, and the
+    redrive's own start was then stale: a running program with nothing in flight."""
+    stalled_bus, standby_bus = Recorder(), Recorder()
+    stalled = Transitions(store, stalled_bus, Plans(store, 8))
+    standby = Transitions(store, standby_bus, Plans(store, 8))
+    router = Router(settings, store=store, bus=standby_bus)
+    program = {"steps": [{"task": "work"}, {"task": "work"}]}
+    owner = (await router.submit(program, None, "paused")).shard
+    start = decode_shard_message(standby_bus.shard.pop())
+    gate = asyncio.Event()
+    advance = stalled._advance
+
+    async def paused(*args: Any, **kwargs: Any) -> Any:
+        await gate.wait()  # after the state was read, before the script
+        return await advance(*args, **kwargs)
+
+    stalled._advance = paused  # type: ignore[method-assign]
+    late = asyncio.create_task(stalled.apply(start, redelivered=False, shard=owner))
+    await asyncio.sleep(0.05)
+    assert await standby.apply(start, redelivered=True, shard=owner) == "applied"
+    report = Next(wf="paused", path="0", output="first")
+    assert await standby.apply(report, redelivered=False, shard=owner) == "applied"
+    failed = Failed(wf="paused", path="1", task="work", error="no")
+    await standby.apply(failed, redelivered=False, shard=owner)
+    await router.redrive("paused")
+    rerun = decode_shard_message(standby_bus.shard.pop())
+    gate.set()
+    assert await late == "stale" and not stalled_bus.tasks
+    standby_bus.tasks.clear()
+    assert await standby.apply(rerun, redelivered=False, shard=owner) == "applied"
+    [task] = [decode_task(body) for body in standby_bus.tasks]
+    assert (task.path, task.prev, task.epoch) == ("1", "first", 1)
+    state = await store.state("paused")
+    assert (state["status"], state["cursor"], state["epoch"]) == ("running", "1", "1")
+
+
+async def test_a_signal_handler_that_stalled_takes_nothing_from_a_redriven_run() -> None:
+    await _stalled_take_is_stale(Settings(prefix="stalled"), MemoryStore(Keys("stalled")))
+
+
+async def test_the_lua_takes_no_signal_for_a_stalled_handler_of_an_earlier_run(
+    settings: Settings, store: Any
+) -> None:
+    await _stalled_take_is_stale(settings, store)
+
+
+async def _stalled_take_is_stale(settings: Settings, store: Any) -> None:
+    """A signal's handler reads the run at its signal step, then stalls; the program is
+    cancelled and redriven to that step again. The late take must leave the signal kept: it
+    took it for the new run with a `next` of the old one (stale), and the step waited on."""
+    stalled_bus, standby_bus = Recorder(), Recorder()
+    stalled = Transitions(store, stalled_bus, Plans(store, 8))
+    standby = Transitions(store, standby_bus, Plans(store, 8))
+    router = Router(settings, store=store, bus=standby_bus)
+    program = {"steps": [{"signal": "go"}, {"task": "work"}]}
+    owner = (await router.submit(program, None, "held")).shard
+    start = decode_shard_message(standby_bus.shard.pop())
+    assert await standby.apply(start, redelivered=False, shard=owner) == "applied"
+    await router.signal("held", "go", "yes")
+    signalled = decode_shard_message(standby_bus.shard.pop())
+    gate = asyncio.Event()
+    take = stalled._take
+
+    async def paused(*args: Any, **kwargs: Any) -> str:
+        await gate.wait()  # the run was read at the signal step; the take is yet to come
+        return await take(*args, **kwargs)
+
+    stalled._take = paused  # type: ignore[method-assign]
+    late = asyncio.create_task(stalled.apply(signalled, redelivered=False, shard=owner))
+    await asyncio.sleep(0.05)
+    await router.cancel("held")
+    await router.redrive("held")
+    rerun = decode_shard_message(standby_bus.shard.pop())
+    assert await standby.apply(rerun, redelivered=False, shard=owner) == "applied"
+    gate.set()
+    assert await late == "stale" and not stalled_bus.shard
+    assert await standby.apply(signalled, redelivered=True, shard=owner) == "taken"
+    report = decode_shard_message(standby_bus.shard.pop())
+    standby_bus.tasks.clear()
+    assert await standby.apply(report, redelivered=False, shard=owner) == "applied"
+    [task] = [decode_task(body) for body in standby_bus.tasks]
+    assert (task.path, task.prev, task.epoch) == ("1", "yes", 1)

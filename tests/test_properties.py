@@ -328,8 +328,8 @@ class RecordingStore:
         assert isinstance(self.inner, RedisStore)
         return int(await self.inner.client.llen(key))
 
-    async def take(self, wf: str, path: str, name: str) -> str:
-        verdict = await self.inner.take(wf, path, name)
+    async def take(self, wf: str, path: str, name: str, epoch: int | None = None) -> str:
+        verdict = await self.inner.take(wf, path, name, epoch)
         if verdict == "taken":  # each signal step takes its own signal, once
             stored = (await self.inner.outputs(wf, path, None, 1 << 20)).values
             if stored != [json.dumps(signal_data(path))]:

@@ -190,7 +190,10 @@ def calls(cursors: dict[str, list[str]]) -> st.SearchStrategy[Call]:
             st.sampled_from(["", "", "i1", "i2", "i3"]),
         )
         take = st.builds(
-            lambda path, name: ("take", (wf, path, name)), at(wf, PATHS), st.sampled_from(SIGNALS)
+            lambda path, name, epoch: ("take", (wf, path, name, epoch)),
+            at(wf, PATHS),
+            st.sampled_from(SIGNALS),
+            st.none() | EPOCHS,  # None: not checked; a number: the run the owner read
         )
         begin = st.builds(  # tasks of a step that names compensations start (begin.lua)
             lambda path, indexes, epoch, attempt: ("begin", (wf, path, indexes, epoch, attempt)),
