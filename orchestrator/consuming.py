@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 # A consumer without acks has no prefetch, so what it holds unread is bounded here: its
 # messages are hints (the control queue's notices, which anyone on the vhost may publish).
 MAX_UNREAD_NO_ACK = 1024
+# What RabbitMQ (3.8.15 and later) closes a channel with when a delivery stays unacked past
+# its consumer_timeout.
+ACK_TIMED_OUT = "delivery acknowledgement on channel"
 
 
 class Incoming:
@@ -75,6 +78,12 @@ class Incoming:
             raise RuntimeError("a delivery without a delivery tag")
         self._settled = True
         return tag
+
+    @property
+    def gone(self) -> asyncio.Future[Any]:
+        """Done once its channel closed: it can no longer be settled, and the broker hands
+        it to another consumer (an observer of aiormq's `closing`; never cancel it)."""
+        return self._channel.closing
 
     async def ack(self) -> None:
         await self._channel.basic_ack(self._tag())
@@ -148,6 +157,15 @@ class Deliveries:
 
     def _on_channel_closed(self, closing: asyncio.Future[Any]) -> None:
         reason = None if closing.cancelled() else closing.exception()
+        if ACK_TIMED_OUT in str(reason):
+            # RabbitMQ's consumer_timeout ran out under a task still running: it is handed to
+            # another consumer now, and again at every timeout (docs/kubernetes.md).
+            log.error(
+                "%s: the broker took back a task held past its consumer_timeout (%r); set "
+                "consumer_timeout above the longest task timeout (docs/kubernetes.md)",
+                self._queue,
+                reason,
+            )
         self._lost = ChannelInvalidStateError(f"the channel of {self._queue} closed: {reason!r}")
         self._ready.clear()  # the broker hands them to the next consumer
         self._wake()

@@ -258,6 +258,18 @@ STALLED_TAKE_LUA = (
     "test_the_lua_takes_no_signal_for_a_stalled_handler_of_an_earlier_run"
 )
 
+LANE_DROP = (
+    "tests/test_pools.py::"
+    "test_a_lane_task_stops_when_its_workers_connection_drops_so_two_never_overlap"
+)
+CONSUMER_TIMEOUT = (
+    "tests/test_consumer_timeout.py::"
+    "test_a_task_held_past_consumer_timeout_is_named_and_a_lane_never_runs_two"
+)
+LEASE_RUNS_OUT = (
+    "tests/test_limits.py::test_a_slot_no_renewal_reached_is_lost_when_its_lease_runs_out"
+)
+
 MUTANTS = {
     # A worker runs a current task whatever owner shard it names: a forged one runs its
     # handler, and again on every delivery, its report unroutable.
@@ -1388,6 +1400,29 @@ end""",
         "        verdict = await self.store.take(wf, path, step.signal, epoch)",
         "        verdict = await self.store.take(wf, path, step.signal)",
         (STALLED_TAKE, STALLED_TAKE_LUA),
+    ),
+    # A lane's task runs on after its delivery's channel closed: the broker hands it to the
+    # standby, and two of the lane's tasks run at once.
+    "lane-task-outlives-its-delivery": (
+        "worker/pool.py",
+        "        if gone is not None and is_lane(self.pool):",
+        "        if False:",
+        (LANE_DROP, CONSUMER_TIMEOUT),
+    ),
+    # A channel closed by consumer_timeout is not named: tasks over 30 min run again and again.
+    "ack-timeout-unnamed": (
+        "orchestrator/consuming.py",
+        "        if ACK_TIMED_OUT in str(reason):",
+        "        if False:",
+        (CONSUMER_TIMEOUT,),
+    ),
+    # No local clock on a slot's lease: a worker that cannot reach Redis runs on past it, while
+    # another worker takes the slot.
+    "lease-kept-while-unrenewed": (
+        "worker/pool.py",
+        "        expires = since + lease_s\n",
+        "        expires = math.inf\n",
+        (LEASE_RUNS_OUT,),
     ),
 }
 

@@ -70,7 +70,8 @@ class PrivateRedis:
 class PrivateRabbit:
     """A RabbitMQ node of its own (about 5 s to start); folders owned by the rabbitmq user."""
 
-    def __init__(self) -> None:
+    def __init__(self, conf: str = "", advanced: str = "") -> None:
+        """`conf`: rabbitmq.conf lines; `advanced`: an advanced.config term (`[...].`)."""
         self.port = free_port()
         self.dist_port = free_port()
         self.node = f"sftest{uuid.uuid4().hex[:6]}@localhost"
@@ -78,6 +79,9 @@ class PrivateRabbit:
         for sub in ("mnesia", "log"):
             (self.dir / sub).mkdir()
         (self.dir / "enabled_plugins").write_text("[].\n")
+        (self.dir / "advanced.config").write_text(advanced or "[].\n")
+        if conf:
+            (self.dir / "rabbitmq.conf").write_text(conf)
         if os.geteuid() == 0:
             user = pwd.getpwnam("rabbitmq")
             for path in [self.dir, *self.dir.rglob("*")]:
@@ -98,6 +102,7 @@ class PrivateRabbit:
             "RABBITMQ_LOG_BASE": str(self.dir / "log"),
             "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.dir / "enabled_plugins"),
             "RABBITMQ_CONFIG_FILE": str(self.dir / "rabbitmq"),  # none: defaults only
+            "RABBITMQ_ADVANCED_CONFIG_FILE": str(self.dir / "advanced.config"),
         }
 
     def start(self) -> None:

@@ -3,7 +3,9 @@ evaluates, the task messages that carry them, and a worker that finds every slot
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from typing import Any
 
 import pytest
@@ -22,6 +24,7 @@ from orchestrator.program import (
     program_schema,
 )
 from orchestrator.settings import Settings
+from orchestrator.store import Slot
 from orchestrator.transitions import task_messages
 from worker.pool import Worker
 from worker.registry import Registry
@@ -235,3 +238,48 @@ async def test_a_redelivered_task_that_waits_for_a_slot_still_reports_a_step_it_
     await store.release("k", "a")
     reports = await worker._limited(decode_task(body), "parallel", redelivered=False)
     assert [(r.kind, getattr(r, "output", None)) for r in reports] == [("next", "done")]
+
+
+class _Renewals:
+    """A store whose renewals answer as told: renewed, raise (Redis unreachable), or never
+    answer (a dead socket)."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+        self.calls = 0
+        self.keys = Keys("renewals")
+
+    async def renew(self, key: str, holder: str, lease_ms: int) -> Any:
+        self.calls += 1
+        if self.how == "raise":
+            raise ConnectionError("Redis unreachable")
+        if self.how == "hang":
+            await asyncio.Event().wait()
+        return Slot("renewed")
+
+
+@pytest.mark.parametrize("how", ["raise", "hang"])
+async def test_a_slot_no_renewal_reached_is_lost_when_its_lease_runs_out(how: str) -> None:
+    """Renewals that fail or never return: by the time the lease ran out on Redis, another
+    worker may hold the slot, so the handler must stop then; it ran on without a bound."""
+    store = _Renewals(how)
+    worker = Worker(Settings(key_lease_s=0.3), Registry(), pool="parallel", store=store, bus=_Bus())  # type: ignore[arg-type]
+    lost, done = asyncio.Event(), asyncio.Event()
+    since = time.monotonic()
+    renewing = asyncio.create_task(worker._renew("k", "me", lost, done, since))
+    await asyncio.wait_for(lost.wait(), 2)
+    assert 0.3 <= time.monotonic() - since < 0.5, "lost when the lease ran out, not later"
+    assert store.calls >= 1
+    done.set()
+    await renewing
+
+
+async def test_a_slot_renewed_in_time_is_kept() -> None:
+    store = _Renewals("renew")
+    worker = Worker(Settings(key_lease_s=0.3), Registry(), pool="parallel", store=store, bus=_Bus())  # type: ignore[arg-type]
+    lost, done = asyncio.Event(), asyncio.Event()
+    renewing = asyncio.create_task(worker._renew("k", "me", lost, done, time.monotonic()))
+    await asyncio.sleep(1.2)  # four leases
+    assert not lost.is_set() and store.calls >= 8
+    done.set()
+    await renewing

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
+import shutil
+import subprocess
+import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -233,3 +238,68 @@ async def test_a_named_lane_runs_one_task_at_a_time_beside_the_serial_lane(
     ends = {e["wf"]: e["seq"] for e in trace.events() if e["event"] == "end"}
     # The serial lane's task ran beside the billing lane's, not after all of them.
     assert starts[holder] < max(ends[wf] for wf in ids), (starts, ends)
+
+
+@pytest.mark.skipif(shutil.which("rabbitmqctl") is None, reason="closes a connection by pid")
+async def test_a_lane_task_stops_when_its_workers_connection_drops_so_two_never_overlap(
+    cluster: Router, settings: Settings
+) -> None:
+    """The lane's active worker loses its connection while its task runs (a network blip, a
+    broker restart, consumer_timeout): the broker hands the task to the standby at once. The
+    first run must stop then: it ran on beside the standby's, two of the lane's at once."""
+    runs: list[list[float]] = []  # [start, end] of each run, in this process's clock
+
+    async def hold(ctx: TaskContext) -> str:
+        run = [time.monotonic(), math.inf]
+        runs.append(run)
+        try:
+            await asyncio.sleep(ctx.args["sleep_s"])
+        finally:
+            run[1] = time.monotonic()
+        return "held"
+
+    registry = Registry({"hold": hold})
+    name = f"lane-a-{uuid.uuid4().hex[:8]}"
+    async with (
+        connected(settings, name) as (store_a, bus_a),
+        connected(settings, "lane-b") as (store_b, bus_b),
+    ):
+        [a] = workers(settings, registry, ["serial-x"], store=store_a, bus=bus_a)
+        [b] = workers(settings, registry, ["serial-x"], store=store_b, bus=bus_b)
+        first, standby = Together([a]), Together([b])
+        running = [asyncio.create_task(first.run())]
+        await until(lambda: _now(a.consuming), bool)  # the first is the lane's active one
+        running.append(asyncio.create_task(standby.run()))
+        try:
+            await until(lambda: _now(b.consuming), bool)
+            program = {"steps": [{"task": "hold", "args": {"sleep_s": 2}, "pool": "serial-x"}]}
+            wf = (await cluster.submit(program)).workflow_id
+            await until(lambda: _now(len(runs)), lambda found: found == 1)
+            pid = await asyncio.to_thread(_connection_pid, name)
+            await asyncio.to_thread(_rabbitmqctl, "close_connection", pid, "a test drops it")
+            assert (await cluster.wait(wf, timeout_s=30))["status"] == "completed"
+        finally:
+            first.shutdown()
+            standby.shutdown()
+            await asyncio.gather(*running)
+    assert len(runs) == 2, runs
+    (first_start, first_end), (second_start, _) = sorted(runs)
+    assert first_end - first_start < 1.5, runs  # stopped, not run to its 2 s
+    assert first_end <= second_start + 0.05, runs  # never two at once (one loop's clock)
+
+
+async def _now(value: Any) -> Any:
+    return value
+
+
+def _connection_pid(name: str) -> str:
+    for line in _rabbitmqctl("list_connections", "pid", "client_properties").splitlines():
+        if name in line:
+            return line.split()[0]
+    raise AssertionError(f"no connection named {name}")
+
+
+def _rabbitmqctl(*args: str) -> str:
+    return subprocess.run(
+        ["rabbitmqctl", "-q", *args], capture_output=True, text=True, check=True, timeout=30
+    ).stdout

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from orchestrator import limits, logs, metrics
 from orchestrator.bus import CONTROL_REBIND_S, GOING_ON, Transport, Unroutable
-from orchestrator.consuming import Deliveries
+from orchestrator.consuming import Deliveries, Incoming
 from orchestrator.delivery import (
     UNREACHABLE,
     Delivery,
@@ -183,7 +183,37 @@ class Worker(Service):
 
     async def handle(self, delivery: Delivery, source: str) -> None:
         """Run one task message (or a bundle of them); ack only after the reports to the
-        owners are confirmed."""
+        owners are confirmed. On a lane, only while its delivery is held (`_held`)."""
+        gone = delivery.gone if isinstance(delivery, Incoming) else None
+        if gone is not None and is_lane(self.pool):
+            await self._held(self._handle(delivery, source), gone, delivery.body)
+        else:
+            await self._handle(delivery, source)
+
+    async def _held(
+        self, work: Coroutine[Any, Any, None], gone: asyncio.Future[Any], body: bytes
+    ) -> None:
+        """A lane's task stops when its delivery's channel closes (the connection dropped, the
+        broker restarted, its consumer_timeout ran out): the broker hands the task to the
+        standby, and two of the lane's tasks must never run at once. It reports nothing; its
+        next delivery runs it again."""
+        running = asyncio.ensure_future(work)
+        try:
+            await asyncio.wait({running, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not running.done():
+                running.cancel()
+                await asyncio.gather(running, return_exceptions=True)
+                if gone.done():
+                    self.counts["let go"] += 1
+                    log.warning(
+                        "%s: stopped a lane's task: its delivery's channel closed, and the "
+                        "broker hands it on (%r)", self.name, body[:200],
+                    )  # fmt: skip
+        if not running.cancelled():
+            running.result()
+
+    async def _handle(self, delivery: Delivery, source: str) -> None:
         async with process(delivery, self.bus, source, limit=self.settings.delivery_limit):
             tasks = decode_tasks(delivery.body)
             if tasks is not None:
@@ -342,6 +372,7 @@ class Worker(Service):
         if not await self._current([task], redelivered=redelivered):
             return []
         holder = limits.holder(task.wf, task.path, task.index)
+        since = time.monotonic()  # the lease runs out a lease after this, at the earliest
         slot = await self.store.acquire(limit.key, holder, limit.max, self.lease_ms)
         if slot.verdict == "busy":
             await self._wait_for_slot(
@@ -351,7 +382,7 @@ class Worker(Service):
         if limit.waits:
             await self.marks.slot_taken(task.wf, task.path, task.index)
         lost, done = asyncio.Event(), asyncio.Event()
-        renewing = asyncio.create_task(self._renew(limit.key, holder, lost, done))
+        renewing = asyncio.create_task(self._renew(limit.key, holder, lost, done, since))
         try:
             return await self.run_tasks(
                 [task], redelivered=redelivered, lost=lost, checked=True, carry=carry
@@ -395,16 +426,36 @@ class Worker(Service):
         self.counts["waited for a slot"] += 1
         metrics.SLOT_WAITS.labels(metrics.pool_label(self.pool)).inc()
 
-    async def _renew(self, key: str, holder: str, lost: asyncio.Event, done: asyncio.Event) -> None:
-        """Renew a lease every third of it until `done`; set `lost` when it was dropped (it
-        ran out)."""
+    async def _renew(
+        self, key: str, holder: str, lost: asyncio.Event, done: asyncio.Event, since: float
+    ) -> None:
+        """Renew a lease every third of it until `done`; set `lost` when it was dropped, or
+        when no renewal was answered before it ran out by this worker's own clock (from
+        `since`, when the call that set it was sent): Redis unreachable, or a dead socket
+        that never answers, and another worker may hold the slot now."""
+        lease_s = self.settings.key_lease_s
+        expires = since + lease_s
         while True:
+            wait_s = min(lease_s / 3, max(0.0, expires - time.monotonic()))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(done.wait(), self.settings.key_lease_s / 3)
+                await asyncio.wait_for(done.wait(), wait_s)
             if done.is_set():
                 return
+            sent = time.monotonic()
+            if sent >= expires:
+                log.warning("%s: a slot of %r ran out unrenewed", self.name, key)
+                lost.set()
+                return
+            # Never cut short (a Redis call cancelled mid-reply); left to end on its own.
+            call = asyncio.ensure_future(self.store.renew(key, holder, self.lease_ms))
+            answered, _ = await asyncio.wait({call}, timeout=expires - sent)
+            if not answered:
+                call.add_done_callback(_retrieved)
+                log.warning("%s: a slot of %r ran out unrenewed (no answer)", self.name, key)
+                lost.set()
+                return
             try:
-                slot = await self.store.renew(key, holder, self.lease_ms)
+                slot = call.result()
             except UNREACHABLE as exc:  # the next try may still be in time
                 log.warning("%s: could not renew a slot of %r: %r", self.name, key, exc)
                 continue
@@ -412,6 +463,7 @@ class Worker(Service):
                 log.warning("%s: lost a slot of %r: its lease ran out", self.name, key)
                 lost.set()
                 return
+            expires = sent + lease_s
 
     async def run_tasks(
         self,
@@ -568,6 +620,12 @@ class Worker(Service):
                 f"{self.settings.max_output_bytes} (SHARDFLOW_MAX_OUTPUT_BYTES)"
             )
         return text
+
+
+def _retrieved(call: asyncio.Future[Any]) -> None:
+    """Take a left call's outcome, so asyncio reports no exception never retrieved."""
+    if not call.cancelled():
+        call.exception()
 
 
 async def _guarded(run: Coroutine[Any, Any, Any]) -> Any:
