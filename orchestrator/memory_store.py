@@ -31,6 +31,7 @@ from orchestrator.store import (
     Slot,
     Stored,
     Verdict,
+    reopened,
 )
 
 # A list holds a Redis list, or a sorted set's members in score order (ids by sequence).
@@ -754,6 +755,8 @@ class MemoryStore:
             if wf in ended:
                 ended.remove(wf)
             ended.append(wf)
+        if reopened(self._hmget(self.keys.state(wf), "status", "owner"), owner):
+            await self.track(wf, owner)
 
     async def in_flight(self, shard: int) -> int:
         live = self.data.get(self.keys.live(shard))

@@ -29,6 +29,7 @@ from orchestrator.store import (
     Slot,
     Stored,
     Verdict,
+    reopened,
 )
 
 log = logging.getLogger(__name__)
@@ -394,14 +395,25 @@ class RedisStore:
     async def untrack(self, wf: str, owner: int) -> None:
         """The program ended: idempotent, so every redelivery of its end may call it. Noted in
         the ended index, by when (a later call moves it later: the prune only ever comes
-        later for it; no GT, which needs Redis 6.2)."""
-        if self.retention_ms <= 0:  # kept for good: so is its entry in the creation index
-            await self.client.srem(self.keys.live(owner), wf)  # type: ignore[misc]
-            return
-        async with self.client.pipeline(transaction=False) as pipe:  # two keys, two slots
+        later for it; no GT, which needs Redis 6.2) when programs are kept for a time. A
+        program redriven since the caller read it (the router tracks it before and after its
+        script) is counted again, as `reopened` decides."""
+        state = self.keys.state(wf)
+        cluster = isinstance(self.client, RedisCluster)  # its pipelines keep no order
+        async with self.client.pipeline(transaction=False) as pipe:  # keys of several slots
             pipe.srem(self.keys.live(owner), wf)
-            pipe.zadd(self.keys.index_ended, {wf: time.time() * 1000})
-            await pipe.execute()
+            if self.retention_ms > 0:  # kept for good: so is its entry in the creation index
+                pipe.zadd(self.keys.index_ended, {wf: time.time() * 1000})
+            if not cluster:  # read after the SREM, in the same round trip
+                pipe.hmget(state, "status", "owner")
+            replies = await pipe.execute()
+        found: list[str | None] = (
+            await self.client.hmget(state, "status", "owner")  # type: ignore[misc,assignment]
+            if cluster
+            else replies[-1]
+        )
+        if reopened(found, owner):
+            await self.track(wf, owner)
 
     async def in_flight(self, shard: int) -> int:
         return int(await self.client.scard(self.keys.live(shard)))  # type: ignore[misc]

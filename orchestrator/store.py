@@ -315,3 +315,11 @@ class Store(Protocol):
         """The state's BRIEF fields that it has (empty when there is no such program): what
         an owner's sweep reads of every live program, cheaper than the whole hash."""
         ...
+
+
+def reopened(found: list[str | None], owner: int) -> bool:
+    """Whether a program `untrack` just stopped counting on `owner` is live there again
+    ([status, owner] read after): redriven since its caller read it ended. Every caller
+    untracks an ended program, or one another shard owns."""
+    status, found_owner = found
+    return status is not None and status not in TERMINAL and found_owner == str(owner)

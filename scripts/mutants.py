@@ -270,6 +270,13 @@ LEASE_RUNS_OUT = (
     "tests/test_limits.py::test_a_slot_no_renewal_reached_is_lost_when_its_lease_runs_out"
 )
 
+LATE_UNTRACK = (
+    "tests/test_owner_steps.py::test_a_late_untrack_leaves_a_program_redriven_meanwhile_counted"
+)
+LATE_UNTRACK_LUA = (
+    "tests/test_owner_steps.py::test_redis_counts_again_a_program_redriven_before_a_late_untrack"
+)
+
 MUTANTS = {
     # A worker runs a current task whatever owner shard it names: a forged one runs its
     # handler, and again on every delivery, its report unroutable.
@@ -1423,6 +1430,14 @@ end""",
         "        expires = since + lease_s\n",
         "        expires = math.inf\n",
         (LEASE_RUNS_OUT,),
+    ),
+    # An untrack drops a program a redrive opened again since its caller read it ended: it
+    # runs outside its shard's live set.
+    "untrack-drops-a-reopened-program": (
+        "orchestrator/store.py",
+        "    return status is not None and status not in TERMINAL and found_owner == str(owner)",
+        "    return False",
+        (LATE_UNTRACK, LATE_UNTRACK_LUA),
     ),
 }
 

@@ -312,3 +312,33 @@ async def _stalled_take_is_stale(settings: Settings, store: Any) -> None:
     assert await standby.apply(report, redelivered=False, shard=owner) == "applied"
     [task] = [decode_task(body) for body in standby_bus.tasks]
     assert (task.path, task.prev, task.epoch) == ("1", "yes", 1)
+
+
+async def test_a_late_untrack_leaves_a_program_redriven_meanwhile_counted() -> None:
+    await _late_untrack_keeps_a_redriven_program(Settings(prefix="late"), MemoryStore(Keys("late")))
+
+
+async def test_redis_counts_again_a_program_redriven_before_a_late_untrack(
+    settings: Settings, store: Any
+) -> None:
+    await _late_untrack_keeps_a_redriven_program(settings, store)
+
+
+async def _late_untrack_keeps_a_redriven_program(settings: Settings, store: Any) -> None:
+    """A sweep read a program failed, and untracks it only after a redrive opened it again:
+    it dropped out of its shard's live set while it ran (`shards` undercounted it, and no
+    sweep would start it again had its start been lost)."""
+    bus = Recorder()
+    transitions = Transitions(store, bus, Plans(store, 8))
+    router = Router(settings, store=store, bus=bus)
+    owner = (await router.submit({"steps": [{"task": "work"}]}, None, "late")).shard
+    start = decode_shard_message(bus.shard.pop())
+    assert await transitions.apply(start, redelivered=False, shard=owner) == "applied"
+    failed = Failed(wf="late", path="0", task="work", error="no")
+    await transitions.apply(failed, redelivered=False, shard=owner)
+    assert [wf async for wf in store.live(owner)] == []
+    await router.redrive("late")
+    await store.untrack("late", owner)  # the sweep's, of what it read before the redrive
+    assert [wf async for wf in store.live(owner)] == ["late"]
+    await router.cancel("late")  # ended for real: no longer counted
+    assert [wf async for wf in store.live(owner)] == []
