@@ -662,7 +662,7 @@ class Bus:
 
     async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:
         """Park an unusable message with the reason in its headers."""
-        log.warning("dead-lettering a message from %s: %s", source, reason)
+        log.warning("dead-lettering a message from %s: %r", source, reason)
         headers = {
             "x-shardflow-reason": reason,
             "x-shardflow-from": source,

@@ -39,6 +39,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from orchestrator import metrics
+from orchestrator.documents import key_name, printable
 
 log = logging.getLogger(__name__)
 
@@ -299,9 +300,10 @@ async def settle(delivery: Delivery, *, ok: bool) -> None:
 
 
 def describe(exc: BaseException) -> str:
-    """One line for a refusal: a validation error's first fault with where it is, else str();
-    at most MAX_REASON characters, since it travels in a message header."""
-    text = first_error(exc) if isinstance(exc, ValidationError) else str(exc)
+    """One line for a refusal: a validation error's first fault with where it is, else str()
+    (escaped where not printable: it is logged, and listed by `shardflow dead`); at most
+    MAX_REASON characters, since it travels in a message header."""
+    text = printable(first_error(exc) if isinstance(exc, ValidationError) else str(exc))
     return text if len(text) <= MAX_REASON else text[: MAX_REASON - 10] + " ... (cut)"
 
 
@@ -312,12 +314,14 @@ def first_error(
 ) -> str:
     """`where: what` for the first fault of a validation error, `(+N more)` when there are more.
 
-    `name` turns the fault's location into a name (default: dotted, e.g. `batch.0.index`, or
-    `root` for the whole document).
+    `name` turns the fault's location, its keys as `key_name` shows them, into a name
+    (default: dotted, e.g. `batch.0.index`, or `root` for the whole document).
     """
     first = exc.errors()[0]
-    loc = tuple(first["loc"])
+    # The location holds the document's own keys, and pydantic's message can repeat its values
+    # (a tag that matches none): the reason is logged and shown, so neither is taken raw.
+    loc = tuple(part if isinstance(part, int) else key_name(part) for part in first["loc"])
     where = name(loc) if name else ".".join(str(part) for part in loc) or root
     more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
     # A validator's own ValueError reads as pydantic words it: "Value error, <ours>".
-    return f"{where}: {first['msg'].removeprefix('Value error, ')}{more}"
+    return f"{where}: {printable(first['msg'].removeprefix('Value error, '))}{more}"

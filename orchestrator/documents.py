@@ -12,6 +12,9 @@ import math
 from collections import Counter
 from typing import Any
 
+# A key of a refused document named in its reason as it is up to this long (else cut, quoted).
+MAX_KEY_SHOWN = 100
+
 # Deepest nesting of arrays and objects in a program's JSON, and in an input. A task inside
 # ten nested untiloops has its args at level 24; deeper documents mostly serve to exhaust a
 # parser's stack (RecursionError).
@@ -145,6 +148,21 @@ def _integer(text: str) -> int:
 
 def short(text: str) -> str:
     return repr(text) if len(text) <= 40 else f"{text[:40]!r}…"
+
+
+def printable(text: str) -> str:
+    """`text` as one line a log or a terminal takes as text: what is not printable (control
+    characters, C1 ones too, line and paragraph separators, bidi overrides and isolates)
+    escaped as repr() escapes it, the rest as it is."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
+def key_name(key: str) -> str:
+    """A key of an untrusted document, for a reason: as it is when printable and not long
+    (`steps`, `args_from`, a user's argument name), else quoted as repr() shows it, cut."""
+    return key if key.isprintable() and len(key) <= MAX_KEY_SHOWN else short(key)
 
 
 def _unicode_fault(exc: UnicodeEncodeError) -> str:

@@ -13,14 +13,18 @@ from dataclasses import dataclass
 # `$` also matches before a trailing newline in Python, so ids are checked with fullmatch; the
 # pattern stays `^...$` for pydantic (messages.py), whose Rust regex has no `\Z` and whose `$`
 # is the end of the text.
-WORKFLOW_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+MAX_WORKFLOW_ID = 128
+WORKFLOW_ID = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9._:@-]{{0,{MAX_WORKFLOW_ID - 1}}}$")
 
 
 def check_workflow_id(workflow_id: str) -> str:
-    """Return the id, or raise ValueError saying what an id may hold."""
+    """Return the id, or raise ValueError saying what an id may hold, quoting at most one
+    character more than an id may have (it may have 500,000: the error is logged)."""
     if not WORKFLOW_ID.fullmatch(workflow_id):
+        shown = workflow_id[: MAX_WORKFLOW_ID + 1]
+        more = f" ({len(workflow_id)} characters)" if len(workflow_id) > len(shown) else ""
         raise ValueError(
-            f"workflow id {workflow_id!r}: use 1-128 of A-Z a-z 0-9 . _ : @ -, "
+            f"workflow id {shown!r}{more}: use 1-{MAX_WORKFLOW_ID} of A-Z a-z 0-9 . _ : @ -, "
             "starting with a letter or digit"
         )
     return workflow_id

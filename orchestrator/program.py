@@ -30,7 +30,9 @@ from orchestrator.conditions import (
 from orchestrator.documents import (  # the documents' names stay importable from here
     ProgramError,
     check_value,
+    key_name,
     load,
+    printable,
     short,
 )
 
@@ -701,13 +703,13 @@ def _own_expressions(step: Step, path: str) -> Iterator[tuple[str, str]]:
     """The CEL a step evaluates when it starts: (document path, source)."""
     if isinstance(step, Task | Map):
         for name, source in step.args_from.items():
-            yield f"{path}.args_from.{name}", source
+            yield f"{path}.args_from.{key_name(name)}", source
     if isinstance(step, Map):
         yield f"{path}.map", step.map
     if isinstance(step, Bag):
         for i, member in step.tasks():
             for name, source in member.args_from.items():
-                yield f"{path}.bag[{i}].args_from.{name}", source
+                yield f"{path}.bag[{i}].args_from.{key_name(name)}", source
     if isinstance(step, Choice):
         for k, case in enumerate(step.choice):
             yield f"{path}.choice[{k}].when", case.when
@@ -755,7 +757,9 @@ def check_references(program: Program) -> list[str]:
             for i, member in members:
                 where = f"{path}.bag[{i}]" if isinstance(step, Bag) else path
                 for name in sorted(set(member.args) & set(member.args_from)):
-                    faults.append(f"{where}.args_from.{name}: also in args; give it in one")
+                    faults.append(
+                        f"{where}.args_from.{key_name(name)}: also in args; give it in one"
+                    )
             for inner, inner_path in _branches(step, path):
                 collect(inner, inner_path)
 
@@ -799,8 +803,11 @@ def _fault(error: Any) -> str:
     for part in error["loc"]:
         if part in _TAGS:
             continue  # union tags, not part of the user's document
-        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
-    message = error["msg"].removeprefix("Value error, ")
+        # A key can be the document's own (an unknown field, an argument's name): never raw.
+        name = str(part) if isinstance(part, int) else key_name(part)
+        path += f"[{name}]" if isinstance(part, int) else (f".{name}" if path else name)
+    # pydantic's message can repeat a value of the document (CEL's error, its source's).
+    message = printable(error["msg"].removeprefix("Value error, "))
     if error["type"] == "model_type":  # pydantic names its class: "instance of Program"
         message = f"a JSON object, not {_json_kind(error['input'])}"
     return f"{path or 'program'}: {message}"

@@ -678,7 +678,8 @@ def _waiting_for(report: dict[str, Any], *, cursor: str, now: float) -> str:
         return f"its start on shard {report['owner']}"
     step = report["step"]
     if step is None:
-        return f"nothing it can name: its cursor {clean(cursor, 200)!r} is not a step of its plan"
+        shown = _quoted(clean(cursor, 200))
+        return f"nothing it can name: its cursor {shown} is not a step of its plan"
     due = step["wakes_ms"]
     when = "" if due is None else f"in {_span((due - now) / 1000)}" if due > now else "due now"
     if step["kind"] == "sleep" and due is not None:
@@ -710,7 +711,7 @@ def _waiting_for(report: dict[str, Any], *, cursor: str, now: float) -> str:
         limit = slots[0]["limit"]
         more = f" (and {len(slots) - 1} more task(s) for slots)" if len(slots) > 1 else ""
         return (
-            f"a slot of key {limit['key']!r}: {limit['held']} of {limit['max']} held by "
+            f"a slot of key {_quoted(limit['key'])}: {limit['held']} of {limit['max']} held by "
             f"other tasks; {_task_label(slots[0])} tried {limit['waits']} time(s){more}"
         )
     # A pool with no consumer: its tasks wait until a worker for it starts.
@@ -725,7 +726,7 @@ def _waiting_for(report: dict[str, Any], *, cursor: str, now: float) -> str:
     if lane and lane.get("held") and not lane.get("this_program"):
         return (
             f"the {step['pool']} lane, held by program {lane['workflow_id']} "
-            f"(step {lane['path']}, task {lane['task']!r})"
+            f"(step {lane['path']}, task {_quoted(lane['task'])})"
         )
     names = ", ".join(_task_label(t, step["pool"]) for t in open_tasks[:10])
     more = f" and {len(open_tasks) - 10} more" if len(open_tasks) > 10 else ""
@@ -777,10 +778,16 @@ def _span(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def _quoted(text: str) -> str:
+    """Text `clean()` escaped, in quotes: `!r` would escape its escapes again (their backslashes
+    doubled)."""
+    return f"'{text}'"
+
+
 def explain_text(report: dict[str, Any], now_ms: float | None = None) -> str:
     """The report in plain words, one fact a line."""
     now = time.time() * 1000 if now_ms is None else now_ms
-    name = f" {clean(report['name'], 200)!r}" if report["name"] else ""
+    name = f" {_quoted(clean(report['name'], 200))}" if report["name"] else ""
     lines = [f"Program {report['workflow_id']}{name} is {report['status']}."]
     if report["created_ms"] is not None:
         lines.append(
@@ -864,7 +871,7 @@ def explain_text(report: dict[str, Any], now_ms: float | None = None) -> str:
             slot = task.get("limit")
             if slot:
                 lines.append(
-                    f"  {label}: waits for a slot of key {slot['key']!r} "
+                    f"  {label}: waits for a slot of key {_quoted(slot['key'])} "
                     f"({slot['held']} of {slot['max']} held; tried {slot['waits']} time(s))."
                 )
             due = task["retry_due_ms"]
@@ -896,7 +903,7 @@ def explain_text(report: dict[str, Any], now_ms: float | None = None) -> str:
         else:
             who = "this program" if lane["this_program"] else f"program {lane['workflow_id']}"
             lines.append(
-                f"{label}: held by {who} (step {lane['path']}, task {lane['task']!r}) "
+                f"{label}: held by {who} (step {lane['path']}, task {_quoted(lane['task'])}) "
                 f"since {_clock(lane['since_ms'])}."
             )
     shard = report["shard"]

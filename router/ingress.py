@@ -25,6 +25,7 @@ from orchestrator.bus import Bus
 from orchestrator.consuming import Deliveries
 from orchestrator.delivery import Delivery, Poison, first_error, process, sent_id
 from orchestrator.documents import ProgramError, parse_document
+from orchestrator.keys import check_workflow_id
 from orchestrator.lifecycle import Service, format_counts
 from orchestrator.program import MAX_PRIORITY
 from orchestrator.settings import Settings
@@ -136,7 +137,7 @@ class Ingress(Service):
                 return
             # pydantic keeps the last of two equal keys; the program format refuses them.
             parse_document(delivery.body, what="request", max_bytes=len(delivery.body))
-            workflow_id = request.workflow_id or derived_id(message_id, delivery.body)
+            workflow_id = checked_id(request.workflow_id or derived_id(message_id, delivery.body))
             logs.bind(workflow_id=workflow_id)
             submitted = await self.router.submit(
                 request.program, request.input, workflow_id, request.priority
@@ -162,7 +163,7 @@ class Ingress(Service):
             request = SignalRequest.model_validate(document)
         except ValidationError as exc:
             raise Poison(first_error(exc, root="request")) from None
-        logs.bind(workflow_id=request.workflow_id)
+        logs.bind(workflow_id=checked_id(request.workflow_id))
         try:
             sent = await self.router.signal(
                 request.workflow_id,
@@ -174,6 +175,15 @@ class Ingress(Service):
             raise Poison(f"signal: {exc}") from None
         self.counts["signal duplicate" if sent["duplicate"] else "signal kept"] += 1
         await answer(sent)
+
+
+def checked_id(workflow_id: str) -> str:
+    """The id a request names, checked before a log line carries it; else Poison naming its
+    fault (check_workflow_id quotes a bounded part of it)."""
+    try:
+        return check_workflow_id(workflow_id)
+    except ValueError as exc:
+        raise Poison(f"id: {exc}") from None
 
 
 def derived_id(message_id: str | None, body: bytes) -> str:

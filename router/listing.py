@@ -53,12 +53,18 @@ def as_int(value: Any) -> int | None:
         return None
 
 
+# Control and format characters (C*: C0, C1, bidi overrides and isolates, ...), and the line
+# and paragraph separators a log reader or an editor breaks lines at.
+_UNSAFE = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+
+
 def clean(text: Any, limit: int = 500) -> str:
-    """Text from Redis, safe to print on a terminal: control characters escaped, cut short."""
+    """Text from Redis, safe to print on a terminal: control characters (C0, C1, bidi
+    overrides: Unicode's C*), line and paragraph separators escaped, cut short."""
     text = str(text)
     if len(text) > limit:
         text = text[:limit] + "…"
-    return "".join(ch if unicodedata.category(ch)[0] != "C" else repr(ch)[1:-1] for ch in text)
+    return "".join(repr(ch)[1:-1] if unicodedata.category(ch) in _UNSAFE else ch for ch in text)
 
 
 def parse_duration(text: str) -> float:

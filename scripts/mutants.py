@@ -277,6 +277,16 @@ LATE_UNTRACK_LUA = (
     "tests/test_owner_steps.py::test_redis_counts_again_a_program_redriven_before_a_late_untrack"
 )
 
+HOSTILE_TEXT = "tests/test_hostile_text.py::"
+SHARD_REASON = HOSTILE_TEXT + "test_a_shard_messages_refusal_reason_holds_no_control_character"
+PROGRAM_FAULTS = HOSTILE_TEXT + "test_a_programs_faults_hold_no_control_character"
+REASON_ESCAPED = HOSTILE_TEXT + "test_any_refusal_reason_is_escaped_before_it_is_parked"
+REFUSAL_LOGGED = HOSTILE_TEXT + "test_a_refusal_is_logged_on_one_line_and_parked_with_a_safe_reason"
+SUBMIT_ERROR = HOSTILE_TEXT + "test_submit_wait_prints_a_failed_programs_error_escaped"
+CLEAN_SEPARATORS = HOSTILE_TEXT + "test_clean_escapes_line_breaks_and_direction_changes"
+EXPLAIN_QUOTED = HOSTILE_TEXT + "test_explain_quotes_what_it_escaped_once"
+HUGE_ID = "tests/test_ingress.py::test_a_huge_workflow_id_is_refused_before_a_log_line_carries_it"
+
 MUTANTS = {
     # A worker runs a current task whatever owner shard it names: a forged one runs its
     # handler, and again on every delivery, its report unroutable.
@@ -1438,6 +1448,85 @@ end""",
         "    return status is not None and status not in TERMINAL and found_owner == str(owner)",
         "    return False",
         (LATE_UNTRACK, LATE_UNTRACK_LUA),
+    ),
+    # A refusal names the message's own keys raw: a key with a line break forges a log line.
+    "reason-keys-raw": (
+        "orchestrator/delivery.py",
+        "    loc = tuple(part if isinstance(part, int) else key_name(part) for part in first"
+        '["loc"])\n',
+        '    loc = tuple(first["loc"])\n',
+        (SHARD_REASON,),
+    ),
+    # pydantic's message taken raw: a `kind` matching no tag is repeated with its escapes.
+    "reason-message-raw": (
+        "orchestrator/delivery.py",
+        "{printable(first['msg'].removeprefix('Value error, '))}{more}",
+        "{first['msg'].removeprefix('Value error, ')}{more}",
+        (SHARD_REASON,),
+    ),
+    # A reason nobody escaped at its source is parked (and answered) as it is.
+    "describe-unescaped": (
+        "orchestrator/delivery.py",
+        "    text = printable(first_error(exc) if isinstance(exc, ValidationError) else "
+        "str(exc))\n",
+        "    text = first_error(exc) if isinstance(exc, ValidationError) else str(exc)\n",
+        (REASON_ESCAPED,),
+    ),
+    # A program's fault names its unknown keys raw.
+    "program-fault-keys-raw": (
+        "orchestrator/program.py",
+        "        name = str(part) if isinstance(part, int) else key_name(part)\n",
+        "        name = str(part)\n",
+        (PROGRAM_FAULTS,),
+    ),
+    # A program's fault repeats what pydantic repeats (CEL's error quoting the source) raw.
+    "program-fault-message-raw": (
+        "orchestrator/program.py",
+        '    message = printable(error["msg"].removeprefix("Value error, "))\n',
+        '    message = error["msg"].removeprefix("Value error, ")\n',
+        (PROGRAM_FAULTS,),
+    ),
+    # An argument given in args and args_from is named raw.
+    "args-from-key-raw": (
+        "orchestrator/program.py",
+        'f"{where}.args_from.{key_name(name)}: also in args; give it in one"',
+        'f"{where}.args_from.{name}: also in args; give it in one"',
+        (PROGRAM_FAULTS,),
+    ),
+    # The dead-letter log line takes the reason as it is: one unescaped reason forges lines.
+    "dead-letter-logged-raw": (
+        "orchestrator/bus.py",
+        '"dead-lettering a message from %s: %r", source, reason',
+        '"dead-lettering a message from %s: %s", source, reason',
+        (REFUSAL_LOGGED,),
+    ),
+    # `submit --wait` prints a failed handler's error raw: OSC 52 writes the clipboard.
+    "submit-error-raw": (
+        "shardflow/cli.py",
+        '    error = clean(status["error"], 2000)\n',
+        '    error = status["error"]\n',
+        (SUBMIT_ERROR,),
+    ),
+    # The ingress binds the request's id before checking it: a 500,000-character log line.
+    "ingress-binds-unchecked-id": (
+        "router/ingress.py",
+        "checked_id(request.workflow_id or derived_id(message_id, delivery.body))",
+        "request.workflow_id or derived_id(message_id, delivery.body)",
+        (HUGE_ID,),
+    ),
+    # `clean()` lets U+2028 and U+2029 through: line breaks to a log reader or an editor.
+    "clean-keeps-separators": (
+        "router/listing.py",
+        '_UNSAFE = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})',
+        '_UNSAFE = frozenset({"Cc", "Cf", "Cs", "Co", "Cn"})',
+        (CLEAN_SEPARATORS,),
+    ),
+    # `explain` quotes a name with !r after clean(): an escape shown as `\\x1b`.
+    "explain-escapes-twice": (
+        "router/explain.py",
+        '    name = f" {_quoted(clean(report[\'name\'], 200))}" if report["name"] else ""\n',
+        '    name = f" {clean(report[\'name\'], 200)!r}" if report["name"] else ""\n',
+        (EXPLAIN_QUOTED,),
     ),
 }
 

@@ -41,7 +41,7 @@ from orchestrator.store import TERMINAL
 from router.client import Router
 from router.explain import explain_text
 from router.ingress import Ingress
-from router.listing import DEFAULT_LIMIT, SCAN_MAX, STATUSES, ListError, parse_duration
+from router.listing import DEFAULT_LIMIT, SCAN_MAX, STATUSES, ListError, clean, parse_duration
 from router.redriving import RedriveError
 from router.retention import purge
 from shardflow.dev import Dev, Together, workers
@@ -605,10 +605,11 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
     if status["status"] == "completed":
         _print(json.dumps(status["result"]))
         return 0
-    error = status["error"]
+    # A handler's own words, for the operator's terminal: escaped, as `explain` shows them.
+    error = clean(status["error"], 2000)
     saga = status.get("compensations") or {}
     if saga.get("error"):  # a compensation failed too (or was stopped)
-        error = f"{error}; {saga['error']}"
+        error = f"{error}; {clean(saga['error'], 2000)}"
     raise CliError(f"program {status['status']}: {error}", EXIT_FAILED)
 
 

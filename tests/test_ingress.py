@@ -2,11 +2,14 @@
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 
 import aio_pika
 import pytest
+from pythonjsonlogger.json import JsonFormatter
 
+from orchestrator import logs
 from orchestrator.connections import connected
 from orchestrator.settings import Settings
 from router.client import Router
@@ -112,3 +115,41 @@ async def test_signals_arrive_through_the_ingress_once_per_message(
     assert answers[3]["error"] == "extra: Extra inputs are not permitted"
     status = await ingress.wait(wf, timeout_s=30)
     assert status["status"] == "completed" and status["result"] == 42
+
+
+class Lines(logging.Handler):
+    """Log records as `SHARDFLOW_LOG_FORMAT=json` writes them: with the fields bound to them."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.addFilter(logs._Fields())
+        self.setFormatter(JsonFormatter("%(levelname)s %(name)s %(message)s"))
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
+async def test_a_huge_workflow_id_is_refused_before_a_log_line_carries_it(
+    ingress: Router, settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    huge = "A" * 500_000
+    lines = Lines()
+    logging.getLogger().addHandler(lines)
+    try:
+        answers = await ask(
+            settings,
+            [
+                json.dumps({**GOOD, "workflow_id": huge}).encode(),
+                json.dumps({"signal": "go", "workflow_id": huge}).encode(),
+            ],
+        )
+    finally:
+        logging.getLogger().removeHandler(lines)
+    for answer in answers:
+        error = answer["error"]
+        assert error.startswith("id: workflow id 'AAA") and "use 1-128 of" in error, error[:300]
+        assert "' (500000 characters): use" in error and len(error) < 400
+    assert any("dead-lettering" in line for line in lines.lines)
+    assert max(map(len, lines.lines)) < 2000
