@@ -9,7 +9,7 @@ import logging
 
 from orchestrator import metrics
 from orchestrator.bus import NEW, Publisher
-from orchestrator.messages import Cancelled, Start, encode
+from orchestrator.messages import MAX_ERROR, Cancelled, Start, encode
 from orchestrator.store import TERMINAL, Store
 
 log = logging.getLogger(__name__)
@@ -33,9 +33,13 @@ async def end_program(
     of a compensating program changes nothing (`ended`) unless `stop`: then its
     compensations stop (it ends compensation_failed).
 
+    The reason is kept (and logged, escaped) cut to MAX_ERROR characters, as a task's error is.
+
     Returns `applied` (ended now), `ended` (it had ended before), `stale` (it was redriven
     since: another run) or `missing`.
     """
+    if len(reason) > MAX_ERROR:
+        reason = reason[: MAX_ERROR - 20] + " ... (cut)"
     ended = await store.cancel(wf, status, reason, epoch, compensates, stop)
     if ended is None:
         return "missing"
@@ -46,10 +50,10 @@ async def end_program(
     else:
         await store.untrack(wf, ended.owner)
     if ended.now and ended.status in TERMINAL:
-        log.info("%s: ended %s: %s", wf, ended.status, reason)
+        log.info("%s: ended %s: %r", wf, ended.status, reason)
         metrics.program_ended(ended.status)
     elif ended.now:
-        log.info("%s: %s, compensating: %s", wf, status, reason)
+        log.info("%s: %s, compensating: %r", wf, status, reason)
     # Told again on a redelivery too: a crash may have cut the first notice short.
     if ended.now or ended.status in (status, "compensating"):
         await bus.publish_control(encode(Cancelled(wf=wf)))

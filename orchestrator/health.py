@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import socket
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -39,6 +40,12 @@ PROBE_S = 1.0  # how often Redis is pinged
 PING_TIMEOUT_S = 2.0
 # No heartbeat (or Redis answer) for this long: the loop is stuck, or Redis is.
 STALE_S = 5.0
+# The HTTP endpoint's bounds: a client that sends nothing for this long is dropped (a scrape
+# or a probe sends its request at once), and at most this many connections are served at a
+# time, a thread each; one more is closed at once, with no thread. So half-sent requests, from
+# whoever can reach the port, hold at most that many threads, for that long each.
+HTTP_TIMEOUT_S = 5.0
+MAX_CONNECTIONS = 32
 
 StartResponse = Callable[[str, list[tuple[str, str]]], Any]
 
@@ -160,20 +167,60 @@ def _answer(start_response: StartResponse, status: str, body: dict[str, Any]) ->
 
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True  # a hanging client never holds the process at exit
+    request_timeout_s: float | None = HTTP_TIMEOUT_S
+    slots = threading.BoundedSemaphore(MAX_CONNECTIONS)  # serve() gives each server its own
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):  # full: closed now, no thread started
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread to give the slot back
+            self.slots.release()
+            self.shutdown_request(request)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that timed out or went away: not news, and no traceback on stderr.
+        log.debug("http: a connection from %s ended: %r", client_address, sys.exc_info()[1])
 
 
 class _Quiet(WSGIRequestHandler):
+    server: _Server
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.request_timeout_s)  # each read's and write's
+
     def log_message(self, format: str, *args: Any) -> None:
         pass  # a probe every few seconds is not news
 
 
-def serve(app: Callable[..., Iterable[bytes]], addr: str, port: int) -> WSGIServer:
-    """Serve `app` on addr:port from a daemon thread; the server is returned for shutdown."""
+def serve(
+    app: Callable[..., Iterable[bytes]],
+    addr: str,
+    port: int,
+    *,
+    timeout_s: float = HTTP_TIMEOUT_S,
+    max_connections: int = MAX_CONNECTIONS,
+) -> WSGIServer:
+    """Serve `app` on addr:port from a daemon thread; the server is returned for shutdown.
+    A connection that sends nothing for `timeout_s` is dropped; past `max_connections` served
+    at once, one more is closed at once."""
     family = socket.getaddrinfo(addr or None, port, type=socket.SOCK_STREAM,
                                 flags=socket.AI_PASSIVE)[0][0]  # fmt: skip
 
     class Server(_Server):
         address_family = family
+        request_timeout_s = timeout_s
+        slots = threading.BoundedSemaphore(max_connections)
 
     server = make_server(addr, port, app, server_class=Server, handler_class=_Quiet)
     threading.Thread(target=server.serve_forever, name="shardflow-http", daemon=True).start()

@@ -3,9 +3,9 @@
 One registry per process (prometheus_client's default, with its process and GC collectors), so
 `shardflow dev` serves every part's metrics on one port. docs/observability.md lists each
 metric with its labels. Label values come only from bounded sets: pools (a worker's own, or
-at most MAX_POOL_LABELS that programs named), shards, statuses, queue names of this cluster,
-and task names this worker registered (any other is `unknown`: a task name in a message is
-untrusted and must not mint series).
+at most MAX_POOL_LABELS that tasks were published to), shards, statuses, queue names of this
+cluster, and task names this worker registered (any other is `unknown`: a task name in a
+message is untrusted and must not mint series).
 """
 
 from __future__ import annotations
@@ -114,16 +114,28 @@ DEPENDENCY_UP = Gauge(
     ["dependency"],
 )
 
-# Pools come from programs, and anyone who submits one may name a pool: the first few seen get
-# series of their own, any later one is counted as `other`.
+# Pools come from programs, and anyone who submits one may name a pool: a pool gets series of
+# its own once a task of it is published or run (a map over no items, or a bag of branches
+# only, runs none), the first few such; any other is counted as `other`. ("timer": a sleep's
+# or a signal's step.)
 MAX_POOL_LABELS = 32
-_pool_labels: set[str] = {"serial", "parallel"}
+_pool_labels: set[str] = {"serial", "parallel", "timer"}
 
 
 def pool_label(pool: str) -> str:
-    """The `pool` label of a pool a program named: itself, or `other` past MAX_POOL_LABELS."""
+    """The `pool` label of a pool whose tasks are published or run (a worker's own, or one an
+    owner published to): itself, or `other` past MAX_POOL_LABELS."""
     if pool not in _pool_labels and len(_pool_labels) < MAX_POOL_LABELS:
         _pool_labels.add(pool)
+    return pool if pool in _pool_labels else "other"
+
+
+def _step_label(pool: str, kind: str) -> str:
+    """The `pool` label of a finished step: a task's step moved on from its worker's report,
+    so its pool ran a task; any other's pool keeps the label it was given (pool_label), or is
+    `other`."""
+    if kind == "task":
+        return pool_label(pool)
     return pool if pool in _pool_labels else "other"
 
 
@@ -142,7 +154,7 @@ def advanced(
         if expected == "":
             PROGRAMS_STARTED.inc()
         elif step is not None and verdict.elapsed_ms is not None:
-            STEP_DURATION.labels(pool_label(step[0]), step[1]).observe(verdict.elapsed_ms / 1000)
+            STEP_DURATION.labels(_step_label(*step), step[1]).observe(verdict.elapsed_ms / 1000)
         if verdict.status in TERMINAL:
             PROGRAMS_ENDED.labels(verdict.status).inc()
     elif verdict.verdict == "replay" and redelivered:

@@ -973,6 +973,7 @@ class Transitions:
             for pool, bodies in by_pool.items():
                 most = self._bundle_most(outcome.step, pool)
                 await self.bus.publish_all(pool, bodies, level, CARRYING, most)
+                metrics.pool_label(pool)  # its steps are timed under its own name (if one is left)
 
     def _bundle_most(self, step: object, pool: str) -> int:
         """How many programs' tasks a task of `step` may share a message with: while `pool`

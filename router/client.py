@@ -221,7 +221,8 @@ class Router:
     ) -> dict[str, Any]:
         """Cancel a program: no further step is dispatched, running tasks are told to stop.
         A compensating program is left so (its status gains a `note` saying the cancel
-        changed nothing) unless `stop_compensations`: then it ends compensation_failed."""
+        changed nothing) unless `stop_compensations`: then it ends compensation_failed.
+        `reason` is kept cut to MAX_ERROR characters (orchestrator/ending.py)."""
         if self.bus is None:
             raise RuntimeError("Router needs a bus to cancel")
         raw = await self._plan(workflow_id, fresh=True)  # it decides: never an old id's
@@ -261,6 +262,8 @@ class Router:
         program = parse_program(raw["program"], max_bytes=1 << 30)
         rerun, prior, roots = redriving.where(program, state, from_step)
         owner = int(state["owner"])
+        if owner >= self.settings.shards:  # left the ring: is anything still there to run it?
+            await self._check_served(workflow_id, owner)
         # Tracked first, as a submit is: a crash after the script leaves a pending program
         # that its owner's sweep starts, never one nobody counts.
         await self.store.track(workflow_id, owner)
@@ -282,6 +285,25 @@ class Router:
         status = await self.status(workflow_id)
         assert status is not None
         return status
+
+    async def _check_served(self, workflow_id: str, owner: int) -> None:
+        """Refuse (RedriveError) to redrive a program of a shard outside the ring whose queue
+        is gone or unconsumed: its start would find no queue (the program left pending, which
+        no redrive takes again) or wait in it for ever. Nothing is changed. Without a `Bus`
+        (a publisher only) nothing can be asked: the redrive goes on."""
+        if not isinstance(self.bus, Bus):
+            return
+        queue = self.bus.names.shard_queue(owner)
+        found = await self.bus.shard_queue_state(owner)
+        if found is not None and found[1]:
+            return
+        what = f"its queue {queue} is gone" if found is None else f"nothing consumes {queue}"
+        raise redriving.RedriveError(
+            f"program {workflow_id!r} belongs to shard {owner}, outside the ring of "
+            f"{self.settings.shards} shards, and {what}: run an orchestrator for it "
+            f"(`shardflow orchestrator --shards {owner}`, or `shardflow dev`), then redrive "
+            "it again (`shardflow shards` lists the shards outside the ring)"
+        )
 
     async def status(self, workflow_id: str) -> dict[str, Any] | None:
         """The program's status as JSON-ready data, or None when there is no such program:

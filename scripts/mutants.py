@@ -287,6 +287,21 @@ CLEAN_SEPARATORS = HOSTILE_TEXT + "test_clean_escapes_line_breaks_and_direction_
 EXPLAIN_QUOTED = HOSTILE_TEXT + "test_explain_quotes_what_it_escaped_once"
 HUGE_ID = "tests/test_ingress.py::test_a_huge_workflow_id_is_refused_before_a_log_line_carries_it"
 
+IDLE_HTTP = (
+    "tests/test_health.py::test_idle_half_requests_hold_few_threads_and_only_until_the_timeout"
+)
+CANCEL_CUT = "tests/test_cancel_reason.py::test_a_reason_over_the_error_bound_is_kept_cut"
+CANCEL_LOG = (
+    "tests/test_cancel_reason.py::test_a_reason_with_line_breaks_and_escapes_is_logged_on_one_line"
+)
+REDRIVE_OFF_RING = (
+    "tests/test_redrive_e2e.py::"
+    "test_a_program_of_a_shard_that_left_the_ring_is_not_redriven_without_its_queue"
+)
+POOL_LABELS = (
+    "tests/test_metrics.py::test_maps_over_no_items_take_no_pool_label_from_a_pool_that_runs"
+)
+
 MUTANTS = {
     # A worker runs a current task whatever owner shard it names: a forged one runs its
     # handler, and again on every delivery, its report unroutable.
@@ -1527,6 +1542,45 @@ end""",
         '    name = f" {_quoted(clean(report[\'name\'], 200))}" if report["name"] else ""\n',
         '    name = f" {clean(report[\'name\'], 200)!r}" if report["name"] else ""\n',
         (EXPLAIN_QUOTED,),
+    ),
+    # The health port serves every connection, a thread each: half-sent requests hold a thread
+    # apiece for as long as their clients stay.
+    "http-connections-unbounded": (
+        "orchestrator/health.py",
+        "        if not self.slots.acquire(blocking=False):",
+        "        if False:",
+        (IDLE_HTTP,),
+    ),
+    # A cancel's reason is stored (and logged) whole, however long.
+    "cancel-reason-uncut": (
+        "orchestrator/ending.py",
+        "    if len(reason) > MAX_ERROR:",
+        "    if False:",
+        (CANCEL_CUT,),
+    ),
+    # A cancel's reason is logged raw: a line break in it forges a log line.
+    "cancel-reason-logged-raw": (
+        "orchestrator/ending.py",
+        '        log.info("%s: ended %s: %r", wf, ended.status, reason)',
+        '        log.info("%s: ended %s: %s", wf, ended.status, reason)',
+        (CANCEL_LOG,),
+    ),
+    # A redrive does not ask whether a shard outside the ring is still served: the program is
+    # set pending and its start finds no queue (or waits in an unconsumed one) for ever.
+    "redrive-off-ring-unchecked": (
+        "router/client.py",
+        "        if owner >= self.settings.shards:",
+        "        if False:",
+        (REDRIVE_OFF_RING,),
+    ),
+    # Any finished step's pool takes a label,
+    # a map's over no items too: junk pools use up the labels of the pools that run.
+    "pool-label-taken-by-any-step": (
+        "orchestrator/metrics.py",
+        '    if kind == "task":\n        return pool_label(pool)\n'
+        '    return pool if pool in _pool_labels else "other"',
+        "    return pool_label(pool)",
+        (POOL_LABELS,),
     ),
 }
 

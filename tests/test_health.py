@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -246,6 +247,40 @@ async def test_readyz_waits_for_consuming_and_other_paths_are_refused() -> None:
         assert status == 200 and "shardflow_event_loop_lag_seconds " in text
     finally:
         await serving.close()
+
+
+def test_idle_half_requests_hold_few_threads_and_only_until_the_timeout(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Clients that open a connection and send half a request (then nothing) hold at most
+    `max_connections` threads, each for `timeout_s`; the rest are closed with no thread. A probe
+    is answered while they still hold their sockets, and no traceback is printed for them."""
+    state = health.Health(_pong, lambda: True, lambda: True, stale_s=600)
+    before = threading.active_count()
+    server = health.serve(
+        health.application(state), "127.0.0.1", 0, timeout_s=1.0, max_connections=8
+    )
+    port = server.server_port
+    idle: list[socket.socket] = []
+    try:
+        most = 0
+        for _ in range(50):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            idle[-1].sendall(b"GET /livez HTTP/1.1\r\n")  # and never the rest
+            most = max(most, threading.active_count())
+        time.sleep(0.3)  # the last ones accepted
+        most = max(most, threading.active_count())
+        assert most <= before + 1 + 8, most  # the server's thread, and one per slot
+        # A probe gets a slot as soon as one is free (at the latest once the idle time out).
+        wait_until(lambda: faults(port, "/livez")[0] == 200, 10, "/livez answered")
+        wait_until(lambda: threading.active_count() <= before + 1, 10, "the idle dropped")
+        assert faults(port, "/livez") == (200, [])
+    finally:
+        for sock in idle:
+            sock.close()
+        server.shutdown()
+        server.server_close()
+    assert "Traceback" not in capsys.readouterr().err
 
 
 def _rabbitmq_connection(name: str) -> str | None:

@@ -306,3 +306,51 @@ def test_every_metric_is_in_the_metrics_doc() -> None:
     ]
     missing = [name for name in served if f"| `{name}` |" not in doc]
     assert len(served) > 10 and not missing, missing
+
+
+async def test_maps_over_no_items_take_no_pool_label_from_a_pool_that_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Maps over [] naming junk pools end without a worker: their pools take none of the
+    MAX_POOL_LABELS labels, so a pool whose task then runs has its own."""
+    from prometheus_client import REGISTRY
+
+    from orchestrator.keys import Keys
+    from orchestrator.memory_store import MemoryStore
+    from orchestrator.messages import Next, decode_shard_message
+    from orchestrator.plans import Plans
+    from orchestrator.transitions import Transitions
+    from tests.test_owner_steps import Recorder
+
+    monkeypatch.setattr(metrics, "_pool_labels", {"serial", "parallel", "timer"})
+    store = MemoryStore(Keys("labels"))
+    bus = Recorder()
+    transitions = Transitions(store, bus, Plans(store, 8))
+    router = Router(Settings(prefix="labels", shards=1), store=store, bus=bus)
+    for i in range(metrics.MAX_POOL_LABELS - 1):
+        program = {"steps": [{"map": "[]", "task": "ok", "pool": f"junk{i}", "max_items": 1}]}
+        wf = (await router.submit(program, None, f"junk-{i}")).workflow_id
+        while bus.shard:  # its start, then the owner's own `next` of the empty map
+            message = decode_shard_message(bus.shard.pop(0))
+            await transitions.apply(message, redelivered=False, shard=0)
+        assert (await store.state(wf))["status"] == "completed"
+    assert not bus.tasks  # no task of theirs was ever published
+
+    def timed(pool: str, kind: str) -> float:
+        labels = {"pool": pool, "kind": kind}
+        return REGISTRY.get_sample_value("shardflow_step_duration_seconds_count", labels) or 0
+
+    # A pool of maps only (its steps' reports are the owner's own `next`) and a pool of tasks.
+    before = timed("thumbs", "map"), timed("reports", "task")
+    program = {"steps": [{"map": "[1]", "task": "ok", "pool": "thumbs", "max_items": 1}]}
+    await router.submit({"steps": [program["steps"][0], {"task": "ok", "pool": "reports"}]})
+    [wf] = {decode_shard_message(body).wf for body in bus.shard}
+    await transitions.apply(decode_shard_message(bus.shard.pop()), redelivered=False, shard=0)
+    assert len(bus.tasks) == 1  # the map's item, published to "thumbs"; its worker's report:
+    assert (await store.record(wf, "0", 1, {0: "1"})).verdict == "fire"
+    await transitions.apply(Next(wf=wf, path="0", stored=True), redelivered=False, shard=0)
+    assert len(bus.tasks) == 2  # the task, published to "reports"; its worker's report:
+    await transitions.apply(Next(wf=wf, path="1", output=1), redelivered=False, shard=0)
+    assert (await store.state(wf))["status"] == "completed"
+    assert (timed("thumbs", "map"), timed("reports", "task")) == (before[0] + 1, before[1] + 1)
+    assert not {f"junk{i}" for i in range(metrics.MAX_POOL_LABELS)} & metrics._pool_labels

@@ -5,16 +5,23 @@ from __future__ import annotations
 
 from typing import Any
 
+import aio_pika
 import pytest
 from redis.asyncio import Redis
 
+from orchestrator.connections import connected
 from orchestrator.ending import end_program
-from orchestrator.messages import Failed, Next, encode
+from orchestrator.messages import Failed, Next, decode_shard_message, encode
+from orchestrator.plans import Plans
+from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
+from orchestrator.transitions import Transitions
 from router.client import Router
+from router.hashing import shard_for
 from router.redriving import RedriveError
 from tests.app import Trace
 from tests.polling import until
+from tests.test_owner_steps import Recorder
 
 pytestmark = pytest.mark.e2e
 
@@ -254,3 +261,43 @@ async def test_explain_tells_the_runs_of_a_redriven_program(cluster: Router) -> 
     text = explain_text(report)
     assert "This is run 1: it was redriven after the runs below." in text
     assert "  Run 0 ended failed at step 0: step 0: task 'boom': RuntimeError: boom" in text
+
+
+async def test_a_program_of_a_shard_that_left_the_ring_is_not_redriven_without_its_queue(
+    settings: Settings, store: RedisStore
+) -> None:
+    """Shrunk 4 -> 3: shard 3 drained (a failed program is not in flight) and reported
+    removable. A redrive of its failed program is refused while nothing consumes shard 3's
+    queue, and once the queue is deleted, naming the shard and what to do; nothing changes
+    (before, the run was raised and set pending, then its start found no queue, and the
+    program stayed pending for good: a second redrive refused a pending one)."""
+    wf = next(f"w{i}" for i in range(1000) if shard_for(f"w{i}", 4) == 3)
+    recorder = Recorder()
+    router = Router(settings, store=store, bus=recorder)
+    transitions = Transitions(store, recorder, Plans(store, 8))
+    await router.submit({"steps": [{"task": "a"}, {"task": "b"}]}, None, wf)
+    await transitions.apply(decode_shard_message(recorder.shard.pop()), redelivered=False, shard=3)
+    await transitions.apply(Next(wf=wf, path="0", output=1), redelivered=False, shard=3)
+    failed = Failed(wf=wf, path="1", task="b", error="x", prev=1)
+    await transitions.apply(failed, redelivered=False, shard=3)
+    before = await store.state(wf)
+    assert before["status"] == "failed" and "epoch" not in before
+    async with connected(settings, "test-redrive-old-ring"):  # shard 3's queue, unconsumed
+        pass
+    shrunk = settings.model_copy(update={"shards": 3})
+    async with connected(shrunk, "test-redrive") as (_, bus):
+        queue = bus.names.shard_queue(3)
+        redriving = Router(shrunk, store=store, bus=bus)
+        with pytest.raises(RedriveError, match=f"shard 3, .* nothing consumes {queue}: run an"):
+            await redriving.redrive(wf)
+        connection = await aio_pika.connect(settings.amqp_url)
+        async with connection:
+            await (await connection.channel()).queue_delete(queue)
+        with pytest.raises(
+            RedriveError,
+            match=r"shard 3, outside the ring of 3 shards, and its queue .* is gone: run an "
+            r"orchestrator for it \(`shardflow orchestrator --shards 3`",
+        ):
+            await redriving.redrive(wf)
+    assert await store.state(wf) == before  # still failed, its run unchanged
+    assert await store.in_flight(3) == 0
