@@ -13,8 +13,9 @@
 -- ARGV[8]  a loop iteration to drop, as a path prefix ("3/iter:4/"), or "": the new leaf
 --          starts a new iteration and the loop keeps only its last ones (its keys, and its
 --          fields in <prefix>:{<wf>}:attempts)
--- ARGV[9]  the run (epoch) the message belongs to, or "" (a start: any run): a message of
---          another run (before a redrive, see redrive.lua) is stale
+-- ARGV[9]  the run (epoch) the message belongs to (a start's: the run its owner read), or
+--          "" (not checked): a message of another run (before a redrive, see redrive.lua)
+--          is stale
 -- ARGV[10] the scope whose cursor moves: "" for the program's own, or a parallel branch
 --          (`2/branch:1`: member 1 of the bag at step 2), whose cursor, from, leaf and
 --          updated_ms are the hash <prefix>:{<wf>}:cur:<scope>. In a branch, status running

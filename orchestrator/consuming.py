@@ -79,10 +79,10 @@ class Incoming:
         self._settled = True
         return tag
 
-    @property
     def gone(self) -> asyncio.Future[Any]:
-        """Done once its channel closed: it can no longer be settled, and the broker hands
-        it to another consumer (an observer of aiormq's `closing`; never cancel it)."""
+        """A new future, done once its channel closed: the delivery can no longer be settled,
+        and the broker hands it to another consumer. An observer aiormq adds to the channel
+        (about 1 KB) until it is done or cancelled: the caller cancels it when it is through."""
         return self._channel.closing
 
     async def ack(self) -> None:

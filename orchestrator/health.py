@@ -40,9 +40,9 @@ PROBE_S = 1.0  # how often Redis is pinged
 PING_TIMEOUT_S = 2.0
 # No heartbeat (or Redis answer) for this long: the loop is stuck, or Redis is.
 STALE_S = 5.0
-# The HTTP endpoint's bounds: a client that sends nothing for this long is dropped (a scrape
-# or a probe sends its request at once), and at most this many connections are served at a
-# time, a thread each; one more is closed at once, with no thread. So half-sent requests, from
+# The HTTP endpoint's bounds: a connection is dropped this long after it opened (a scrape or
+# a probe takes milliseconds), and at most this many are served at a time, a thread each and
+# its deadline's timer; one more is closed at once, with no thread. So half-sent requests, from
 # whoever can reach the port, hold at most that many threads, for that long each.
 HTTP_TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 32
@@ -197,7 +197,24 @@ class _Quiet(WSGIRequestHandler):
 
     def setup(self) -> None:
         super().setup()
-        self.connection.settimeout(self.server.request_timeout_s)  # each read's and write's
+        timeout_s = self.server.request_timeout_s
+        self.connection.settimeout(timeout_s)  # each read's and write's
+        # ...and the whole connection's: a client sending a byte now and then would hold its
+        # slot for good (32 such would keep every probe out, and the kubelet restarts the pod).
+        self._deadline: threading.Timer | None = None
+        if timeout_s is not None:
+            self._deadline = threading.Timer(timeout_s, self._cut)
+            self._deadline.daemon = True
+            self._deadline.start()
+
+    def _cut(self) -> None:
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+    def finish(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        super().finish()
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # a probe every few seconds is not news

@@ -30,6 +30,11 @@ def share_pool(pool: str, share: int) -> str:
     return pool if share == 0 or is_lane(pool) else f"{pool}.{share}"
 
 
+def shared_pool(queue_pool: str) -> str:
+    """The pool a share's queue pool name (`share_pool`) belongs to."""
+    return queue_pool.partition(".")[0]
+
+
 def share_pools(pool: str) -> list[str]:
     """Every queue a worker of `pool` consumes."""
     return [pool] if is_lane(pool) else [share_pool(pool, share) for share in range(SHARES)]

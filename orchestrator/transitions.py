@@ -51,7 +51,7 @@ from orchestrator.program import (
     is_lane,
     pool_of,
 )
-from orchestrator.shares import share_pool
+from orchestrator.shares import share_pool, shared_pool
 from orchestrator.store import TERMINAL, Store
 
 log = logging.getLogger(__name__)
@@ -973,7 +973,9 @@ class Transitions:
             for pool, bodies in by_pool.items():
                 most = self._bundle_most(outcome.step, pool)
                 await self.bus.publish_all(pool, bodies, level, CARRYING, most)
-                metrics.pool_label(pool)  # its steps are timed under its own name (if one is left)
+                # Its steps are timed under its own name (while labels are left): the pool's,
+                # not its share's queue's.
+                metrics.pool_label(shared_pool(pool))
 
     def _bundle_most(self, step: object, pool: str) -> int:
         """How many programs' tasks a task of `step` may share a message with: while `pool`

@@ -301,8 +301,9 @@ class Router:
         raise redriving.RedriveError(
             f"program {workflow_id!r} belongs to shard {owner}, outside the ring of "
             f"{self.settings.shards} shards, and {what}: run an orchestrator for it "
-            f"(`shardflow orchestrator --shards {owner}`, or `shardflow dev`), then redrive "
-            "it again (`shardflow shards` lists the shards outside the ring)"
+            f"(`shardflow orchestrator --shards {owner}`, or `shardflow dev`), or wait for "
+            "the one restarting, then redrive it again (`shardflow shards` lists the shards "
+            "outside the ring)"
         )
 
     async def status(self, workflow_id: str) -> dict[str, Any] | None:

@@ -302,6 +302,11 @@ POOL_LABELS = (
     "tests/test_metrics.py::test_maps_over_no_items_take_no_pool_label_from_a_pool_that_runs"
 )
 
+LANE_WATCH = "tests/test_pools.py::test_a_lane_worker_keeps_no_watch_on_its_channel_after_each_task"
+HTTP_TRICKLE = (
+    "tests/test_health.py::test_a_client_that_trickles_its_request_is_cut_at_the_deadline"
+)
+
 MUTANTS = {
     # A worker runs a current task whatever owner shard it names: a forged one runs its
     # handler, and again on every delivery, its report unroutable.
@@ -1437,7 +1442,7 @@ end""",
     # standby, and two of the lane's tasks run at once.
     "lane-task-outlives-its-delivery": (
         "worker/pool.py",
-        "        if gone is not None and is_lane(self.pool):",
+        "        if is_lane(self.pool) and isinstance(delivery, Incoming):",
         "        if False:",
         (LANE_DROP, CONSUMER_TIMEOUT),
     ),
@@ -1581,6 +1586,35 @@ end""",
         '    return pool if pool in _pool_labels else "other"',
         "    return pool_label(pool)",
         (POOL_LABELS,),
+    ),
+    # A lane task's watch on its channel is left behind: a callback (1 KB) per task, for good.
+    "lane-watch-kept": (
+        "worker/pool.py",
+        "            gone.cancel()  # an observer: its callback on the channel goes with it\n",
+        "",
+        (LANE_WATCH,),
+    ),
+    # The health port's connections have a timeout per read only: a trickle holds a slot.
+    "http-no-connection-deadline": (
+        "orchestrator/health.py",
+        "        if timeout_s is not None:\n            self._deadline = threading.Timer(",
+        "        if False:\n            self._deadline = threading.Timer(",
+        (HTTP_TRICKLE,),
+    ),
+    # A share's queue pool name takes a label: `parallel.3` and the like use them up.
+    "pool-label-of-a-share-queue": (
+        "orchestrator/transitions.py",
+        "metrics.pool_label(shared_pool(pool))",
+        "metrics.pool_label(pool)",
+        (POOL_LABELS,),
+    ),
+    # A renewal error other than an unreachable Redis ends the lease's watch: a read-only
+    # replica after a failover, and the handler runs past its lease.
+    "renew-error-ends-the-watch": (
+        "worker/pool.py",
+        "            except Exception as exc:  # unreachable, read-only after a failover: the next",
+        "            except OSError as exc:  # unreachable, read-only after a failover: the next",
+        (LEASE_RUNS_OUT,),
     ),
 }
 

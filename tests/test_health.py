@@ -270,7 +270,8 @@ def test_idle_half_requests_hold_few_threads_and_only_until_the_timeout(
             most = max(most, threading.active_count())
         time.sleep(0.3)  # the last ones accepted
         most = max(most, threading.active_count())
-        assert most <= before + 1 + 8, most  # the server's thread, and one per slot
+        # The server's thread, and per slot one and its deadline's timer.
+        assert most <= before + 1 + 2 * 8, most
         # A probe gets a slot as soon as one is free (at the latest once the idle time out).
         wait_until(lambda: faults(port, "/livez")[0] == 200, 10, "/livez answered")
         wait_until(lambda: threading.active_count() <= before + 1, 10, "the idle dropped")
@@ -281,6 +282,37 @@ def test_idle_half_requests_hold_few_threads_and_only_until_the_timeout(
         server.shutdown()
         server.server_close()
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_client_that_trickles_its_request_is_cut_at_the_deadline() -> None:
+    """A byte every 0.3 s never trips a read's timeout: only the connection's own deadline
+    frees its slot (a few such clients held every slot, and probes, for good)."""
+    state = health.Health(_pong, lambda: True, lambda: True, stale_s=600)
+    server = health.serve(
+        health.application(state), "127.0.0.1", 0, timeout_s=1.0, max_connections=2
+    )
+    client = socket.create_connection(("127.0.0.1", server.server_port), timeout=5)
+    try:
+        started, cut = time.monotonic(), False
+        for byte in b"GET /livez HTTP/1.1\r\nX-Slow: " + b"a" * 40:
+            try:
+                client.sendall(bytes([byte]))
+            except OSError:  # reset by the server
+                cut = True
+                break
+            client.settimeout(0.3)
+            try:
+                if client.recv(1) == b"":  # closed by the server
+                    cut = True
+                    break
+            except TimeoutError:
+                pass
+        assert cut, "the trickle was served for its whole length"
+        assert time.monotonic() - started < 3, "cut at the deadline (1 s), not later"
+    finally:
+        client.close()
+        server.shutdown()
+        server.server_close()
 
 
 def _rabbitmq_connection(name: str) -> str | None:

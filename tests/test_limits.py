@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import pytest
+from redis.exceptions import ReadOnlyError
 
 from orchestrator import limits
 from orchestrator.keys import Keys
@@ -253,12 +254,14 @@ class _Renewals:
         self.calls += 1
         if self.how == "raise":
             raise ConnectionError("Redis unreachable")
+        if self.how == "read-only":  # a replica, after a failover
+            raise ReadOnlyError("You can't write against a read only replica.")
         if self.how == "hang":
             await asyncio.Event().wait()
         return Slot("renewed")
 
 
-@pytest.mark.parametrize("how", ["raise", "hang"])
+@pytest.mark.parametrize("how", ["raise", "read-only", "hang"])
 async def test_a_slot_no_renewal_reached_is_lost_when_its_lease_runs_out(how: str) -> None:
     """Renewals that fail or never return: by the time the lease ran out on Redis, another
     worker may hold the slot, so the handler must stop then; it ran on without a bound."""

@@ -319,6 +319,8 @@ async def test_maps_over_no_items_take_no_pool_label_from_a_pool_that_runs(
     from orchestrator.memory_store import MemoryStore
     from orchestrator.messages import Next, decode_shard_message
     from orchestrator.plans import Plans
+    from orchestrator.program import parse_program
+    from orchestrator.shares import share_of
     from orchestrator.transitions import Transitions
     from tests.test_owner_steps import Recorder
 
@@ -340,10 +342,17 @@ async def test_maps_over_no_items_take_no_pool_label_from_a_pool_that_runs(
         labels = {"pool": pool, "kind": kind}
         return REGISTRY.get_sample_value("shardflow_step_duration_seconds_count", labels) or 0
 
-    # A pool of maps only (its steps' reports are the owner's own `next`) and a pool of tasks.
+    # A pool of maps only (its steps' reports are the owner's own `next`) and a pool of tasks,
+    # named so that its tasks go to a share's queue (`thumbs.<k>`): the pool is labelled.
     before = timed("thumbs", "map"), timed("reports", "task")
     program = {"steps": [{"map": "[1]", "task": "ok", "pool": "thumbs", "max_items": 1}]}
-    await router.submit({"steps": [program["steps"][0], {"task": "ok", "pool": "reports"}]})
+    steps = [program["steps"][0], {"task": "ok", "pool": "reports"}]
+    name = next(
+        name
+        for name in (f"kind{k}" for k in range(100))
+        if share_of(parse_program({"name": name, "steps": steps}))
+    )
+    await router.submit({"name": name, "steps": steps})
     [wf] = {decode_shard_message(body).wf for body in bus.shard}
     await transitions.apply(decode_shard_message(bus.shard.pop()), redelivered=False, shard=0)
     assert len(bus.tasks) == 1  # the map's item, published to "thumbs"; its worker's report:
@@ -354,3 +363,4 @@ async def test_maps_over_no_items_take_no_pool_label_from_a_pool_that_runs(
     assert (await store.state(wf))["status"] == "completed"
     assert (timed("thumbs", "map"), timed("reports", "task")) == (before[0] + 1, before[1] + 1)
     assert not {f"junk{i}" for i in range(metrics.MAX_POOL_LABELS)} & metrics._pool_labels
+    assert not [label for label in metrics._pool_labels if "." in label]  # no share's queue

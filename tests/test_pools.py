@@ -303,3 +303,29 @@ def _rabbitmqctl(*args: str) -> str:
     return subprocess.run(
         ["rabbitmqctl", "-q", *args], capture_output=True, text=True, check=True, timeout=30
     ).stdout
+
+
+async def test_a_lane_worker_keeps_no_watch_on_its_channel_after_each_task(
+    cluster: Router, settings: Settings
+) -> None:
+    """Each lane task watches its delivery's channel (aiormq adds a callback to it, about
+    1 KB): the watch goes when the task ends, or a worker grew by every task it ran."""
+    registry = Registry({"quick": _quick})
+    async with connected(settings, "lane-watch") as (store, bus):
+        [lane] = workers(settings, registry, ["serial-x"], store=store, bus=bus)
+        service = Together([lane])
+        running = asyncio.create_task(service.run())
+        try:
+            program = {"steps": [{"task": "quick", "pool": "serial-x"}]}
+            ids = [(await cluster.submit(program)).workflow_id for _ in range(40)]
+            for wf in ids:
+                assert (await cluster.wait(wf, timeout_s=30))["status"] == "completed"
+            watches = [len(it._channel._closing._callbacks) for it in lane._iterators]
+        finally:
+            service.shutdown()
+            await running
+    assert watches and max(watches) < 20, watches  # 5 here; one a task left them at 45
+
+
+async def _quick(ctx: TaskContext) -> str:
+    return "done"

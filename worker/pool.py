@@ -19,7 +19,6 @@ from orchestrator import limits, logs, metrics
 from orchestrator.bus import CONTROL_REBIND_S, GOING_ON, Transport, Unroutable
 from orchestrator.consuming import Deliveries, Incoming
 from orchestrator.delivery import (
-    UNREACHABLE,
     Delivery,
     Part,
     Poison,
@@ -184,9 +183,8 @@ class Worker(Service):
     async def handle(self, delivery: Delivery, source: str) -> None:
         """Run one task message (or a bundle of them); ack only after the reports to the
         owners are confirmed. On a lane, only while its delivery is held (`_held`)."""
-        gone = delivery.gone if isinstance(delivery, Incoming) else None
-        if gone is not None and is_lane(self.pool):
-            await self._held(self._handle(delivery, source), gone, delivery.body)
+        if is_lane(self.pool) and isinstance(delivery, Incoming):
+            await self._held(self._handle(delivery, source), delivery.gone(), delivery.body)
         else:
             await self._handle(delivery, source)
 
@@ -196,11 +194,13 @@ class Worker(Service):
         """A lane's task stops when its delivery's channel closes (the connection dropped, the
         broker restarted, its consumer_timeout ran out): the broker hands the task to the
         standby, and two of the lane's tasks must never run at once. It reports nothing; its
-        next delivery runs it again."""
+        next delivery runs it again. (A plain function's thread cannot be stopped: it runs to
+        its end, beside the standby's run.)"""
         running = asyncio.ensure_future(work)
         try:
             await asyncio.wait({running, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            gone.cancel()  # an observer: its callback on the channel goes with it
             if not running.done():
                 running.cancel()
                 await asyncio.gather(running, return_exceptions=True)
@@ -456,7 +456,8 @@ class Worker(Service):
                 return
             try:
                 slot = call.result()
-            except UNREACHABLE as exc:  # the next try may still be in time
+            except Exception as exc:  # unreachable, read-only after a failover: the next
+                # try may still be in time, and the clock above bounds them all
                 log.warning("%s: could not renew a slot of %r: %r", self.name, key, exc)
                 continue
             if slot.verdict == "lost":
