@@ -229,8 +229,8 @@ def serve(
     max_connections: int = MAX_CONNECTIONS,
 ) -> WSGIServer:
     """Serve `app` on addr:port from a daemon thread; the server is returned for shutdown.
-    A connection that sends nothing for `timeout_s` is dropped; past `max_connections` served
-    at once, one more is closed at once."""
+    A connection is dropped `timeout_s` after it opened; past `max_connections` served at
+    once, one more is closed at once."""
     family = socket.getaddrinfo(addr or None, port, type=socket.SOCK_STREAM,
                                 flags=socket.AI_PASSIVE)[0][0]  # fmt: skip
 
