@@ -307,6 +307,15 @@ HTTP_TRICKLE = (
     "tests/test_health.py::test_a_client_that_trickles_its_request_is_cut_at_the_deadline"
 )
 
+HANDLER_THREADS = (
+    "tests/test_handler_threads.py::"
+    "test_as_many_plain_handlers_run_at_once_as_the_worker_runs_tasks"
+)
+LEFT_BEHIND = (
+    "tests/test_handler_threads.py::"
+    "test_a_handler_left_running_after_its_task_ended_is_counted_and_said"
+)
+
 MUTANTS = {
     # A worker runs a current task whatever owner shard it names: a forged one runs its
     # handler, and again on every delivery, its report unroutable.
@@ -1615,6 +1624,29 @@ end""",
         "            except Exception as exc:  # unreachable, read-only after a failover: the next",
         "            except OSError as exc:  # unreachable, read-only after a failover: the next",
         (LEASE_RUNS_OUT,),
+    ),
+    # Plain-function handlers on asyncio's default executor: 6 at once on 2 cores, whatever the
+    # worker's concurrency.
+    "handlers-on-the-default-executor": (
+        "worker/registry.py",
+        "        if threads is not None:\n",
+        "        if False:\n",
+        (HANDLER_THREADS,),
+    ),
+    # The worker's pool sized as asyncio's default one.
+    "handler-threads-too-few": (
+        "worker/threads.py",
+        "        self.size = 2 * concurrency\n",
+        "        self.size = 6\n",
+        (HANDLER_THREADS,),
+    ),
+    # A handler left running in its thread is not counted: a worker filling with stuck
+    # handlers says nothing.
+    "left-behind-uncounted": (
+        "worker/threads.py",
+        "                    self.left_behind += 1\n",
+        "                    pass\n",
+        (LEFT_BEHIND,),
     ),
 }
 

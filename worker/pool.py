@@ -51,6 +51,7 @@ from orchestrator.store import TERMINAL, Store
 from worker.context import TaskContext
 from worker.fair import FairSlots
 from worker.registry import Registry, UnknownTask
+from worker.threads import HandlerThreads
 
 log = logging.getLogger(__name__)
 # A slot not given back within this is left to run out with its lease.
@@ -91,6 +92,7 @@ class Worker(Service):
         # A share of the pool (a kind of program) holds at most this many slots at once.
         self.share = max(1, math.ceil(self.concurrency * settings.fair_share))
         self.slots = FairSlots(self.concurrency)
+        self.threads = HandlerThreads(self.concurrency, f"{pool}-handler")
         self.store = store
         self.bus = bus
         self.counts: Counter[str] = Counter()
@@ -100,6 +102,12 @@ class Worker(Service):
         # Handlers a cancel of a compensating program keeps: compensations and undoable tasks.
         self._kept: set[asyncio.Task[Any]] = set()
         self._control: Deliveries | None = None  # the control consumer started last
+
+    async def run(self) -> None:
+        try:
+            await super().run()
+        finally:
+            self.threads.shutdown()
 
     def summary(self) -> str:
         return format_counts(self.counts)
@@ -580,7 +588,7 @@ class Worker(Service):
         self, task: TaskMessage, ctx: TaskContext, lost: asyncio.Event | None = None
     ) -> str:
         # The handler runs in a task of its own, so a cancelled program can stop just it.
-        handler = asyncio.create_task(_guarded(self.registry.run(task.task, ctx)))
+        handler = asyncio.create_task(_guarded(self.registry.run(task.task, ctx, self.threads)))
         running = self._running.setdefault(task.wf, set())
         running.add(handler)
         if is_saga(task.path) or task.undoable:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from worker.context import TaskContext
+from worker.threads import HandlerThreads
 
 Handler = Callable[[TaskContext], Any]
 F = TypeVar("F", bound=Handler)
@@ -62,15 +63,19 @@ class Registry:
     def names(self) -> set[str]:
         return set(self.handlers)
 
-    async def run(self, name: str, ctx: TaskContext) -> Any:
-        """Run a handler: coroutine functions on the loop, plain functions in a thread."""
+    async def run(self, name: str, ctx: TaskContext, threads: HandlerThreads | None = None) -> Any:
+        """Run a handler: coroutine functions on the loop, plain functions in a thread (of
+        `threads`, else asyncio's default executor)."""
         handler = self.handlers.get(name)
         if handler is None:
             known = ", ".join(sorted(self.handlers)) or "none"
             raise UnknownTask(f"unknown task {name!r} (this worker knows: {known})")
         if inspect.iscoroutinefunction(handler):
             return await handler(ctx)
-        result = await asyncio.to_thread(handler, ctx)
+        if threads is not None:
+            result = await threads.run(handler, ctx)
+        else:
+            result = await asyncio.to_thread(handler, ctx)
         if inspect.isawaitable(result):
             return await result
         return result

@@ -1,0 +1,82 @@
+"""The threads a worker runs plain-function handlers in.
+
+asyncio's default executor has min(32, CPUs + 4) threads: 6 on a 2-core node, however many
+tasks the worker runs at once (16 by default), so plain functions ran 6 at a time. And a
+thread cannot be stopped: a handler that timed out (or whose program was cancelled) runs on
+in its thread, which the pool does not get back until it returns. A worker's own pool has a
+thread for each task it may run and as many again for such handlers, and says when one is
+left behind, with how many are, so a worker slowly filling with stuck handlers is seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class _Call:
+    """One handler's call: whether its thread started it, ended it, was given up on."""
+
+    __slots__ = ("ended", "given_up", "started")
+
+    def __init__(self) -> None:
+        self.started = self.ended = self.given_up = False
+
+
+class HandlerThreads:
+    """A thread pool of `2 * concurrency` threads for plain-function handlers."""
+
+    def __init__(self, concurrency: int, name: str) -> None:
+        self.size = 2 * concurrency
+        self._executor = ThreadPoolExecutor(self.size, thread_name_prefix=name)
+        self._lock = threading.Lock()
+        self.left_behind = 0  # handlers running on in a thread whose task ended
+
+    async def run(self, handler: Callable[[Any], Any], ctx: Any) -> Any:
+        """`handler(ctx)` in one of the threads, with the caller's context variables (as
+        asyncio.to_thread); cancelling the wait leaves the thread to run on, counted."""
+        call = _Call()
+        context = contextvars.copy_context()
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(
+                self._executor, self._call, call, context, handler, ctx
+            )
+        except asyncio.CancelledError:
+            with self._lock:
+                if call.started and not call.ended:
+                    call.given_up = True
+                    self.left_behind += 1
+                left = self.left_behind
+            if call.given_up:
+                log.warning(
+                    "a plain-function handler runs on in its thread after its task ended; "
+                    "%d such now, of %d threads (a stuck one holds its thread for good)",
+                    left,
+                    self.size,
+                )
+            raise
+
+    def _call(
+        self, call: _Call, context: contextvars.Context, handler: Callable[[Any], Any], ctx: Any
+    ) -> Any:
+        with self._lock:
+            call.started = True
+        try:
+            return context.run(handler, ctx)
+        finally:
+            with self._lock:
+                call.ended = True
+                if call.given_up:
+                    self.left_behind -= 1
+
+    def shutdown(self) -> None:
+        """Take no more calls; threads still inside a handler end when it returns."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
