@@ -58,15 +58,19 @@ async def within(awaitable: Awaitable[T], timeout_s: float) -> T:
     return task.result()
 
 
-async def _end(tasks: list[asyncio.Task[Any]], what: str) -> None:
-    """Cancel tasks and wait LOOP_END_S for them; a task that still runs (it refuses its
-    cancel) is left behind, said in the log."""
+async def end_tasks(
+    tasks: list[asyncio.Task[Any]], what: str, within_s: float = LOOP_END_S
+) -> bool:
+    """Cancel tasks and wait `within_s` for them; a task that still runs (it refuses its
+    cancel) is left behind, said in the log. Whether all ended."""
     for task in tasks:
         task.cancel()
-    if tasks:
-        _, stuck = await asyncio.wait(tasks, timeout=LOOP_END_S)
-        for task in stuck:
-            log.warning("%s did not end when cancelled; left behind: %r", what, task)
+    if not tasks:
+        return True
+    _, stuck = await asyncio.wait(tasks, timeout=within_s)
+    for task in stuck:
+        log.warning("%s did not end when cancelled; left behind: %r", what, task)
+    return not stuck
 
 
 async def _started(
@@ -211,7 +215,7 @@ class Service:
             # bound: a cancelled aio-pika call may wait on an RPC the broker never answers.
             # A loop cancelled while it waits for a message forgets its iterator: taken first.
             iterators = set(self._iterators)
-            await _end(loops, f"{self.name}: a consumer loop")
+            await end_tasks(loops, f"{self.name}: a consumer loop")
             for iterator in iterators | self._iterators:
                 with contextlib.suppress(Exception):
                     await within(iterator.close(), CONSUMER_RPC_TIMEOUT_S)
@@ -225,7 +229,7 @@ class Service:
                         len(late),
                         self.grace_s,
                     )
-                    await _end(list(late), f"{self.name}: a task")
+                    await end_tasks(list(late), f"{self.name}: a task")
             stop.cancel()
             log.info("%s: stopped; %s", self.name, self.summary() or "nothing handled")
         for loop in loops:

@@ -316,6 +316,15 @@ LEFT_BEHIND = (
     "test_a_handler_left_running_after_its_task_ended_is_counted_and_said"
 )
 
+HANDLER_FAULTS = "tests/test_handler_faults.py::"
+UNPRINTABLE = HANDLER_FAULTS + "test_an_exception_whose_text_fails_fails_its_task_once"
+DEAF = HANDLER_FAULTS + "test_a_handler_that_catches_its_cancel_still_times_out_its_task"
+POPS = HANDLER_FAULTS + "test_a_retry_sees_what_the_first_attempt_was_given"
+
+DEAF_EXIT = (
+    HANDLER_FAULTS + "test_a_task_that_refuses_its_cancel_does_not_hold_the_process_at_its_exit"
+)
+
 MUTANTS = {
     # A worker runs a current task whatever owner shard it names: a forged one runs its
     # handler, and again on every delivery, its report unroutable.
@@ -1647,6 +1656,37 @@ end""",
         "                    self.left_behind += 1\n",
         "                    pass\n",
         (LEFT_BEHIND,),
+    ),
+    # A handler's exception text taken as it is: a __str__ that raises fails the delivery, so
+    # the handler ran 20 times and its program stayed running.
+    "exception-text-unguarded": (
+        "worker/pool.py",
+        'error=_cut(_said(exc) if plain else f"{type(exc).__name__}: {_said(exc)}"),',
+        'error=_cut(str(exc) if plain else f"{type(exc).__name__}: {exc}"),',
+        (UNPRINTABLE,),
+    ),
+    # A cancelled handler waited for without a bound: one that catches its cancel holds its
+    # slot, and its task fails only once it returns.
+    "cancelled-handler-awaited-for-ever": (
+        "worker/pool.py",
+        "                if not await end_tasks([handler], what, HANDLER_END_S):",
+        "                if not await end_tasks([handler], what, 3600):",
+        (DEAF,),
+    ),
+    # A handler given the message's own values: what it changes reaches its retry.
+    "handler-shares-its-values": (
+        "worker/pool.py",
+        "    return copy.deepcopy(value) if isinstance(value, dict | list) else value",
+        "    return value",
+        (POPS,),
+    ),
+    # A process whose worker left a handler running that refuses its cancel waits for it at
+    # its exit, for good.
+    "exit-waits-for-a-deaf-task": (
+        "shardflow/cli.py",
+        "    leave(0)\n",
+        "    pass\n",
+        (DEAF_EXIT,),
     ),
 }
 

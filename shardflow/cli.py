@@ -27,6 +27,7 @@ from orchestrator.delivery import first_error
 from orchestrator.documents import parse_document, parse_input
 from orchestrator.health import serving
 from orchestrator.keys import check_workflow_id
+from orchestrator.lifecycle import LOOP_END_S, end_tasks
 from orchestrator.owner import Orchestrator, ShardError
 from orchestrator.program import (
     MAX_PRIORITY,
@@ -514,7 +515,28 @@ async def _serve(make: Callable[..., Any], settings: Settings, name: str) -> int
                 await service.run()
     except asyncio.CancelledError:
         logging.getLogger(name).info("stopped before it started")
+    await end_the_rest(name)
     return 0
+
+
+async def end_the_rest(
+    name: str, within_s: float = LOOP_END_S, leave: Callable[[int], Any] = os._exit
+) -> None:
+    """Cancel what still runs once the service stopped. A task that refuses its cancel (a
+    handler that catches it, left running by its worker) would hold the process at its exit
+    for good, as the event loop waits for every task: the process leaves at once then."""
+    rest = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    if await end_tasks(rest, f"{name}: a task", within_s):
+        return
+    logging.getLogger(name).error(
+        "%s: %d task(s) refuse to end (a handler that catches its cancel); exiting now",
+        name,
+        sum(not task.done() for task in rest),
+    )
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    leave(0)
 
 
 def _registry(modules: list[str]) -> Registry:

@@ -7,6 +7,7 @@ depends on clocks. The input names the trace: `{"trace": {"url": ..., "key": ...
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -237,3 +238,40 @@ async def gated(ctx: TaskContext) -> dict[str, Any]:
         await asyncio.sleep(0.05)
     _record(ctx, "end")
     return {"prev": ctx.prev, "iteration": ctx.iteration, "index": ctx.index}
+
+
+class Unprintable(Exception):
+    """An exception whose text cannot be made (a __str__ that parses a body it did not get)."""
+
+    def __str__(self) -> str:
+        raise AttributeError("no body to read")
+
+
+@task()
+async def unprintable(ctx: TaskContext) -> None:
+    _record(ctx, "start")
+    raise Unprintable()
+
+
+@task()
+async def deaf(ctx: TaskContext) -> str:
+    """Catches every cancel and runs on, for `for_s` (so a test ends it)."""
+    _record(ctx, "start")
+    until = asyncio.get_running_loop().time() + ctx.args.get("for_s", 3)
+    while asyncio.get_running_loop().time() < until:
+        with contextlib.suppress(asyncio.CancelledError):  # what the handler does wrong
+            await asyncio.sleep(0.05)
+    _record(ctx, "end")
+    return "late"
+
+
+@task()
+async def pops(ctx: TaskContext) -> Any:
+    """Fails its first attempt after taking the last of prev's items away (a handler that
+    changes what it was given): the next attempt must see them all again."""
+    items = ctx.prev["args"]["items"]  # an echo's output
+    seen = list(items)
+    items.pop()
+    if ctx.attempt == 0:
+        raise RuntimeError("first attempt fails")
+    return seen

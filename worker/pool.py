@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import functools
 import json
 import logging
@@ -26,7 +27,7 @@ from orchestrator.delivery import (
     redelivered,
     split,
 )
-from orchestrator.lifecycle import Service, format_counts, raise_if_cancelled
+from orchestrator.lifecycle import Service, end_tasks, format_counts, raise_if_cancelled
 from orchestrator.marks import Marks
 from orchestrator.messages import (
     CARRY,
@@ -63,6 +64,11 @@ REPORT_RETRY_S = 1.0
 
 # A Start to a compensating program's owner: a late report, its compensations may begin.
 Report = Next | Failed | Start
+
+
+# How long a cancelled handler (timed out, its slot lost, its worker stopping) is waited for;
+# one that catches its cancel and runs on is left running, counted, and its task failed.
+HANDLER_END_S = 5.0
 
 
 class Worker(Service):
@@ -543,16 +549,16 @@ class Worker(Service):
         self, task: TaskMessage, input: Any, prev: Any, lost: asyncio.Event | None = None
     ) -> str | Failed | None:
         """Run one handler: its output as JSON, its failure, or None when it was cancelled."""
-        ctx = TaskContext(
-            input=input,
+        ctx = TaskContext(  # its own values: a change a handler makes reaches no other
+            input=_own(input),
             args=task.args,
-            prev=prev,
+            prev=_own(prev),
             workflow_id=task.wf,
             step=task.path,
             iteration=task.iteration,
             index=task.index,
             attempt=task.attempt,
-            item=task.item,
+            item=_own(task.item),
         )
         logs.bind(workflow_id=task.wf, step=task.path, task=task.task, attempt=task.attempt)
         started = time.monotonic()
@@ -576,7 +582,7 @@ class Worker(Service):
                 index=task.index,
                 attempt=task.attempt,
                 task=task.task,
-                error=_cut(str(exc) if plain else f"{type(exc).__name__}: {exc}"),
+                error=_cut(_said(exc) if plain else f"{type(exc).__name__}: {_said(exc)}"),
                 prev=task.prev,
                 prev_ref=task.prev_ref,
                 iteration=task.iteration,
@@ -604,8 +610,12 @@ class Worker(Service):
             if watch is not None:
                 watch.cancel()
             if not handler.done():  # timed out, lost its slot, or this worker is stopping
-                handler.cancel()
-                await asyncio.gather(handler, return_exceptions=True)
+                # Waited for a while only: a handler that catches its cancel would hold its
+                # slot (and a key's lease) for as long as it likes.
+                what = f"{self.name}: a handler of {task.task!r} ({task.wf} {task.path})"
+                if not await end_tasks([handler], what, HANDLER_END_S):
+                    handler.add_done_callback(_retrieved)
+                    self.counts["handler left running"] += 1
             running.discard(handler)
             self._kept.discard(handler)
             metrics.TASKS_RUNNING.labels(self.pool).dec()
@@ -646,7 +656,22 @@ async def _guarded(run: Coroutine[Any, Any, Any]) -> Any:
     except (asyncio.CancelledError, Exception):
         raise
     except BaseException as exc:
-        raise _TaskError(f"{type(exc).__name__}: {exc}") from None
+        raise _TaskError(f"{type(exc).__name__}: {_said(exc)}") from None
+
+
+def _own(value: Any) -> Any:
+    """A copy of a JSON value for one handler: the message's own is shared by the tasks of a
+    chunk, and is what a failure reports (its retry is built from it)."""
+    return copy.deepcopy(value) if isinstance(value, dict | list) else value
+
+
+def _said(exc: BaseException) -> str:
+    """str(exc); a handler's own exception class may fail at it (a __str__ that parses a body
+    it did not get), which must fail the task, not its delivery."""
+    try:
+        return str(exc)
+    except Exception as failure:
+        return f"<str() raised {type(failure).__name__}>"
 
 
 def _carried(task: TaskMessage, outputs: dict[int | None, str]) -> bool:

@@ -1,0 +1,80 @@
+"""Handlers that misbehave, on a real cluster: an exception whose text cannot be made, a
+handler that catches its cancel, one that changes what it was given. Each fails or retries
+its task as any failure does; none holds its worker or changes another's input."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from router.client import Router
+from shardflow.cli import end_the_rest
+from tests.app import Trace
+from worker import pool
+
+pytestmark = pytest.mark.e2e
+
+
+async def test_an_exception_whose_text_fails_fails_its_task_once(
+    cluster: Router, trace: Trace
+) -> None:
+    """Its str() raised inside the worker's failure report: the delivery was tried 20 times
+    (the handler ran 20 times) and parked, and the program stayed running."""
+    program = {"steps": [{"task": "unprintable"}]}
+    wf = (await cluster.submit(program, trace.as_input())).workflow_id
+    status = await cluster.wait(wf, timeout_s=20)
+    assert status["status"] == "failed", status
+    assert "Unprintable: <str() raised AttributeError>" in status["error"], status["error"]
+    assert [e["event"] for e in trace.events()] == ["start"]
+
+
+async def test_a_handler_that_catches_its_cancel_still_times_out_its_task(
+    cluster: Router, trace: Trace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It ran on for its 4 s, holding its slot, and the task failed only then (a key's lease
+    held as long, the worker's stop waited for it)."""
+    monkeypatch.setattr(pool, "HANDLER_END_S", 0.3)
+    program = {"steps": [{"task": "deaf", "args": {"for_s": 4}, "timeout_s": 0.2}]}
+    wf = (await cluster.submit(program, trace.as_input())).workflow_id
+    status = await cluster.wait(wf, timeout_s=3)
+    assert status["status"] == "failed" and "timed out after 0.2s" in status["error"], status
+
+
+async def test_a_retry_sees_what_the_first_attempt_was_given(cluster: Router) -> None:
+    """The first attempt took an item from its prev: the retry, built from the failure's
+    report, ran without it."""
+    retry = {"max_attempts": 2, "backoff_s": 0.1}
+    program = {
+        "steps": [{"task": "echo", "args": {"items": [1, 2, 3]}}, {"task": "pops", "retry": retry}]
+    }
+    wf = (await cluster.submit(program)).workflow_id
+    status = await cluster.wait(wf, timeout_s=20)
+    assert status["status"] == "completed", status
+    assert status["result"] == [1, 2, 3]
+
+
+async def test_a_task_that_refuses_its_cancel_does_not_hold_the_process_at_its_exit() -> None:
+    """The event loop waits at its end for every task it cancels: a handler left running that
+    catches every cancel kept the process (and its pod) from ever exiting."""
+    stop = asyncio.Event()
+
+    async def deaf() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(0.05)
+
+    left = asyncio.ensure_future(deaf())
+    polite = asyncio.ensure_future(asyncio.sleep(60))
+    await asyncio.sleep(0.01)  # both under way
+    codes: list[int] = []
+    try:
+        await end_the_rest("test", within_s=0.3, leave=codes.append)
+        assert codes == [0] and polite.cancelled() and not left.done()
+    finally:
+        stop.set()  # or this test's own loop would wait for it at its end
+        await left
+    codes.clear()
+    await end_the_rest("test", within_s=0.3, leave=codes.append)
+    assert codes == []  # nothing left that refuses: no early exit
