@@ -172,6 +172,11 @@ class Transport(Publisher, Consumer, Protocol):
     """Publishing and consuming: everything a worker uses of the broker."""
 
 
+# How long opening the connection may take (TCP, AMQP's handshake, the vhost): an OSError
+# (TimeoutError) after it, as a refused connection is.
+CONNECT_TIMEOUT_S = 10.0
+
+
 class Bus:
     """One robust connection: a confirming publisher channel and one channel per consumer."""
 
@@ -204,7 +209,9 @@ class Bus:
             make_url(self.settings.amqp_url), client_properties={"connection_name": self._name}
         )
         try:
-            await connection.connect()
+            # Bounded: a host that takes the connection and never answers (a firewall that
+            # drops packets, a port of something else) would hold the command for good.
+            await connection.connect(timeout=CONNECT_TIMEOUT_S)
         except BaseException as exc:
             await connection.close()
             # RabbitMQ closes, instead of opening, a connection to a vhost that does not exist
@@ -215,8 +222,7 @@ class Bus:
                 raise
             vhost = unquote(urlsplit(self.settings.amqp_url).path[1:]) or "/"
             raise ConnectionRefusedError(
-                f"RabbitMQ refused to open vhost {vhost!r} (SHARDFLOW_AMQP_URL): does it "
-                "exist, and may this user use it?"
+                f"it refused to open vhost {vhost!r}: does it exist, and may this user use it?"
             ) from None
         self._connection = connection
         self._publisher = await self._connection.channel(

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from aiormq.exceptions import ChannelInvalidStateError
 from pydantic import ValidationError
-from redis.exceptions import ClusterDownError, ReadOnlyError, TryAgainError
+from redis.exceptions import ClusterDownError, ReadOnlyError, RedisClusterException, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -54,7 +54,13 @@ OWN_HEADERS = "x-shardflow-"
 MAX_REASON = 1000
 # The services being away: not the message's fault, so never counted against it. (aiormq's
 # connection errors are OSErrors; a refused publish, DeliveryError, is not one of these.)
-UNREACHABLE = (OSError, RedisConnectionError, RedisTimeoutError, ChannelInvalidStateError)
+UNREACHABLE = (
+    OSError,
+    RedisConnectionError,
+    RedisTimeoutError,
+    RedisClusterException,  # no node of a Redis Cluster reached
+    ChannelInvalidStateError,
+)
 # Of those, the ones the delivery policy never counts against a message, however long they
 # last: a connection lost or refused (RabbitMQ's or Redis's, Redis loading its data too), a
 # Redis Cluster failing over. Any other error, an OSError too, counts toward the limit.
@@ -64,6 +70,7 @@ UNCOUNTED = (
     RedisTimeoutError,
     ChannelInvalidStateError,
     ClusterDownError,
+    RedisClusterException,
     TryAgainError,
     ReadOnlyError,
 )

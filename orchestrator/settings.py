@@ -91,6 +91,10 @@ class Settings(BaseSettings):
         parts = urlsplit(value)
         if parts.scheme not in ("amqp", "amqps") or not parts.hostname:
             raise ValueError("must be an amqp:// or amqps:// URL with a host")
+        try:
+            parts.port  # noqa: B018 (read to check it: 99999 or abc raise here, not at connect)
+        except ValueError:
+            raise ValueError("its port must be a number from 0 to 65535") from None
         return value
 
     @field_validator("redis_url")

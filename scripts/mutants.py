@@ -325,6 +325,12 @@ DEAF_EXIT = (
     HANDLER_FAULTS + "test_a_task_that_refuses_its_cancel_does_not_hold_the_process_at_its_exit"
 )
 
+CLI_TESTS = "tests/test_cli.py::"
+WRONG_SERVICES = CLI_TESTS + "test_a_service_that_answers_wrongly_or_never_is_one_line_and_exit_4"
+SERVICES_DOWN = CLI_TESTS + "test_bad_settings_and_unreachable_services_are_one_line"
+APP_AND_STDOUT = CLI_TESTS + "test_an_app_that_fails_at_import_and_a_full_stdout_are_one_line"
+BAD_FLAGS = CLI_TESTS + "test_bad_flags_and_settings_are_refused_in_one_line_with_exit_2"
+
 MUTANTS = {
     # A worker runs a current task whatever owner shard it names: a forged one runs its
     # handler, and again on every delivery, its report unroutable.
@@ -1687,6 +1693,51 @@ end""",
         "    leave(0)\n",
         "    pass\n",
         (DEAF_EXIT,),
+    ),
+    # RabbitMQ's connect waits without a bound: a port that never answers holds a command for
+    # good.
+    "amqp-connect-unbounded": (
+        "orchestrator/bus.py",
+        "            await connection.connect(timeout=CONNECT_TIMEOUT_S)",
+        "            await connection.connect()",
+        (WRONG_SERVICES,),
+    ),
+    # No node of a Redis Cluster reached is no outage: a traceback, pods crash-looping.
+    "cluster-fault-not-an-outage": (
+        "orchestrator/delivery.py",
+        "    RedisClusterException,  # no node of a Redis Cluster reached\n",
+        "",
+        (WRONG_SERVICES,),
+    ),
+    # A connection fault names no service: which URL to fix is a guess.
+    "connect-fault-names-no-service": (
+        "shardflow/cli.py",
+        "    if isinstance(exc, RedisError | RedisClusterException):",
+        "    if False:",
+        (SERVICES_DOWN,),
+    ),
+    # An --app module that fails at import is a traceback.
+    "app-import-fault-raw": (
+        "shardflow/cli.py",
+        "    except Exception as exc:  # the module itself failed: a syntax error, an error at "
+        "import\n",
+        "    except ImportError as exc:  # the module itself failed: a syntax error, an error at "
+        "import\n",
+        (APP_AND_STDOUT,),
+    ),
+    # A full stdout reported as a connection fault (exit 4).
+    "stdout-fault-as-connection": (
+        "shardflow/cli.py",
+        "    except OSError as exc:  # a full disk, say: not a connection's fault",
+        "    except BrokenPipeError as exc:  # a full disk, say: not a connection's fault",
+        (APP_AND_STDOUT,),
+    ),
+    # An AMQP port out of range passes the settings, and is a traceback at connect.
+    "amqp-port-unchecked": (
+        "orchestrator/settings.py",
+        "            parts.port  # noqa: B018",
+        "            parts.hostname  # noqa: B018",
+        (BAD_FLAGS,),
     ),
 }
 

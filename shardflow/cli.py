@@ -18,6 +18,8 @@ from typing import Any, NoReturn
 
 import uvloop
 from pydantic import ValidationError
+from redis.exceptions import InvalidResponse as RedisInvalidResponse
+from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import ResponseError as RedisResponseError
 
 from orchestrator import logs
@@ -448,11 +450,13 @@ def main(argv: list[str] | None = None) -> NoReturn:
     except TopologyError as exc:
         code = _fail(str(exc), EXIT_USAGE)
     except UNREACHABLE as exc:
-        code = _fail(f"cannot connect: {exc}", EXIT_UNAVAILABLE)
+        code = _fail(f"cannot connect to {_service(exc)}: {exc}", EXIT_UNAVAILABLE)
+    except RedisInvalidResponse as exc:
+        code = _fail(f"cannot connect to {_service(exc)}: not Redis? {exc}", EXIT_UNAVAILABLE)
     except RedisResponseError as exc:
         if "DB index" not in str(exc):  # anything else is not the configuration's fault
             raise
-        code = _fail(f"cannot connect: Redis: {exc} (SHARDFLOW_REDIS_URL)", EXIT_UNAVAILABLE)
+        code = _fail(f"cannot connect to {_service(exc)}: {exc}", EXIT_UNAVAILABLE)
     except KeyboardInterrupt:
         code = 130
     except _StdoutClosed:
@@ -489,6 +493,16 @@ def _print(text: str) -> None:
         print(text, flush=True)
     except BrokenPipeError:  # an OSError: without this, UNREACHABLE says "cannot connect"
         raise _StdoutClosed from None
+    except OSError as exc:  # a full disk, say: not a connection's fault
+        raise CliError(f"cannot write to stdout: {exc.strerror or exc}", EXIT_FAILED) from None
+
+
+def _service(exc: BaseException) -> str:
+    """Which service a connection fault is of, and the variable that says where it is (never
+    the URL itself: it may hold a password)."""
+    if isinstance(exc, RedisError | RedisClusterException):
+        return "Redis (SHARDFLOW_REDIS_URL)"
+    return "RabbitMQ (SHARDFLOW_AMQP_URL)"
 
 
 def _settings_fault(exc: ValidationError) -> str:
@@ -546,6 +560,8 @@ def _registry(modules: list[str]) -> Registry:
         return Registry.from_modules(modules)
     except ImportError as exc:
         raise CliError(f"--app: {exc}") from None
+    except Exception as exc:  # the module itself failed: a syntax error, an error at import
+        raise CliError(f"--app: importing it raised {type(exc).__name__}: {exc}") from None
 
 
 async def _dev(settings: Settings, args: argparse.Namespace) -> int:

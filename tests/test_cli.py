@@ -4,11 +4,13 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -250,8 +252,58 @@ def test_bad_settings_and_unreachable_services_are_one_line(settings: Settings) 
     assert bad.stderr.startswith("shardflow: settings: SHARDFLOW_SHARDS: Input should be a valid")
     down = shardflow("status", "x", env={"SHARDFLOW_REDIS_URL": "redis://127.0.0.1:1/0"})
     assert down.returncode == 4
-    assert down.stderr.startswith("shardflow: cannot connect: ")
+    assert down.stderr.startswith("shardflow: cannot connect to Redis (SHARDFLOW_REDIS_URL): ")
     assert len(down.stderr.strip().splitlines()) == 1
+    amqp = {"SHARDFLOW_AMQP_URL": "amqp://guest:secret@127.0.0.1:1/"}
+    away = shardflow("shards", env={**environment(settings), **amqp})
+    assert away.returncode == 4 and "secret" not in away.stderr
+    assert away.stderr.startswith("shardflow: cannot connect to RabbitMQ (SHARDFLOW_AMQP_URL): ")
+
+
+def test_a_service_that_answers_wrongly_or_never_is_one_line_and_exit_4(
+    settings: Settings,
+) -> None:
+    """Each was a traceback, or a command that waited for good: a Redis URL at RabbitMQ's port,
+    and a RabbitMQ URL at a port that takes the connection and never answers."""
+    amqp_port = urlsplit(settings.amqp_url).port or 5672
+    not_redis = {"SHARDFLOW_REDIS_URL": f"redis://127.0.0.1:{amqp_port}/0"}
+    wrong = shardflow("status", "x", env={**environment(settings), **not_redis})
+    assert wrong.returncode == 4, wrong.stderr
+    assert wrong.stderr.startswith("shardflow: cannot connect to Redis (SHARDFLOW_REDIS_URL)")
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        mute = {"SHARDFLOW_AMQP_URL": f"amqp://guest:guest@127.0.0.1:{silent.getsockname()[1]}/"}
+        never = shardflow("shards", env={**environment(settings), **mute})
+    assert never.returncode == 4, never.stderr
+    assert never.stderr.startswith("shardflow: cannot connect to RabbitMQ (SHARDFLOW_AMQP_URL)")
+    cluster = {"SHARDFLOW_REDIS_CLUSTER": "true", "SHARDFLOW_REDIS_URL": "redis://127.0.0.1:1/0"}
+    no_node = shardflow("status", "x", env={**environment(settings), **cluster})
+    assert no_node.returncode == 4 and "Traceback" not in no_node.stderr, no_node.stderr
+    assert no_node.stderr.startswith("shardflow: cannot connect to Redis (SHARDFLOW_REDIS_URL)")
+
+
+def test_an_app_that_fails_at_import_and_a_full_stdout_are_one_line(tmp_path: Path) -> None:
+    (tmp_path / "broken_app.py").write_text("raise RuntimeError('no config')\n")
+    app = {"PYTHONPATH": str(tmp_path)}
+    broken = shardflow("worker", "--pool", "reports", "--app", "broken_app", env=app)
+    assert broken.returncode == 2 and "Traceback" not in broken.stderr, broken.stderr
+    assert broken.stderr == ("shardflow: --app: importing it raised RuntimeError: no config\n"), (
+        broken.stderr
+    )
+    with open("/dev/full", "w") as full:
+        schema = subprocess.run(
+            [sys.executable, "-m", "shardflow", "schema"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+    assert (schema.returncode, schema.stderr) == (
+        1,
+        "shardflow: cannot write to stdout: No space left on device\n",
+    )
 
 
 @pytest.mark.parametrize(
@@ -281,6 +333,11 @@ def test_bad_settings_and_unreachable_services_are_one_line(settings: Settings) 
             "shardflow: settings: SHARDFLOW_REDIS_URL: the database 'abc' is not a number",
         ),
         (["shards"], {"SHARDFLOW_AMQP_URL": "http://x/"}, "shardflow: settings: SHARDFLOW_AMQP"),
+        (
+            ["shards"],
+            {"SHARDFLOW_AMQP_URL": "amqp://guest:guest@127.0.0.1:99999/"},
+            "shardflow: settings: SHARDFLOW_AMQP_URL: its port must be a number from 0 to 65535",
+        ),
         (["list"], {"SHARDFLOW_GRACE_S": "inf"}, "shardflow: settings: SHARDFLOW_GRACE_S: Input"),
         (["list"], {"SHARDFLOW_FAIR_SHARE": "nan"}, "shardflow: settings: SHARDFLOW_FAIR_SHARE"),
     ],
@@ -301,14 +358,14 @@ def test_a_vhost_or_database_that_cannot_be_used_is_one_line_and_exit_4(
     amqp = shardflow("shards", env={**environment(settings), "SHARDFLOW_AMQP_URL": vhost})
     assert (amqp.returncode, amqp.stderr) == (
         4,
-        "shardflow: cannot connect: RabbitMQ refused to open vhost 'no-such-vhost-here' "
-        "(SHARDFLOW_AMQP_URL): does it exist, and may this user use it?\n",
+        "shardflow: cannot connect to RabbitMQ (SHARDFLOW_AMQP_URL): it refused to open vhost "
+        "'no-such-vhost-here': does it exist, and may this user use it?\n",
     )
     redis = settings.redis_url.rsplit("/", 1)[0] + "/99999"
     db = shardflow("status", "x", env={**environment(settings), "SHARDFLOW_REDIS_URL": redis})
     assert (db.returncode, db.stderr) == (
         4,
-        "shardflow: cannot connect: Redis: DB index is out of range (SHARDFLOW_REDIS_URL)\n",
+        "shardflow: cannot connect to Redis (SHARDFLOW_REDIS_URL): DB index is out of range\n",
     )
 
 
