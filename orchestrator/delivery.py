@@ -34,7 +34,12 @@ from typing import Any, Protocol
 
 from aiormq.exceptions import ChannelInvalidStateError
 from pydantic import ValidationError
-from redis.exceptions import ClusterDownError, ReadOnlyError, RedisClusterException, TryAgainError
+from redis.exceptions import (
+    ClusterDownError,
+    ReadOnlyError,
+    RedisClusterUnreachableError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -58,7 +63,7 @@ UNREACHABLE = (
     OSError,
     RedisConnectionError,
     RedisTimeoutError,
-    RedisClusterException,  # no node of a Redis Cluster reached
+    RedisClusterUnreachableError,  # no node of a Redis Cluster reached
     ChannelInvalidStateError,
 )
 # Of those, the ones the delivery policy never counts against a message, however long they
@@ -70,7 +75,7 @@ UNCOUNTED = (
     RedisTimeoutError,
     ChannelInvalidStateError,
     ClusterDownError,
-    RedisClusterException,
+    RedisClusterUnreachableError,
     TryAgainError,
     ReadOnlyError,
 )

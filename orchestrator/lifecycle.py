@@ -59,15 +59,15 @@ async def within(awaitable: Awaitable[T], timeout_s: float) -> T:
 
 
 async def end_tasks(
-    tasks: list[asyncio.Task[Any]], what: str, within_s: float = LOOP_END_S
+    tasks: list[asyncio.Task[Any]], what: str, within_s: float | None = None
 ) -> bool:
-    """Cancel tasks and wait `within_s` for them; a task that still runs (it refuses its
-    cancel) is left behind, said in the log. Whether all ended."""
+    """Cancel tasks and wait `within_s` (LOOP_END_S) for them; a task that still runs (it
+    refuses its cancel) is left behind, said in the log. Whether all ended."""
     for task in tasks:
         task.cancel()
     if not tasks:
         return True
-    _, stuck = await asyncio.wait(tasks, timeout=within_s)
+    _, stuck = await asyncio.wait(tasks, timeout=LOOP_END_S if within_s is None else within_s)
     for task in stuck:
         log.warning("%s did not end when cancelled; left behind: %r", what, task)
     return not stuck

@@ -331,6 +331,14 @@ SERVICES_DOWN = CLI_TESTS + "test_bad_settings_and_unreachable_services_are_one_
 APP_AND_STDOUT = CLI_TESTS + "test_an_app_that_fails_at_import_and_a_full_stdout_are_one_line"
 BAD_FLAGS = CLI_TESTS + "test_bad_flags_and_settings_are_refused_in_one_line_with_exit_2"
 
+STUCK_THREAD_EXIT = (
+    HANDLER_FAULTS + "test_a_plain_handler_still_running_at_the_stop_does_not_hold_the_process"
+)
+
+DEAF_CANCELLED = (
+    HANDLER_FAULTS + "test_a_handler_that_catches_its_programs_cancel_gives_its_slot_back"
+)
+
 MUTANTS = {
     # A worker runs a current task whatever owner shard it names: a forged one runs its
     # handler, and again on every delivery, its report unroutable.
@@ -1690,7 +1698,7 @@ end""",
     # its exit, for good.
     "exit-waits-for-a-deaf-task": (
         "shardflow/cli.py",
-        "    leave(0)\n",
+        "    leave(code)\n",
         "    pass\n",
         (DEAF_EXIT,),
     ),
@@ -1705,7 +1713,7 @@ end""",
     # No node of a Redis Cluster reached is no outage: a traceback, pods crash-looping.
     "cluster-fault-not-an-outage": (
         "orchestrator/delivery.py",
-        "    RedisClusterException,  # no node of a Redis Cluster reached\n",
+        "    RedisClusterUnreachableError,  # no node of a Redis Cluster reached\n",
         "",
         (WRONG_SERVICES,),
     ),
@@ -1738,6 +1746,22 @@ end""",
         "            parts.port  # noqa: B018",
         "            parts.hostname  # noqa: B018",
         (BAD_FLAGS,),
+    ),
+    # A plain function's thread still running at the stop is not looked at: Python waits for
+    # it at its exit, for good.
+    "exit-waits-for-a-stuck-thread": (
+        "shardflow/cli.py",
+        "    if ended and not threads:\n",
+        "    if ended:\n",
+        (STUCK_THREAD_EXIT,),
+    ),
+    # A handler of a cancelled program is waited for as long as it runs on: one that catches
+    # its cancel holds its slot (a lane's, here) until it returns.
+    "cancelled-programs-handler-awaited": (
+        "worker/pool.py",
+        "                stop.set_result(None)\n",
+        "                pass\n",
+        (DEAF_CANCELLED,),
     ),
 }
 

@@ -29,7 +29,7 @@ from orchestrator.delivery import first_error
 from orchestrator.documents import parse_document, parse_input
 from orchestrator.health import serving
 from orchestrator.keys import check_workflow_id
-from orchestrator.lifecycle import LOOP_END_S, end_tasks
+from orchestrator.lifecycle import end_tasks
 from orchestrator.owner import Orchestrator, ShardError
 from orchestrator.program import (
     MAX_PRIORITY,
@@ -51,6 +51,7 @@ from shardflow.dev import Dev, Together, workers
 from shardflow.views import LiveProgress, list_table
 from worker.pool import Worker
 from worker.registry import Registry
+from worker.threads import left_running
 
 EXIT_FAILED = 1  # the program ended failed or cancelled
 EXIT_USAGE = 2  # bad arguments, program or input
@@ -451,6 +452,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
         code = _fail(str(exc), EXIT_USAGE)
     except UNREACHABLE as exc:
         code = _fail(f"cannot connect to {_service(exc)}: {exc}", EXIT_UNAVAILABLE)
+    except RedisClusterException as exc:  # a fault of the cluster's configuration
+        code = _fail(f"Redis Cluster (SHARDFLOW_REDIS_URL): {exc}", EXIT_UNAVAILABLE)
     except RedisInvalidResponse as exc:
         code = _fail(f"cannot connect to {_service(exc)}: not Redis? {exc}", EXIT_UNAVAILABLE)
     except RedisResponseError as exc:
@@ -509,6 +512,11 @@ def _settings_fault(exc: ValidationError) -> str:
     return first_error(exc, lambda loc: "SHARDFLOW_" + "_".join(map(str, loc)).upper())
 
 
+# What still runs once a service stopped is waited for this long: its handlers were cancelled
+# and waited for already, and the chart's pod has grace_s + 10 s in all.
+END_REST_S = 1.0
+
+
 async def _serve(make: Callable[..., Any], settings: Settings, name: str) -> int:
     """Build a service on fresh connections and run it until SIGINT/SIGTERM."""
 
@@ -529,28 +537,39 @@ async def _serve(make: Callable[..., Any], settings: Settings, name: str) -> int
                 await service.run()
     except asyncio.CancelledError:
         logging.getLogger(name).info("stopped before it started")
-    await end_the_rest(name)
+    finally:
+        failing = sys.exc_info()[1] is not None
+        await end_the_rest(name, code=EXIT_FAILED if failing else 0)
     return 0
 
 
 async def end_the_rest(
-    name: str, within_s: float = LOOP_END_S, leave: Callable[[int], Any] = os._exit
+    name: str,
+    within_s: float = END_REST_S,
+    leave: Callable[[int], Any] = os._exit,
+    code: int = 0,
 ) -> None:
-    """Cancel what still runs once the service stopped. A task that refuses its cancel (a
-    handler that catches it, left running by its worker) would hold the process at its exit
-    for good, as the event loop waits for every task: the process leaves at once then."""
+    """Cancel what still runs once the service stopped (handlers were cancelled and waited
+    for already). A task that refuses its cancel (a handler that catches it), or a plain
+    function's thread still running, would hold the process at its exit for good, as the
+    event loop waits for every task and Python for every pool thread: the process leaves
+    at once then, with `code`."""
     rest = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-    if await end_tasks(rest, f"{name}: a task", within_s):
+    ended = await end_tasks(rest, f"{name}: a task", within_s)
+    threads = left_running()
+    if ended and not threads:
         return
     logging.getLogger(name).error(
-        "%s: %d task(s) refuse to end (a handler that catches its cancel); exiting now",
+        "%s: %d task(s) refuse to end (a handler that catches its cancel) and %d handler "
+        "thread(s) still run; exiting now",
         name,
         sum(not task.done() for task in rest),
+        threads,
     )
     for handler in logging.getLogger().handlers:
         handler.flush()
     sys.stdout.flush()
-    leave(0)
+    leave(code)
 
 
 def _registry(modules: list[str]) -> Registry:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 
 import pytest
 
@@ -13,6 +14,7 @@ from router.client import Router
 from shardflow.cli import end_the_rest
 from tests.app import Trace
 from worker import pool
+from worker.threads import HandlerThreads
 
 pytestmark = pytest.mark.e2e
 
@@ -78,3 +80,47 @@ async def test_a_task_that_refuses_its_cancel_does_not_hold_the_process_at_its_e
     codes.clear()
     await end_the_rest("test", within_s=0.3, leave=codes.append)
     assert codes == []  # nothing left that refuses: no early exit
+
+
+async def test_a_plain_handler_still_running_at_the_stop_does_not_hold_the_process() -> None:
+    """Python joins every pool thread at its exit: a stuck plain function held it for good,
+    though no task was left to see."""
+    release = threading.Event()
+    started = threading.Event()
+
+    def stuck(_: object) -> None:
+        started.set()
+        release.wait(10)
+
+    threads = HandlerThreads(1, "test")
+    call = asyncio.ensure_future(threads.run(stuck, None))
+    try:
+        await asyncio.to_thread(started.wait, 5)
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        codes: list[int] = []
+        await end_the_rest("test", within_s=0.1, leave=codes.append, code=1)
+        assert codes == [1]
+    finally:
+        release.set()
+        threads.shutdown()
+
+
+async def test_a_handler_that_catches_its_programs_cancel_gives_its_slot_back(
+    cluster: Router, trace: Trace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no timeout_s, its worker waited for it as long as it ran on (for good, for one
+    that never returns), holding its slot."""
+    monkeypatch.setattr(pool, "HANDLER_END_S", 0.3)
+    program = {"steps": [{"task": "deaf", "args": {"for_s": 6}}, {"task": "echo"}]}
+    wf = (await cluster.submit(program, trace.as_input())).workflow_id
+    for _ in range(100):
+        if trace.events():
+            break
+        await asyncio.sleep(0.05)
+    await cluster.cancel(wf)
+    # The worker's slot comes back while the handler still runs (its 6 s).
+    other = (await cluster.submit({"steps": [{"task": "echo"}]})).workflow_id
+    assert (await cluster.wait(other, timeout_s=4))["status"] == "completed"
+    assert (await cluster.status(wf))["status"] == "cancelled"

@@ -107,6 +107,9 @@ class Worker(Service):
         self._running: dict[str, set[asyncio.Task[Any]]] = {}
         # Handlers a cancel of a compensating program keeps: compensations and undoable tasks.
         self._kept: set[asyncio.Task[Any]] = set()
+        self._left: set[asyncio.Task[Any]] = set()  # handlers that ran on past their cancel
+        # Each running handler's: done when its program ended (cancel_program).
+        self._stops: dict[asyncio.Task[Any], asyncio.Future[None]] = {}
         self._control: Deliveries | None = None  # the control consumer started last
 
     async def run(self) -> None:
@@ -176,6 +179,9 @@ class Worker(Service):
         handlers = self._running.get(wf, set()) - (keep or set())
         for handler in handlers:
             handler.cancel()
+            stop = self._stops.get(handler)  # so it is waited for a while only (_output)
+            if stop is not None and not stop.done():
+                stop.set_result(None)
         if handlers:
             log.info("%s: %s cancelled: stopped %d running task(s)", self.name, wf, len(handlers))
         return len(handlers)
@@ -550,9 +556,9 @@ class Worker(Service):
     ) -> str | Failed | None:
         """Run one handler: its output as JSON, its failure, or None when it was cancelled."""
         ctx = TaskContext(  # its own values: a change a handler makes reaches no other
-            input=_own(input),
+            input=input if task.input_ref else _own(input),
             args=task.args,
-            prev=_own(prev),
+            prev=prev if task.prev_ref else _own(prev),
             workflow_id=task.wf,
             step=task.path,
             iteration=task.iteration,
@@ -601,12 +607,15 @@ class Worker(Service):
             self._kept.add(handler)
         metrics.TASKS_RUNNING.labels(self.pool).inc()
         watch = asyncio.create_task(lost.wait()) if lost is not None else None
+        stop = self._stops[handler] = asyncio.get_running_loop().create_future()
         try:
-            waits = {handler} if watch is None else {handler, watch}
+            waits = {handler, stop} if watch is None else {handler, stop, watch}
             done, _ = await asyncio.wait(
                 waits, timeout=task.timeout_s, return_when=asyncio.FIRST_COMPLETED
             )
         finally:
+            del self._stops[handler]
+            stop.cancel()
             if watch is not None:
                 watch.cancel()
             if not handler.done():  # timed out, lost its slot, or this worker is stopping
@@ -614,6 +623,8 @@ class Worker(Service):
                 # slot (and a key's lease) for as long as it likes.
                 what = f"{self.name}: a handler of {task.task!r} ({task.wf} {task.path})"
                 if not await end_tasks([handler], what, HANDLER_END_S):
+                    self._left.add(handler)  # held until it ends: the loop keeps only a weak one
+                    handler.add_done_callback(self._left.discard)
                     handler.add_done_callback(_retrieved)
                     self.counts["handler left running"] += 1
             running.discard(handler)
@@ -621,13 +632,13 @@ class Worker(Service):
             metrics.TASKS_RUNNING.labels(self.pool).dec()
             if not running:
                 del self._running[task.wf]
+        if stop in done or (handler in done and handler.cancelled()):
+            raise _ProgramCancelled  # its program ended (cancel_program)
         if handler not in done and watch is not None and watch in done:
             key = task.limit.key if task.limit else ""
             raise _TaskError(f"stopped: its slot of key {key!r} was lost (the lease ran out)")
         if handler not in done:
             raise _TaskError(f"timed out after {task.timeout_s}s")
-        if handler.cancelled():
-            raise _ProgramCancelled
         output = handler.result()
         try:
             text = json.dumps(output, allow_nan=False)  # NaN is not JSON: the owner refuses it
@@ -660,8 +671,10 @@ async def _guarded(run: Coroutine[Any, Any, Any]) -> Any:
 
 
 def _own(value: Any) -> Any:
-    """A copy of a JSON value for one handler: the message's own is shared by the tasks of a
-    chunk, and is what a failure reports (its retry is built from it)."""
+    """A copy of a JSON value the message carried (at most INLINE_BYTES) for one handler: the
+    message's own is shared by the tasks of a chunk, and is what a failure reports (its retry
+    is built from it). A value read by reference is not copied (it can be MiBs, for each
+    member of a chunk of hundreds): members of a chunk share it, and a retry reads it again."""
     return copy.deepcopy(value) if isinstance(value, dict | list) else value
 
 

@@ -14,6 +14,7 @@ import asyncio
 import contextvars
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -30,6 +31,15 @@ class _Call:
         self.started = self.ended = self.given_up = False
 
 
+_pools: weakref.WeakSet[HandlerThreads] = weakref.WeakSet()
+
+
+def left_running() -> int:
+    """Plain-function handlers of this process still running after their task ended: at its
+    exit, Python waits for their threads (for good, for a stuck one)."""
+    return sum(pool.left_behind for pool in list(_pools))
+
+
 class HandlerThreads:
     """A thread pool of `2 * concurrency` threads for plain-function handlers."""
 
@@ -38,6 +48,7 @@ class HandlerThreads:
         self._executor = ThreadPoolExecutor(self.size, thread_name_prefix=name)
         self._lock = threading.Lock()
         self.left_behind = 0  # handlers running on in a thread whose task ended
+        _pools.add(self)
 
     async def run(self, handler: Callable[[Any], Any], ctx: Any) -> Any:
         """`handler(ctx)` in one of the threads, with the caller's context variables (as
