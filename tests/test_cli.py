@@ -32,6 +32,18 @@ def shardflow(*args: str, env: dict[str, str] | None = None, timeout: float = 60
     )
 
 
+def _schema_to(stdout: int) -> subprocess.CompletedProcess[str]:
+    """`shardflow schema` writing to a file descriptor of the test's choosing."""
+    return subprocess.run(
+        [sys.executable, "-m", "shardflow", "schema"],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+
+
 def environment(settings: Settings) -> dict[str, str]:
     return {
         "SHARDFLOW_AMQP_URL": settings.amqp_url,
@@ -228,14 +240,7 @@ def test_a_closed_stdout_ends_quietly_like_a_command_killed_by_sigpipe() -> None
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader is gone before anything is written
     try:
-        result = subprocess.run(
-            [sys.executable, "-m", "shardflow", "schema"],
-            stdout=write_end,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=60,
-            cwd=ROOT,
-        )
+        result = _schema_to(write_end)
     finally:
         os.close(write_end)
     assert (result.returncode, result.stderr) == (141, "")
@@ -288,18 +293,9 @@ def test_an_app_that_fails_at_import_and_a_full_stdout_are_one_line(tmp_path: Pa
     app = {"PYTHONPATH": str(tmp_path)}
     broken = shardflow("worker", "--pool", "reports", "--app", "broken_app", env=app)
     assert broken.returncode == 2 and "Traceback" not in broken.stderr, broken.stderr
-    assert broken.stderr == ("shardflow: --app: importing it raised RuntimeError: no config\n"), (
-        broken.stderr
-    )
+    assert broken.stderr == "shardflow: --app: importing it raised RuntimeError: no config\n"
     with open("/dev/full", "w") as full:
-        schema = subprocess.run(
-            [sys.executable, "-m", "shardflow", "schema"],
-            stdout=full,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=60,
-            cwd=ROOT,
-        )
+        schema = _schema_to(full.fileno())
     assert (schema.returncode, schema.stderr) == (
         1,
         "shardflow: cannot write to stdout: No space left on device\n",
