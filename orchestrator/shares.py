@@ -30,7 +30,7 @@ def share_pool(pool: str, share: int) -> str:
     return pool if share == 0 or is_lane(pool) else f"{pool}.{share}"
 
 
-def shared_pool(queue_pool: str) -> str:
+def pool_of_share(queue_pool: str) -> str:
     """The pool a share's queue pool name (`share_pool`) belongs to."""
     return queue_pool.partition(".")[0]
 

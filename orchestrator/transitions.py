@@ -51,7 +51,7 @@ from orchestrator.program import (
     is_lane,
     pool_of,
 )
-from orchestrator.shares import share_pool, shared_pool
+from orchestrator.shares import pool_of_share, share_pool
 from orchestrator.store import TERMINAL, Store
 
 log = logging.getLogger(__name__)
@@ -975,7 +975,7 @@ class Transitions:
                 await self.bus.publish_all(pool, bodies, level, CARRYING, most)
                 # Its steps are timed under its own name (while labels are left): the pool's,
                 # not its share's queue's.
-                metrics.pool_label(shared_pool(pool))
+                metrics.pool_label(pool_of_share(pool))
 
     def _bundle_most(self, step: object, pool: str) -> int:
         """How many programs' tasks a task of `step` may share a message with: while `pool`

@@ -1636,7 +1636,7 @@ end""",
     # A share's queue pool name takes a label: `parallel.3` and the like use them up.
     "pool-label-of-a-share-queue": (
         "orchestrator/transitions.py",
-        "metrics.pool_label(shared_pool(pool))",
+        "metrics.pool_label(pool_of_share(pool))",
         "metrics.pool_label(pool)",
         (POOL_LABELS,),
     ),
