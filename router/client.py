@@ -243,6 +243,10 @@ class Router:
         assert status is not None
         if verdict == "ended" and status["status"] == "compensating":
             status["note"] = COMPENSATING_NOTE
+        elif verdict == "ended":  # a script's cancel stays idempotent (exit 0): a person is told
+            status["note"] = (
+                f"the program had already ended {status['status']}: this cancel changed nothing"
+            )
         return status
 
     async def redrive(self, workflow_id: str, from_step: str | None = None) -> dict[str, Any]:

@@ -544,6 +544,12 @@ async def test_cancel_of_a_compensating_program_changes_nothing_unless_told_to_s
     status = json.loads(stop.stdout)
     assert status["status"] == "compensation_failed" and "note" not in status
     assert status["compensations"]["error"] == "compensations stopped by a cancel: x"
+    ended = shardflow("cancel", "cli-saga", "--reason", "late", env=env)
+    assert ended.returncode == 0, ended.stderr
+    assert json.loads(ended.stdout)["note"] == (
+        "the program had already ended compensation_failed: this cancel changed nothing"
+    )
+    assert "already ended compensation_failed" in ended.stderr
 
 
 async def test_redrive_runs_an_ended_program_again_and_refuses_what_it_cannot(
