@@ -576,11 +576,17 @@ def _registry(modules: list[str]) -> Registry:
 
     sys.path.insert(0, os.getcwd())
     try:
-        return Registry.from_modules(modules)
+        registry = Registry.from_modules(modules)
     except ImportError as exc:
         raise CliError(f"--app: {exc}") from None
     except Exception as exc:  # the module itself failed: a syntax error, an error at import
         raise CliError(f"--app: importing it raised {type(exc).__name__}: {exc}") from None
+    if modules and not registry.names():  # a worker that knows nothing fails every task
+        raise CliError(
+            f"--app {', '.join(modules)}: no @task() handler in it (decorate its functions "
+            "with worker.task; a handler imported from another module counts too)"
+        )
+    return registry
 
 
 async def _dev(settings: Settings, args: argparse.Namespace) -> int:

@@ -294,6 +294,10 @@ def test_an_app_that_fails_at_import_and_a_full_stdout_are_one_line(tmp_path: Pa
     broken = shardflow("worker", "--pool", "reports", "--app", "broken_app", env=app)
     assert broken.returncode == 2 and "Traceback" not in broken.stderr, broken.stderr
     assert broken.stderr == "shardflow: --app: importing it raised RuntimeError: no config\n"
+    (tmp_path / "empty_app.py").write_text("def forgot_the_decorator(ctx): pass\n")
+    empty = shardflow("worker", "--pool", "serial", "--app", "empty_app", env=app)
+    assert empty.returncode == 2, empty.stderr
+    assert empty.stderr.startswith("shardflow: --app empty_app: no @task() handler in it")
     with open("/dev/full", "w") as full:
         schema = _schema_to(full.fileno())
     assert (schema.returncode, schema.stderr) == (
