@@ -85,14 +85,7 @@ def _parser() -> argparse.ArgumentParser:
         "count and names come from SHARDFLOW_* environment variables (SHARDFLOW_AMQP_URL, "
         "SHARDFLOW_REDIS_URL, SHARDFLOW_SHARDS, SHARDFLOW_PREFIX, ...).",
     )
-    parser.add_argument(
-        "--log-level",
-        type=_log_level,
-        default=os.environ.get("SHARDFLOW_LOG_LEVEL", "INFO"),
-        metavar="LEVEL",
-        help=f"{', '.join(level.lower() for level in LOG_LEVELS)} "
-        "(default: SHARDFLOW_LOG_LEVEL, else info)",
-    )
+    _log_level_argument(parser, os.environ.get("SHARDFLOW_LOG_LEVEL", "INFO"))
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     about = "run every shard and both worker pools in one process (until Ctrl-C)"
@@ -285,7 +278,20 @@ def _parser() -> argparse.ArgumentParser:
 
     about = "print the program format's JSON Schema"
     commands.add_parser("schema", help=about, description=about[0].upper() + about[1:] + ".")
+    for command in commands.choices.values():  # after the command too, as people type it
+        _log_level_argument(command, argparse.SUPPRESS)
     return parser
+
+
+def _log_level_argument(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument(
+        "--log-level",
+        type=_log_level,
+        default=default,
+        metavar="LEVEL",
+        help=f"{', '.join(level.lower() for level in LOG_LEVELS)} "
+        "(default: SHARDFLOW_LOG_LEVEL, else info)",
+    )
 
 
 def _id_argument(parser: argparse.ArgumentParser) -> None:

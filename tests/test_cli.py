@@ -288,6 +288,18 @@ def test_a_service_that_answers_wrongly_or_never_is_one_line_and_exit_4(
     assert no_node.stderr.startswith("shardflow: cannot connect to Redis (SHARDFLOW_REDIS_URL)")
 
 
+def test_the_log_level_goes_before_or_after_the_command() -> None:
+    from shardflow.cli import _parser
+
+    parser = _parser()
+    assert parser.parse_args(["status", "x", "--log-level", "debug"]).log_level == "DEBUG"
+    assert parser.parse_args(["--log-level", "error", "status", "x"]).log_level == "ERROR"
+    assert parser.parse_args(["status", "x"]).log_level in {
+        "INFO",
+        os.environ.get("SHARDFLOW_LOG_LEVEL", "INFO").upper(),
+    }
+
+
 def test_an_app_that_fails_at_import_and_a_full_stdout_are_one_line(tmp_path: Path) -> None:
     (tmp_path / "broken_app.py").write_text("raise RuntimeError('no config')\n")
     app = {"PYTHONPATH": str(tmp_path)}
@@ -312,6 +324,7 @@ def test_an_app_that_fails_at_import_and_a_full_stdout_are_one_line(tmp_path: Pa
         # Each of these was a traceback (exit 1), or was taken and misbehaved.
         (["--log-level", "LOUD", "schema"], {}, "argument --log-level: 'LOUD' (or SHARDFLOW_LOG"),
         (["shards"], {"SHARDFLOW_LOG_LEVEL": "LOUD"}, "argument --log-level: 'LOUD'"),
+        (["schema", "--log-level", "LOUD"], {}, "argument --log-level: 'LOUD' (or SHARDFLOW_LO"),
         (["dev", "--shards", "0"], {}, "argument --shards: '0': a number from 1 to 1024"),
         (["dev", "--shards", "1000000000"], {}, "argument --shards: '1000000000': a number"),
         (["orchestrator", "--shards", "-1"], {}, "argument --shards: '-1': shard numbers are"),
