@@ -115,6 +115,7 @@ ENDED_PRUNE = (
 )
 PURGE_INDEX = "tests/test_list.py::test_a_purge_takes_what_it_purged_out_of_the_indexes"
 LIVEZ = "tests/test_health.py::test_livez_stays_green_while_redis_and_rabbitmq_are_unreachable"
+LOOPWATCH = "tests/test_loopwatch.py::test_a_blocked_loop_is_logged_with_its_stack_once_and_its_end"
 LIVEZ_BLOCKED = "tests/test_health.py::test_a_blocked_event_loop_is_reported_while_it_is_blocked"
 PROBED_PATHS = (
     "tests/test_helm.py::"
@@ -1385,6 +1386,20 @@ end""",
         '"/livez": health.not_live',
         '"/livez": health.faults',
         (LIVEZ,),
+    ),
+    # The watch logs a stall at every check while it lasts: a log line every 0.25 s.
+    "loopwatch-every-check": (
+        "orchestrator/loopwatch.py",
+        "if stalled_since is None and late > self.blocked_s:",
+        "if late > self.blocked_s:",
+        (LOOPWATCH,),
+    ),
+    # The stack logged is the watching thread's own, which names no handler.
+    "loopwatch-own-stack": (
+        "orchestrator/loopwatch.py",
+        "sys._current_frames().get(self._loop_thread)",
+        "sys._current_frames().get(threading.get_ident())",
+        (LOOPWATCH,),
     ),
     # /livez always answers 200: a stuck loop is never restarted.
     "livez-always-live": (

@@ -30,6 +30,7 @@ from orchestrator.documents import parse_document, parse_input
 from orchestrator.health import serving
 from orchestrator.keys import check_workflow_id
 from orchestrator.lifecycle import end_tasks
+from orchestrator.loopwatch import watched
 from orchestrator.owner import Orchestrator, ShardError
 from orchestrator.program import (
     MAX_PRIORITY,
@@ -539,7 +540,7 @@ async def _serve(make: Callable[..., Any], settings: Settings, name: str) -> int
             service = make(store, bus)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, service.shutdown)
-            async with serving(settings, store, bus, service):
+            async with serving(settings, store, bus, service), watched(name):
                 await service.run()
     except asyncio.CancelledError:
         logging.getLogger(name).info("stopped before it started")
