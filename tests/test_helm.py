@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -775,6 +776,45 @@ def test_every_value_is_in_the_schema_and_the_readme_table() -> None:
              if line.startswith("| `")]  # fmt: skip
     undescribed = [line for line in table if line.rstrip().endswith("|  |")]
     assert not undescribed, f"values without a '# -- ' description in values.yaml: {undescribed}"
+
+
+def _settings(
+    schema: dict[str, Any], values: dict[str, Any], path: str = ""
+) -> Iterator[tuple[str, dict[str, Any], list[str]]]:
+    """Each object of settings in the schema, with the keys of its defaults that are settings:
+    a scalar, or an object of settings (not resources, labels or annotations: maps a user may
+    empty)."""
+    props = schema.get("properties", {})
+    keys = [key for key in props if key in values and (
+        isinstance(values[key], bool | int | float | str)
+        or (isinstance(values[key], dict) and "properties" in props[key]
+            and key not in {"resources", "labels", "annotations"})
+    )]  # fmt: skip
+    yield path or "<top>", schema, keys
+    for key in keys:
+        if isinstance(values[key], dict):
+            yield from _settings(props[key], values[key], f"{path}{key}.")
+
+
+def test_every_setting_is_required_so_values_from_an_older_chart_are_refused() -> None:
+    """`helm upgrade --reuse-values` renders with the last release's values and none of this
+    chart's defaults: a setting added since came out `<nil>` or 0 and stopped every pod."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    for path, node, keys in _settings(schema, values):
+        assert sorted(node.get("required", [])) == sorted(keys), path
+    older = values  # as a release installed before the setting existed has them
+    del older["orchestrator"]["prefetch"], older["workers"]["parallel"]["autoscaling"]["enabled"]
+    with tempfile.TemporaryDirectory() as scratch:
+        chart = Path(scratch) / "shardflow"
+        shutil.copytree(CHART, chart)
+        (chart / "values.yaml").write_text(yaml.safe_dump(older))
+        result = subprocess.run(
+            [HELM, "template", "demo", str(chart)], capture_output=True, text=True, timeout=120
+        )
+    assert result.returncode != 0
+    assert "at '/orchestrator': missing property 'prefetch'" in result.stderr, result.stderr
+    assert "at '/workers/parallel/autoscaling': missing property 'enabled'" in result.stderr
 
 
 # --- health probes, the metrics port and the dashboard
