@@ -59,6 +59,10 @@ def task_priority(program_priority: int, going_on: bool) -> int:
 # 10 ms ... up to 30 days, so each target has at most ~120 delay queues, whatever is asked.
 _STEPS = (10, 12, 15, 18, 22, 27, 33, 39, 47, 56, 68, 82)
 MAX_DELAY_MS = 30 * 86400 * 1000
+# A timer (a deadline, a wake, a signal's timeout) waits in the broker at most this long at a
+# time: it arrives early and is sent on for what is left while its program is live, so a
+# program that ended leaves at most one hop of its timers behind, not its whole deadline.
+MAX_TIMER_HOP_MS = 30 * 60 * 1000  # on the ladder
 # Starting a consumer: attempts, and the pause before each retry (times the attempt).
 CONSUME_ATTEMPTS = 5
 CONSUME_BACKOFF_S = 0.5
@@ -544,8 +548,10 @@ class Bus:
         dead-letters through the default exchange straight to the shard's queue, so a deleted
         orchestrator exchange (declared again only when a consumer starts) drops nothing. The
         queues of before, `<prefix>.delay.shard<N>.<ms>`, dead-letter through the exchange:
-        they drain into it and get nothing new."""
+        they drain into it and get nothing new. At most MAX_TIMER_HOP_MS at a time: every
+        message sent so is one that, early, is sent on for what is left."""
         queue = self.names.shard_queue(owner)
+        delay_s = min(delay_s, MAX_TIMER_HOP_MS / 1000)
         await self._publish_delayed(f"shard{owner}.queue", "", queue, body, delay_s)
 
     async def _publish_delayed(

@@ -571,7 +571,9 @@ class Transitions:
         if epoch:
             elapsed_s = 0.0
         body = encode(Deadline(wf=wf, deadline_s=deadline_s, epoch=epoch))
-        await self.bus.publish_to_shard_later(plan.owner, body, max(0.001, deadline_s - elapsed_s))
+        # Rounded down, as the sends that follow it are: rounded up, it ended programs late.
+        delay_ms = max(1, ladder_floor_ms(deadline_s - elapsed_s))
+        await self.bus.publish_to_shard_later(plan.owner, body, delay_ms / 1000)
 
     async def _record_failure(
         self, message: Failed, plan: Plan, *, redelivered: bool

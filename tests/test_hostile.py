@@ -10,7 +10,7 @@ from typing import Any
 import aio_pika
 import pytest
 
-from orchestrator.bus import ladder_floor_ms, ladder_ms
+from orchestrator.bus import MAX_TIMER_HOP_MS, ladder_floor_ms, ladder_ms
 from orchestrator.connections import connected
 from orchestrator.keys import Keys, Names
 from orchestrator.messages import (
@@ -310,6 +310,28 @@ async def test_a_deadline_let_out_early_by_a_ttl_policy_waits_for_its_time(
     status = await cluster.wait(wf, timeout_s=15)
     assert (status["status"], status["error"]) == ("failed", "deadline of 1.5s exceeded")
     assert status["ended_ms"] - status["created_ms"] >= 1500, status
+
+
+async def test_a_long_timer_waits_in_hops_so_an_ended_program_leaves_one_hop_behind(
+    cluster: Router, settings: Settings
+) -> None:
+    # A day's deadline waited a day in the broker, whenever its program ended: at 100
+    # programs a second, 8.6 million messages held for nothing.
+    submitted = await cluster.submit({"deadline_s": 86400, "steps": [{"task": "add"}]}, 1)
+    assert (await cluster.wait(submitted.workflow_id, timeout_s=30))["status"] == "completed"
+    names = Names(settings.prefix)
+    target = f"shard{submitted.shard}.queue"
+    connection = await aio_pika.connect(settings.amqp_url)
+    try:
+        channel = await connection.channel()
+        hop = await channel.declare_queue(names.delay_queue(target, MAX_TIMER_HOP_MS), passive=True)
+        assert hop.declaration_result.message_count == 1
+        for whole_ms in (ladder_ms(86400), ladder_floor_ms(86400)):
+            channel = await connection.channel()
+            with pytest.raises(aio_pika.exceptions.ChannelNotFoundEntity):
+                await channel.declare_queue(names.delay_queue(target, whole_ms), passive=True)
+    finally:
+        await connection.close()
 
 
 async def test_no_handler_runs_for_an_unknown_program_or_a_step_its_program_left(
