@@ -278,6 +278,9 @@ class Orchestrator(Service):
         queue = self.bus.names.shard_queue(shard)
 
         async def start() -> Deliveries:
+            # Its plans may be old: while this consumer was away or a standby, another
+            # process owned the shard, and an id may have ended there and been reused.
+            self.transitions.plans.forget_shard(shard)
             iterator = await self.bus.consume_shard(shard, self.settings.prefetch)
             log.info("orchestrator: consuming %s", queue)
             return iterator

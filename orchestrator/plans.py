@@ -84,7 +84,11 @@ class Plans:
         self._cache: Lru[str, Plan] = Lru(size, MAX_PLAN_BYTES, _program_of)
         self._programs = ByText(self._parse)
 
-    async def get(self, wf: str) -> Plan | None:
+    async def get(self, wf: str, *, fresh: bool = False) -> Plan | None:
+        """The program's plan; `fresh` reads it again (a start: an id whose program ended, was
+        purged or expired, and was submitted again has a new plan under the same id)."""
+        if fresh:
+            self._cache.pop(wf)
         plan = self._cache.get(wf)
         if plan is not None:
             return plan
@@ -111,6 +115,13 @@ class Plans:
 
     def forget(self, wf: str) -> None:
         self._cache.pop(wf)
+
+    def forget_shard(self, owner: int) -> None:
+        """Drop the plans of one shard's programs: its consumer starts (again), so it may have
+        been another process's for a while, which may have seen an id end, be purged and be
+        submitted again with another program."""
+        for wf in [wf for wf, plan in self._cache.items() if plan.owner == owner]:
+            self._cache.pop(wf)
 
     @property
     def parses(self) -> int:

@@ -242,7 +242,7 @@ class Transitions:
         """Apply one message that arrived on `shard`; return the verdict (applied, replay,
         stale, ...). Raises Poison for a message no retry can help: an unknown program, one
         that another shard owns, a report that does not fit the program."""
-        plan = await self.plans.get(message.wf)
+        plan = await self.plans.get(message.wf, fresh=isinstance(message, Start))
         if plan is None:
             # Gone only when its state is too: a state without a plan (an evicted key) is a
             # fault to see, in the dead letters.

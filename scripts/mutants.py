@@ -115,6 +115,10 @@ ENDED_PRUNE = (
 )
 PURGE_INDEX = "tests/test_list.py::test_a_purge_takes_what_it_purged_out_of_the_indexes"
 LIVEZ = "tests/test_health.py::test_livez_stays_green_while_redis_and_rabbitmq_are_unreachable"
+PLAN_REUSED = (
+    "tests/test_plans.py::test_an_id_ended_purged_and_submitted_again_runs_its_new_program"
+)
+PLANS_DROPPED = "tests/test_plans.py::test_a_shards_consumer_starting_again_drops_the_shards_plans"
 TIMER_HOPS = (
     "tests/test_hostile.py::"
     "test_a_long_timer_waits_in_hops_so_an_ended_program_leaves_one_hop_behind"
@@ -1390,6 +1394,21 @@ end""",
         '"/livez": health.not_live',
         '"/livez": health.faults',
         (LIVEZ,),
+    ),
+    # A start takes its plan from the cache: an id ended, purged and submitted again ran the
+    # program it had before.
+    "plan-cached-at-start": (
+        "orchestrator/transitions.py",
+        "self.plans.get(message.wf, fresh=isinstance(message, Start))",
+        "self.plans.get(message.wf)",
+        (PLAN_REUSED,),
+    ),
+    # A shard's consumer that starts again keeps the plans from before it was away.
+    "plans-kept-across-consumers": (
+        "orchestrator/owner.py",
+        "            self.transitions.plans.forget_shard(shard)\n",
+        "",
+        (PLANS_DROPPED,),
     ),
     # A timer waits its whole delay in the broker: an ended program's deadline is held a day.
     "timer-hop-uncapped": (

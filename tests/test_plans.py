@@ -4,6 +4,7 @@ within their bounds."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import tracemalloc
@@ -16,6 +17,7 @@ import pytest
 from orchestrator import caches as caches_module
 from orchestrator import plans as plans_module
 from orchestrator.caches import json_bytes, program_bytes
+from orchestrator.connections import connected
 from orchestrator.plans import Plans
 from orchestrator.program import ProgramError, parse_program
 from orchestrator.redis_store import RedisStore
@@ -24,7 +26,9 @@ from router import client as client_module
 from router import explain as explain_module
 from router.client import Router
 from router.retention import purge
+from shardflow.dev import Dev
 from tests.test_owner_steps import Recorder
+from worker.registry import Registry
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 BAG = {"steps": [{"task": "a"}, {"bag": [{"task": "b"}, {"task": "c", "pool": "parallel"}]}]}
@@ -311,3 +315,59 @@ async def test_a_router_keeps_plans_within_its_bytes_and_never_keeps_a_missing_o
     for wf in ids:
         await router.signal(wf, "go", 1)
     assert len(router._plans) == 3 and router._plans.bytes <= 3 * 110_000
+
+
+async def test_an_id_ended_purged_and_submitted_again_runs_its_new_program(
+    cluster: Router,
+) -> None:
+    """The owner's cached plan was the old program's: the new one ran the old steps with the
+    old input (a reviewer's reproduction, with purge and with expiry)."""
+    old = {"steps": [{"task": "echo", "args": {"v": "A", "sleep_s": 5}}, {"task": "echo"}]}
+    await cluster.submit(old, "first", "reused")
+    await _until_running(cluster, "reused")  # its owner has read, and cached, its plan
+    await cluster.cancel("reused", "make room")
+    assert (await purge(cluster.store, statuses=["cancelled"]))["purged"] == 1
+    new = {"steps": [{"task": "echo", "args": {"v": "B"}}]}
+    await cluster.submit(new, "second", "reused")
+    status = await cluster.wait("reused", timeout_s=30)
+    assert status["status"] == "completed", status
+    assert status["result"] == {"args": {"v": "B"}, "prev": None}  # A ran two steps
+
+
+async def test_a_shards_consumer_starting_again_drops_the_shards_plans(
+    settings: Settings, registry: Registry
+) -> None:
+    """While a consumer is away or a standby, another process owns its shard, where an id may
+    end, be purged and be submitted again: the plans it kept may be old once it is back."""
+    from tests.test_pools import _connection_pid, _rabbitmqctl
+
+    async with connected(settings, "plans-test") as (store, bus):
+        dev = Dev(settings, registry, store=store, bus=bus, concurrency=4)
+        running = asyncio.create_task(dev.run())
+        try:
+            router = Router(settings, store=store, bus=bus, known_tasks=None)
+            slow = {"steps": [{"task": "echo", "args": {"sleep_s": 60}}, {"task": "echo"}]}
+            wf = (await router.submit(slow, None, "kept-plan")).workflow_id
+            await _until_running(router, wf)
+            plans = dev.orchestrator.transitions.plans
+            assert wf in dict(plans._cache.items())
+            pid = await asyncio.to_thread(_connection_pid, "plans-test")
+            await asyncio.to_thread(_rabbitmqctl, "close_connection", pid, "a test drops it")
+            for _ in range(200):  # its consumers start again on the new connection
+                await asyncio.sleep(0.05)
+                if wf not in dict(plans._cache.items()):
+                    break
+            # Nothing of the program came meanwhile: its task runs for a minute.
+            assert wf not in dict(plans._cache.items())
+            await router.cancel(wf, "done")
+        finally:
+            dev.shutdown()
+            await running
+
+
+async def _until_running(cluster: Router, wf: str) -> None:
+    for _ in range(200):
+        if ((await cluster.status(wf)) or {}).get("status") == "running":
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{wf} never ran")
