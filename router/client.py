@@ -275,7 +275,7 @@ class Router:
         record = redriving.record(state)
         found = await self.store.redrive(workflow_id, epoch, rerun, prior, record, roots)
         if found.verdict != "applied":
-            if found.status in TERMINAL:
+            if found.status in TERMINAL or found.verdict == "missing":  # purged meanwhile too
                 await self.store.untrack(workflow_id, owner)
             if found.verdict == "missing":
                 raise LookupError(f"no program {workflow_id!r}")

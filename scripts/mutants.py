@@ -1410,6 +1410,16 @@ end""",
         "",
         (PLANS_DROPPED,),
     ),
+    # A redrive a purge overtook leaves its program counted live.
+    "redrive-purged-stays-live": (
+        "router/client.py",
+        'if found.status in TERMINAL or found.verdict == "missing":',
+        "if found.status in TERMINAL:",
+        (
+            "tests/test_redrive_e2e.py::"
+            "test_a_redrive_that_a_purge_overtakes_leaves_nothing_counted_live",
+        ),
+    ),
     # A timer waits its whole delay in the broker: an ended program's deadline is held a day.
     "timer-hop-uncapped": (
         "orchestrator/bus.py",

@@ -214,6 +214,33 @@ async def test_redrive_of_a_running_or_unknown_program_is_refused(
         await cluster.redrive("nothing-here")
 
 
+async def test_a_redrive_that_a_purge_overtakes_leaves_nothing_counted_live(
+    cluster: Router, settings: Settings
+) -> None:
+    """The router counts the program live before its script; a purge between its read and the
+    script left it counted (`shards` said draining, the in-flight gauge was one up) until two
+    sweeps later."""
+    from router.retention import purge
+
+    program = {"steps": [{"task": "echo", "args": {"sleep_s": 30}}]}
+    wf = (await cluster.submit(program)).workflow_id
+    assert (await cluster.cancel(wf))["status"] == "cancelled"
+    shard = shard_for(wf, settings.shards)
+    script = cluster.store.redrive
+
+    async def purged_first(*args: Any, **kwargs: Any) -> Any:
+        assert (await purge(cluster.store, statuses=["cancelled"]))["purged"] == 1
+        return await script(*args, **kwargs)
+
+    cluster.store.redrive = purged_first  # type: ignore[method-assign]
+    try:
+        with pytest.raises(LookupError, match=f"no program '{wf}'"):
+            await cluster.redrive(wf)
+    finally:
+        cluster.store.redrive = script  # type: ignore[method-assign]
+    assert await cluster.store.in_flight(shard) == 0
+
+
 async def test_a_message_of_the_earlier_run_is_stale_in_the_new_one(
     cluster: Router, trace: Trace, settings: Settings
 ) -> None:
