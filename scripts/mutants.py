@@ -119,6 +119,10 @@ PLAN_REUSED = (
     "tests/test_plans.py::test_an_id_ended_purged_and_submitted_again_runs_its_new_program"
 )
 PLANS_DROPPED = "tests/test_plans.py::test_a_shards_consumer_starting_again_drops_the_shards_plans"
+NETWORK_POLICY = (
+    "tests/test_helm.py::"
+    "test_the_network_policy_lets_in_metrics_only_from_the_given_peers_or_anyone"
+)
 TIMER_HOPS = (
     "tests/test_hostile.py::"
     "test_a_long_timer_waits_in_hops_so_an_ended_program_leaves_one_hop_behind"
@@ -1419,6 +1423,44 @@ end""",
             "tests/test_redrive_e2e.py::"
             "test_a_redrive_that_a_purge_overtakes_leaves_nothing_counted_live",
         ),
+    ),
+    # The NetworkPolicy opens the metrics port only with the ServiceMonitor (the old bug).
+    "metrics-open-only-with-service-monitor": (
+        "helm/shardflow/templates/networkpolicy.yaml",
+        "  ingress:\n"
+        "    - ports:\n"
+        "        - port: metrics\n"
+        "          protocol: TCP\n"
+        "      {{- with .Values.networkPolicy.metricsFrom }}\n"
+        "      from:\n"
+        "        {{- toYaml . | nindent 8 }}\n"
+        "      {{- end }}\n",
+        "  ingress:\n"
+        "    {{- if .Values.metrics.serviceMonitor.enabled }}\n"
+        "    - ports:\n"
+        "        - port: metrics\n"
+        "          protocol: TCP\n"
+        "      {{- with .Values.networkPolicy.metricsFrom }}\n"
+        "      from:\n"
+        "        {{- toYaml . | nindent 8 }}\n"
+        "      {{- end }}\n"
+        "    {{- else }} []\n"
+        "    {{- end }}\n",
+        (NETWORK_POLICY,),
+    ),
+    # networkPolicy.metricsFrom is ignored: the metrics port is open to anyone.
+    "metrics-from-ignored": (
+        "helm/shardflow/templates/networkpolicy.yaml",
+        "{{- with .Values.networkPolicy.metricsFrom }}",
+        "{{- with .Values.networkPolicy.egress }}",
+        (NETWORK_POLICY,),
+    ),
+    # The policy opens the default port, not metrics.port.
+    "policy-port-not-metrics-port": (
+        "helm/shardflow/templates/networkpolicy.yaml",
+        "- port: metrics",
+        "- port: 9464",
+        (NETWORK_POLICY,),
     ),
     # A timer waits its whole delay in the broker: an ended program's deadline is held a day.
     "timer-hop-uncapped": (

@@ -186,7 +186,9 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     cancel = commands.add_parser(
-        "cancel", help="cancel a program: no further step runs, running tasks are stopped"
+        "cancel",
+        help="cancel a program: no further step runs, running tasks are stopped (but those "
+        "of a step that names compensations, which run to their end)",
     )
     _id_argument(cancel)
     cancel.add_argument("--reason", default="cancelled", help="recorded as the program's error")

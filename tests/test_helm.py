@@ -907,6 +907,50 @@ def test_the_service_monitor_scrapes_the_pods_metrics_port() -> None:
         assert service["spec"]["selector"].items() <= labels.items(), name
 
 
+def admitted(documents: list[dict[str, Any]]) -> dict[str, list[tuple[int | None, Any]]]:
+    """What the NetworkPolicy lets in to each Deployment's pods: (port, peers) per ingress rule
+    port, a named port resolved to the pod's number; port None means every port, peers None
+    anyone. A pod the policy does not select is left out (nothing refuses its traffic)."""
+    (policy,) = of_kind(documents, "NetworkPolicy").values()
+    spec = policy["spec"]
+    assert "Ingress" in spec["policyTypes"]
+    found = {}
+    for name, deployment in deployments(documents).items():
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        if not spec["podSelector"].get("matchLabels", {}).items() <= labels.items():
+            continue
+        named = {port["name"]: port["containerPort"] for port in container(deployment)["ports"]}
+        found[name] = [
+            (None if port is None else named.get(port["port"], port["port"]), rule.get("from"))
+            for rule in spec.get("ingress") or []
+            for port in rule.get("ports") or [None]
+        ]
+    return found
+
+
+def test_the_network_policy_lets_in_metrics_only_from_the_given_peers_or_anyone() -> None:
+    """values.yaml: all ingress refused but metrics, which `networkPolicy.metricsFrom` may scrape
+    (empty: anyone), be the scraper Prometheus's ServiceMonitor, annotations or own config."""
+    for monitor in ("false", "true"):
+        found = admitted(manifests(f"metrics.serviceMonitor.enabled={monitor}"))
+        assert len(found) == 7, found  # every pod: 4 shards, 2 pools, the router
+        assert all(rules == [(9464, None)] for rules in found.values()), (monitor, found)
+    peers = [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},
+        {"podSelector": {"matchLabels": {"app": "prometheus"}}},
+    ]
+    found = admitted(
+        manifests(
+            "metrics.port=9500",
+            r"networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.kubernetes\.io/metadata\.name=monitoring",
+            "networkPolicy.metricsFrom[1].podSelector.matchLabels.app=prometheus",
+        )
+    )
+    assert len(found) == 7, found
+    assert all(rules == [(9500, peers)] for rules in found.values()), found
+    assert "NetworkPolicy" not in {d["kind"] for d in manifests("networkPolicy.enabled=false")}
+
+
 def test_the_grafana_dashboard_is_an_optional_config_map_of_the_shipped_json() -> None:
     assert "demo-dashboard" not in of_kind(manifests(), "ConfigMap")
     shipped = json.loads((CHART / "files" / "dashboard.json").read_text())
