@@ -223,6 +223,9 @@ def _parser() -> argparse.ArgumentParser:
         help="delete ended programs now; never a live one",
         description="Delete ended programs now, with every key they own; never a live one. "
         "Ended programs expire by themselves after SHARDFLOW_RETENTION_S (default 7 days). "
+        "What a program that ended moments ago still has in flight (a retry waiting, the "
+        "report of a task still running) is dead-lettered as 'no such program' once it is "
+        "purged: --older-than 10m leaves those. "
         'Prints the counts as JSON: {"purged", "live", "kept", "missing"}.',
     )
     purge.add_argument(
