@@ -204,8 +204,10 @@ class Bus:
         self._probe: aiormq.abc.AbstractChannel | None = None  # for queue_state
         self._probing = asyncio.Lock()
 
-    async def connect(self) -> None:
-        """Connect and declare the whole topology (idempotent; replayed after a reconnect)."""
+    async def connect(self, *, declare: bool = True) -> None:
+        """Connect and declare the whole topology (idempotent); `declare=False` for a command
+        that only looks: a mistyped SHARDFLOW_PREFIX or SHARDFLOW_SHARDS in an operator's
+        shell would create queues nobody consumes."""
         # As aio_pika.connect_robust, but holding the connection: one that failed to open is
         # closed here, or it would go on reconnecting in the background.
         kind = CoalescingConnection if self.settings.amqp_coalescing else RobustConnection
@@ -232,6 +234,8 @@ class Bus:
         self._publisher = await self._connection.channel(
             publisher_confirms=True, on_return_raises=True
         )
+        if not declare:
+            return
         try:
             await self.declare(self._publisher)
         except aio_pika.exceptions.ChannelPreconditionFailed as exc:
@@ -690,10 +694,14 @@ class Bus:
         )
 
     async def peek_dead(self, limit: int) -> list[tuple[dict[str, Any], bytes]]:
-        """Up to `limit` dead-lettered messages (headers, body), left in the queue."""
+        """Up to `limit` dead-lettered messages (headers, body), left in the queue; none when
+        there is no dead-letter queue (nothing declared it: nothing was parked)."""
         channel = await self._consumer_channel()
         try:
-            queue = await channel.get_queue(self.names.dead_queue, ensure=True)
+            try:
+                queue = await channel.get_queue(self.names.dead_queue, ensure=True)
+            except aiormq.exceptions.ChannelNotFoundEntity:
+                return []
             held: list[AbstractIncomingMessage] = []
             while len(held) < limit:
                 message = await queue.get(no_ack=False, fail=False)
@@ -714,7 +722,10 @@ class Bus:
         queue, to the tail in a quorum queue. (deleted, left)."""
         channel = await self._consumer_channel()
         try:
-            queue = await channel.get_queue(self.names.dead_queue, ensure=True)
+            try:
+                queue = await channel.get_queue(self.names.dead_queue, ensure=True)
+            except aiormq.exceptions.ChannelNotFoundEntity:
+                return 0, 0  # no dead-letter queue: nothing was ever parked
             if old is None:
                 purged = await queue.purge()
                 left = await queue.declare()  # any held by a listing now come back later

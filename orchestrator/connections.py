@@ -20,9 +20,10 @@ log = logging.getLogger(__name__)
 
 @contextlib.asynccontextmanager
 async def connected(
-    settings: Settings, name: str = "shardflow", *, wait_s: float = 0.0
+    settings: Settings, name: str = "shardflow", *, wait_s: float = 0.0, declare: bool = True
 ) -> AsyncIterator[tuple[RedisStore, Bus]]:
-    """Connect to Redis and RabbitMQ, declare the topology, and close both on exit.
+    """Connect to Redis and RabbitMQ, declare the topology (unless `declare` is False: a
+    command that only looks), and close both on exit.
 
     A long-running process passes `wait_s` to wait that long for services still starting
     (or restarting); after connecting, reconnects are aio-pika's and redis-py's.
@@ -35,7 +36,7 @@ async def connected(
         while True:
             try:
                 await store.load_scripts()
-                await bus.connect()
+                await bus.connect(declare=declare)
                 break
             except (*UNREACHABLE, ChannelNotFoundEntity) as exc:
                 # RabbitMQ answers a declare of a queue whose process died with NOT_FOUND "has

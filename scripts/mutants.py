@@ -1462,6 +1462,13 @@ end""",
         "- port: 9464",
         (NETWORK_POLICY,),
     ),
+    # A command that only looks declares the whole topology again.
+    "looking-declares": (
+        "orchestrator/bus.py",
+        "        if not declare:\n            return\n",
+        "",
+        ("tests/test_cli.py::test_commands_that_only_look_create_no_queue",),
+    ),
     # A timer waits its whole delay in the broker: an ended program's deadline is held a day.
     "timer-hop-uncapped": (
         "orchestrator/bus.py",

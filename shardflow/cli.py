@@ -755,7 +755,7 @@ def _check_id(workflow_id: str) -> None:
 
 async def _explain(settings: Settings, args: argparse.Namespace) -> int:
     _check_id(args.id)
-    async with connected(settings, "shardflow-explain") as (store, bus):
+    async with connected(settings, "shardflow-explain", declare=False) as (store, bus):
         report = await Router(settings, store=store, bus=bus).explain(args.id)
     if report is None:
         raise CliError(f"no program {args.id!r}", EXIT_FAILED)
@@ -822,7 +822,7 @@ async def _dead(settings: Settings, args: argparse.Namespace) -> int:
 
     if args.older_than is not None and not args.purge:
         raise CliError("--older-than goes with --purge")
-    async with connected(settings, "shardflow-dead") as (_, bus):
+    async with connected(settings, "shardflow-dead", declare=False) as (_, bus):
         if args.purge:
             old = None
             if args.older_than is not None:
@@ -879,7 +879,7 @@ def _first_death(headers: dict[str, Any]) -> dict[str, Any] | None:
 
 async def _shards(settings: Settings, args: argparse.Namespace) -> int:
 
-    async with connected(settings, "shardflow-shards") as (store, bus):
+    async with connected(settings, "shardflow-shards", declare=False) as (store, bus):
         for shard in sorted(set(range(settings.shards)) | await store.shards_used()):
             queue = await bus.shard_queue_state(shard)
             depth, consumers = queue if queue is not None else (0, 0)

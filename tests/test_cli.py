@@ -288,6 +288,33 @@ def test_a_service_that_answers_wrongly_or_never_is_one_line_and_exit_4(
     assert no_node.stderr.startswith("shardflow: cannot connect to Redis (SHARDFLOW_REDIS_URL)")
 
 
+async def test_commands_that_only_look_create_no_queue(settings: Settings) -> None:
+    """A mistyped prefix or shard count in an operator's shell made `shards`, `explain` and
+    `dead` declare a whole topology that nobody consumes."""
+    import aio_pika
+
+    from orchestrator.keys import Names
+
+    env = {**environment(settings), "SHARDFLOW_PREFIX": settings.prefix + "-typo"}
+    shards = shardflow("shards", env=env)
+    assert shards.returncode == 0, shards.stderr
+    assert [json.loads(line)["consumers"] for line in shards.stdout.splitlines()] == [0, 0, 0]
+    assert shardflow("explain", "x", env=env).stderr == "shardflow: no program 'x'\n"
+    dead = shardflow("dead", env=env)
+    assert (dead.returncode, dead.stdout) == (0, "")
+    purged = shardflow("dead", "--purge", env=env)
+    assert json.loads(purged.stdout) == {"purged": 0, "left": 0}
+    names = Names(settings.prefix + "-typo")
+    connection = await aio_pika.connect(settings.amqp_url)
+    try:
+        for queue in (names.shard_queue(0), names.dead_queue, names.task_queue("parallel")):
+            channel = await connection.channel()
+            with pytest.raises(aio_pika.exceptions.ChannelNotFoundEntity):
+                await channel.declare_queue(queue, passive=True)
+    finally:
+        await connection.close()
+
+
 def test_the_log_level_goes_before_or_after_the_command() -> None:
     from shardflow.cli import _parser
 
