@@ -277,10 +277,11 @@ class Orchestrator(Service):
     async def _consume(self, shard: int) -> None:
         queue = self.bus.names.shard_queue(shard)
 
+        owning = False  # whether this consumer had a delivery since it (re)started
+
         async def start() -> Deliveries:
-            # Its plans may be old: while this consumer was away or a standby, another
-            # process owned the shard, and an id may have ended there and been reused.
-            self.transitions.plans.forget_shard(shard)
+            nonlocal owning
+            owning = False
             iterator = await self.bus.consume_shard(shard, self.settings.prefetch)
             log.info("orchestrator: consuming %s", queue)
             return iterator
@@ -314,6 +315,13 @@ class Orchestrator(Service):
                 log.error("orchestrator: a message's work failed", exc_info=task.exception())
 
         async for message in self._messages(start, self.bus.stop_consuming):
+            if not owning:
+                # The first delivery since the consumer (re)started: the moment this process
+                # became the shard's owner (a standby's consumer starts long before). Another
+                # owned it meanwhile, where an id may have ended, been purged and come back
+                # with another program: the plans kept from before are not trusted.
+                owning = True
+                self.transitions.plans.forget_shard(shard)
             await self.marks.owner(shard)  # who owns the shard, for `explain`
             await slots.acquire()
             decoded = _parsed(message.body)

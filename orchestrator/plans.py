@@ -81,7 +81,10 @@ class Plans:
 
     def __init__(self, store: Store, size: int) -> None:
         self._store = store
-        self._cache: Lru[str, Plan] = Lru(size, MAX_PLAN_BYTES, _program_of)
+        # Each plan with its shard's generation when it was read: one read before the shard's
+        # last `forget_shard` is no hit (dropping them one by one was a scan of the cache).
+        self._cache: Lru[str, tuple[Plan, int]] = Lru(size, MAX_PLAN_BYTES, _program_of)
+        self._generations: dict[int, int] = {}
         self._programs = ByText(self._parse)
 
     async def get(self, wf: str, *, fresh: bool = False) -> Plan | None:
@@ -89,12 +92,13 @@ class Plans:
         purged or expired, and was submitted again has a new plan under the same id)."""
         if fresh:
             self._cache.pop(wf)
-        plan = self._cache.get(wf)
+        plan = self.cached(wf)
         if plan is not None:
             return plan
         raw = await self._store.plan(wf)
         if raw is None:
             return None
+        generation = self._generations.get(raw["owner"], 0)  # as of this read's start
         parsed = self._programs.get(raw["program"])
         text = json.dumps(raw["input"])
         big = text if len(text) > INLINE_BYTES else None
@@ -110,18 +114,26 @@ class Plans:
         )
         # The input as read, and its text too when the plan keeps that.
         cost = PLAN_OVERHEAD + json_bytes(text.encode()) + (len(text) if big else 0)
-        self._cache.put(wf, plan, cost)
+        self._cache.put(wf, (plan, generation), cost)
         return plan
+
+    def cached(self, wf: str) -> Plan | None:
+        """The plan kept for `wf`, unless its shard's plans were forgotten since it was read."""
+        found = self._cache.get(wf)
+        if found is None:
+            return None
+        plan, generation = found
+        return plan if generation == self._generations.get(plan.owner, 0) else None
 
     def forget(self, wf: str) -> None:
         self._cache.pop(wf)
 
     def forget_shard(self, owner: int) -> None:
-        """Drop the plans of one shard's programs: its consumer starts (again), so it may have
-        been another process's for a while, which may have seen an id end, be purged and be
-        submitted again with another program."""
-        for wf in [wf for wf, plan in self._cache.items() if plan.owner == owner]:
-            self._cache.pop(wf)
+        """Let no plan of one shard's programs read until now be a hit: this process has just
+        become the shard's owner, which another process was meanwhile, where an id may have
+        ended, been purged and been submitted again with another program. O(1); the old
+        entries go as the cache's least recently used."""
+        self._generations[owner] = self._generations.get(owner, 0) + 1
 
     @property
     def parses(self) -> int:
@@ -136,9 +148,9 @@ class Plans:
         return _Parsed(program, _evaluates(program.steps), share_of(program), cost)
 
 
-def _program_of(plan: Plan) -> tuple[object, int]:
+def _program_of(entry: tuple[Plan, int]) -> tuple[object, int]:
     """The part plans share: their parsed program, and what it holds."""
-    return plan.program, plan.program_bytes
+    return entry[0].program, entry[0].program_bytes
 
 
 def _priority(value: Any) -> int:

@@ -118,7 +118,9 @@ LIVEZ = "tests/test_health.py::test_livez_stays_green_while_redis_and_rabbitmq_a
 PLAN_REUSED = (
     "tests/test_plans.py::test_an_id_ended_purged_and_submitted_again_runs_its_new_program"
 )
-PLANS_DROPPED = "tests/test_plans.py::test_a_shards_consumer_starting_again_drops_the_shards_plans"
+PLANS_DROPPED = (
+    "tests/test_plans.py::test_a_shards_consumer_that_becomes_its_owner_again_trusts_no_plan_kept"
+)
 NETWORK_POLICY = (
     "tests/test_helm.py::"
     "test_the_network_policy_lets_in_metrics_only_from_the_given_peers_or_anyone"
@@ -1410,8 +1412,15 @@ end""",
     # A shard's consumer that starts again keeps the plans from before it was away.
     "plans-kept-across-consumers": (
         "orchestrator/owner.py",
-        "            self.transitions.plans.forget_shard(shard)\n",
+        "                self.transitions.plans.forget_shard(shard)\n",
         "",
+        (PLANS_DROPPED,),
+    ),
+    # A plan read before its shard's plans were forgotten is still a hit.
+    "plans-generation-unchecked": (
+        "orchestrator/plans.py",
+        "return plan if generation == self._generations.get(plan.owner, 0) else None",
+        "return plan",
         (PLANS_DROPPED,),
     ),
     # A redrive a purge overtook leaves its program counted live.

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiormq
 import pytest
 
 from orchestrator import caches as caches_module
@@ -334,11 +335,13 @@ async def test_an_id_ended_purged_and_submitted_again_runs_its_new_program(
     assert status["result"] == {"args": {"v": "B"}, "prev": None}  # A ran two steps
 
 
-async def test_a_shards_consumer_starting_again_drops_the_shards_plans(
+async def test_a_shards_consumer_that_becomes_its_owner_again_trusts_no_plan_kept(
     settings: Settings, registry: Registry
 ) -> None:
     """While a consumer is away or a standby, another process owns its shard, where an id may
-    end, be purged and be submitted again: the plans it kept may be old once it is back."""
+    end, be purged and be submitted again: the plans it kept may be old once it owns the shard
+    again, which it learns from its first delivery (a standby's consumer starts long before)."""
+    from router.hashing import shard_for
     from tests.test_pools import _connection_pid, _rabbitmqctl
 
     async with connected(settings, "plans-test") as (store, bus):
@@ -346,19 +349,32 @@ async def test_a_shards_consumer_starting_again_drops_the_shards_plans(
         running = asyncio.create_task(dev.run())
         try:
             router = Router(settings, store=store, bus=bus, known_tasks=None)
-            slow = {"steps": [{"task": "echo", "args": {"sleep_s": 60}}, {"task": "echo"}]}
+            first = {"task": "echo", "args": {"sleep_s": 60}, "pool": "parallel"}
+            slow = {"steps": [first, {"task": "echo"}]}
             wf = (await router.submit(slow, None, "kept-plan")).workflow_id
             await _until_running(router, wf)
             plans = dev.orchestrator.transitions.plans
-            assert wf in dict(plans._cache.items())
+            assert plans.cached(wf) is not None
             pid = await asyncio.to_thread(_connection_pid, "plans-test")
             await asyncio.to_thread(_rabbitmqctl, "close_connection", pid, "a test drops it")
-            for _ in range(200):  # its consumers start again on the new connection
-                await asyncio.sleep(0.05)
-                if wf not in dict(plans._cache.items()):
+            await asyncio.sleep(0.5)
+            assert plans.cached(wf) is not None  # no delivery yet: as a standby's would be
+            # A program of the same shard: its start is the consumer's first delivery.
+            shard = shard_for(wf, settings.shards)
+            other = next(f"neighbour-{n}" for n in range(10_000)
+                         if shard_for(f"neighbour-{n}", settings.shards) == shard)  # fmt: skip
+            for _ in range(300):  # once the connection is back
+                try:
+                    quick = {"steps": [{"task": "add", "pool": "parallel"}]}
+                    await router.submit(quick, 1, other)
                     break
-            # Nothing of the program came meanwhile: its task runs for a minute.
-            assert wf not in dict(plans._cache.items())
+                except (ConnectionError, aiormq.exceptions.ChannelInvalidStateError):
+                    await asyncio.sleep(0.1)
+            assert (await router.wait(other, timeout_s=30))["status"] == "completed"
+            # Nothing of the first program came meanwhile (its task runs for a minute), yet
+            # its plan is read again when it next is.
+            assert plans.cached(wf) is None
+            assert await plans.get(wf) is not None and plans.cached(wf) is not None
             await router.cancel(wf, "done")
         finally:
             dev.shutdown()
