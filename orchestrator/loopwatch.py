@@ -12,28 +12,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 import threading
 import time
 import traceback
 from collections.abc import AsyncIterator
+from types import FrameType
 
 log = logging.getLogger(__name__)
 
 BEAT_S = 0.25  # how often the loop stamps its heartbeat, and the thread reads it
-BLOCKED_S = 1.0  # late by this much: the loop is blocked, and its stack is logged
+BLOCKED_S = 1.0  # no turn for this long: the loop is blocked, and its stack is logged
 FRAMES = 12  # innermost frames logged: the blocking call and its callers up to the handler
+JOIN_S = 1.0  # how long the watch's end waits for its thread
 
 
 class LoopWatch:
-    """A heartbeat stamped by the loop and a daemon thread that reads it."""
+    """A heartbeat stamped by the loop and a daemon thread that reads it. Made in the loop's
+    own thread (its stack is the one logged)."""
 
     def __init__(self, name: str, *, blocked_s: float = BLOCKED_S) -> None:
         self.name = name
         self.blocked_s = blocked_s
-        self.stalls = 0  # stalls seen, for tests and curiosity
+        self.beat_s = min(BEAT_S, blocked_s / 4)  # a test's short threshold, read as finely
+        self.stalls = 0  # blocked turns seen (tests read it)
+        self.starved = 0  # turns late though the loop was idle: the CPU was elsewhere
         self._beat = time.monotonic()
-        self._loop_thread: int | None = None  # the thread of the loop that beats
+        self._loop_thread = threading.get_ident()
         self._stop = threading.Event()
 
     async def beat(self) -> None:
@@ -41,40 +47,67 @@ class LoopWatch:
         self._loop_thread = threading.get_ident()
         while True:
             self._beat = time.monotonic()
-            await asyncio.sleep(BEAT_S)
+            await asyncio.sleep(self.beat_s)
 
     def watch(self) -> None:
         """The thread's body: check the heartbeat until stopped."""
         stalled_since: float | None = None
-        while not self._stop.wait(min(BEAT_S, self.blocked_s / 4)):  # a test's blocked_s is short
+        while not self._stop.wait(self.beat_s):
             beat = self._beat
-            late = time.monotonic() - beat
+            # The least the loop went without a turn: it may have stamped just before it
+            # stopped turning, or just before its next stamp was due.
+            late = time.monotonic() - beat - self.beat_s
             if stalled_since is None and late > self.blocked_s:
                 stalled_since = beat
-                self.stalls += 1
-                log.error(
-                    "%s: the event loop is blocked (no turn for %.1fs): every consumer and "
-                    "heartbeat of this process waits; it is at:\n%s",
-                    self.name,
-                    late,
-                    self._stack(),
-                )
-            elif stalled_since is not None and beat > stalled_since:
+                self._stalled(late)
+            elif stalled_since is not None and beat > stalled_since and not self._stop.is_set():
                 log.warning(
-                    "%s: the event loop turns again, after %.1fs blocked",
+                    "%s: the event loop turns again, after at least %.1fs without a turn",
                     self.name,
-                    beat - stalled_since,
+                    beat - stalled_since - self.beat_s,
                 )
                 stalled_since = None
+
+    def _stalled(self, late: float) -> None:
+        frame = sys._current_frames().get(self._loop_thread)
+        if self._stop.is_set():
+            return
+        if frame is not None and _idle(frame):
+            # Late though waiting for I/O: it was not let run (plain-function handlers'
+            # threads holding the GIL, or a machine short of CPU); no handler to name.
+            self.starved += 1
+            log.warning(
+                "%s: the event loop had no turn for %.1fs though it was idle: this process's "
+                "other threads, or other processes, held the CPU",
+                self.name,
+                late,
+            )
+            return
+        self.stalls += 1
+        stack = (
+            "".join(traceback.format_stack(frame)[-FRAMES:]).rstrip()
+            if frame is not None
+            else "  (its thread is gone)"
+        )
+        log.error(
+            "%s: the event loop is blocked (no turn for %.1fs): every consumer and heartbeat "
+            "of this process waits; it is at:\n%s",
+            self.name,
+            late,
+            stack,
+        )
 
     def stop(self) -> None:
         self._stop.set()
 
-    def _stack(self) -> str:
-        frame = None if self._loop_thread is None else sys._current_frames().get(self._loop_thread)
-        if frame is None:
-            return "  (its thread is gone)"
-        return "".join(traceback.format_stack(frame)[-FRAMES:]).rstrip()
+
+def _idle(frame: FrameType) -> bool:
+    """Whether the loop's innermost frame is its wait for I/O: asyncio's selector, or the call
+    into uvloop's loop (whose wait is C, below any Python frame)."""
+    name, path = frame.f_code.co_name, frame.f_code.co_filename
+    return (name == "select" and path.endswith("selectors.py")) or (
+        name == "run" and path.endswith(os.path.join("asyncio", "runners.py"))
+    )
 
 
 @contextlib.asynccontextmanager
@@ -90,3 +123,4 @@ async def watched(name: str, *, blocked_s: float = BLOCKED_S) -> AsyncIterator[L
         watch.stop()
         beating.cancel()
         await asyncio.gather(beating, return_exceptions=True)
+        await asyncio.to_thread(thread.join, JOIN_S)

@@ -243,7 +243,8 @@ class Router:
         assert status is not None
         if verdict == "ended" and status["status"] == "compensating":
             status["note"] = COMPENSATING_NOTE
-        elif verdict == "ended":  # a script's cancel stays idempotent (exit 0): a person is told
+        elif verdict == "ended" and status["status"] in TERMINAL:  # (not redriven since)
+            # A script's cancel stays idempotent (exit 0): a person is told.
             status["note"] = (
                 f"the program had already ended {status['status']}: this cancel changed nothing"
             )

@@ -1478,6 +1478,13 @@ end""",
         "",
         ("tests/test_cli.py::test_commands_that_only_look_create_no_queue",),
     ),
+    # A loop late while idle in select is called blocked, at a frame that is no handler's.
+    "loopwatch-idle-unseen": (
+        "orchestrator/loopwatch.py",
+        "        if frame is not None and _idle(frame):",
+        "        if False:",
+        ("tests/test_loopwatch.py::test_an_idle_loop_not_let_run_is_starved_not_blocked",),
+    ),
     # A timer waits its whole delay in the broker: an ended program's deadline is held a day.
     "timer-hop-uncapped": (
         "orchestrator/bus.py",
