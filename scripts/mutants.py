@@ -125,6 +125,23 @@ NETWORK_POLICY = (
     "tests/test_helm.py::"
     "test_the_network_policy_lets_in_metrics_only_from_the_given_peers_or_anyone"
 )
+PURGE_COST = (
+    "tests/test_purge.py::test_a_purge_runs_the_script_only_for_what_it_purges_a_page_a_round_trip"
+)
+LATE_MARK = (
+    "tests/test_retention.py::"
+    "test_a_late_mark_writes_nothing_for_a_program_gone_and_expires_with_an_ended_one"
+)
+INDEX_AGAIN = (
+    "tests/test_list.py::"
+    "test_an_id_submitted_again_after_its_program_went_is_listed_at_its_new_time"
+)
+PRUNE_KEEPS_AGAIN = (
+    "tests/test_list.py::test_the_ended_prune_keeps_the_entry_of_an_id_being_submitted_again"
+)
+PURGE_KEEPS_AGAIN = (
+    "tests/test_list.py::test_a_purge_forgets_the_entries_it_saw_not_those_of_an_id_submitted_again"
+)
 TIMER_HOPS = (
     "tests/test_hostile.py::"
     "test_a_long_timer_waits_in_hops_so_an_ended_program_leaves_one_hop_behind"
@@ -1342,8 +1359,8 @@ end""",
     # uncounted, 1.5 GB at the default 16,384.
     "plan-cache-ignores-programs": (
         "orchestrator/plans.py",
-        "    return plan.program, plan.program_bytes\n",
-        "    return plan.program, 0\n",
+        "    return entry[0].program, entry[0].program_bytes\n",
+        "    return entry[0].program, 0\n",
         (PLAN_BYTES,),
     ),
     # A program's models counted as plain JSON: a chain of tasks holds more than it says.
@@ -1484,6 +1501,48 @@ end""",
         "        if frame is not None and _idle(frame):",
         "        if False:",
         ("tests/test_loopwatch.py::test_an_idle_loop_not_let_run_is_starved_not_blocked",),
+    ),
+    # A purge sends every program it meets to purge.lua, kept or not: one EVALSHA each.
+    "purge-scripts-what-it-keeps": (
+        "router/retention.py",
+        "            verdict = purge_verdict(status, ended, wanted, cutoff_ms)\n",
+        '            verdict = "purged"\n',
+        (PURGE_COST,),
+    ),
+    # A purge reads and deletes one program a round trip.
+    "purge-a-program-a-round-trip": (
+        "router/retention.py",
+        "PURGE_PAGE = 500\n",
+        "PURGE_PAGE = 1\n",
+        (PURGE_COST,),
+    ),
+    # A late mark writes the registry of a program gone: no expiry, never purged.
+    "late-mark-writes-for-a-program-gone": (
+        "lua/mark.lua",
+        'if not redis.call("HGET", KEYS[1], "status") then\n  return "missing"\nend\n',
+        "",
+        (LATE_MARK,),
+    ),
+    # A mark for an ended program never expires (nor the registry it made).
+    "late-mark-never-expires": (
+        "lua/mark.lua",
+        "if left > 0 then\n",
+        "if false then\n",
+        (LATE_MARK,),
+    ),
+    # An id submitted again keeps its gone program's creation time (ZADD NX only).
+    "index-keeps-a-gone-programs-time": (
+        "orchestrator/marks.py",
+        "            if not new and not recorded\n",
+        "            if False\n",
+        (INDEX_AGAIN,),
+    ),
+    # The indexes drop an id whatever its entry: one submitted again loses its new entry.
+    "forget-by-id": (
+        "lua/unindex.lua",
+        "  if score and tonumber(score) <= tonumber(ARGV[i + 1]) then\n",
+        "  if score then\n",
+        (PRUNE_KEEPS_AGAIN, PURGE_KEEPS_AGAIN),
     ),
     # A timer waits its whole delay in the broker: an ended program's deadline is held a day.
     "timer-hop-uncapped": (
