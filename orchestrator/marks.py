@@ -1,20 +1,23 @@
 """Facts written beside the transitions only so that programs can be listed and explained.
 
 None of them decides anything: the state hash stays the truth, and readers check each mark
-against it. Each is one plain Redis call outside the Lua transitions. The creation index is a
-key of its own, never in a script with a program's keys, so it works on Redis Cluster; the
-per-program marks carry the program's hash tag and are named in its key registry, so they
-expire with it. On a store without Redis (the model) marks are not kept.
+against it. Each is a plain Redis call outside the transitions, or a small script of its own.
+The indexes are keys of their own, never in a script with a program's keys, so they work on
+Redis Cluster; the per-program marks carry the program's hash tag and are named in its key
+registry, written only while the program is there (lua/mark.lua), so they expire with it. On a
+store without Redis (the model) marks are not kept.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -23,7 +26,7 @@ from redis.exceptions import RedisError
 from orchestrator.bus import ladder_ms
 from orchestrator.messages import Failed, KeyLimit
 from orchestrator.redis_store import RedisStore
-from orchestrator.store import LIVE, Store
+from orchestrator.store import Store
 
 # A process refreshes the record of a shard it owns at most this often, while messages arrive.
 OWNER_REFRESH_S = 5.0
@@ -45,6 +48,26 @@ PRUNE_PAGE = 500
 PRUNE_ENDED = 100_000
 
 
+@dataclass
+class Entries:
+    """Index entries of programs gone or about to go: by id, the score each may have at most
+    to be taken out (the entry's own, read while its program was there, or a time before its
+    id could be indexed again)."""
+
+    created: dict[str, float] = field(default_factory=dict)
+    ended: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.created.keys() | self.ended.keys())
+
+    def take(self, other: Entries, wf: str) -> None:
+        """Add `wf`'s entries from `other`."""
+        if wf in other.created:
+            self.created[wf] = other.created[wf]
+        if wf in other.ended:
+            self.ended[wf] = other.ended[wf]
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -64,6 +87,7 @@ class Marks:
     def __init__(self, store: Store) -> None:
         self.keys = store.keys
         self._client = redis_of(store)
+        self._store = store if isinstance(store, RedisStore) else None
         self._retention_ms = getattr(store, "retention_ms", 0)
         self._owner_written: dict[int, float] = {}
         # Where the next prune goes on, by rank: live programs at the index's old end would
@@ -72,9 +96,27 @@ class Marks:
         self._me = f"{socket.gethostname()}/{os.getpid()}"
 
     async def index(self, created: Mapping[str, int]) -> None:
-        """Add programs to the creation index; an entry that exists keeps its score."""
-        if self._client is not None and created:
-            await self._client.zadd(self.keys.index_created, dict(created), nx=True)
+        """Add programs to the creation index. An entry that exists keeps its score while its
+        program is there (a duplicate submit, the sweep's repair: NX); one whose program is
+        not (expired or purged, and the id submitted again) is the gone program's, and takes
+        the new score (kept, the new program stood at the old one's time: `list --since`
+        missed it)."""
+        if self._client is None or not created:
+            return
+        key = self.keys.index_created
+        async with self._client.pipeline(transaction=False) as pipe:  # keys of several slots
+            for wf, score in created.items():
+                pipe.zadd(key, {wf: score}, nx=True)
+                pipe.exists(self.keys.state(wf))
+            found = await pipe.execute()
+        added, there = found[::2], found[1::2]
+        stale = {
+            wf: score
+            for (wf, score), new, recorded in zip(created.items(), added, there, strict=True)
+            if not new and not recorded
+        }
+        if stale:
+            await self._client.zadd(key, stale)
 
     async def prune_index(self, scan: int = PRUNE_SCAN, page: int = PRUNE_PAGE) -> int:
         """Drop the entries among `scan` of the creation index whose program is gone
@@ -82,7 +124,7 @@ class Marks:
         trip; how many. Each call goes on from where the last stopped, oldest first, and
         starts again at the oldest once it reaches entries younger than the grace (none of
         them may go yet) or the end."""
-        if self._client is None:
+        if self._client is None or self._store is None:
             return 0
         key = self.keys.index_created
         old = now_ms() - INDEX_GRACE_MS
@@ -101,15 +143,14 @@ class Marks:
                 for wf, _ in rows:
                     pipe.exists(self.keys.state(wf))
                 found = await pipe.execute()
-            gone = [
-                wf
+            gone = {
+                wf: score
                 for (wf, score), there in zip(rows, found, strict=True)
                 if not there and score < old
-            ]
-            if gone:
-                await self._client.zrem(key, *gone)
+            }
+            if gone:  # each entry as seen: an id indexed again since keeps its new one
+                dropped += await self._store.unindex(key, gone)
             seen += len(rows)
-            dropped += len(gone)
             if rows[-1][1] >= old:
                 self._prune_rank = 0  # young entries from here on: the next call starts over
                 return dropped
@@ -138,7 +179,8 @@ class Marks:
                 found = await pipe.execute()
             gone = [wf for wf, there in zip(wfs, found, strict=True) if not there]
             still = [wf for wf, there in zip(wfs, found, strict=True) if there]
-            await self.forget(gone)
+            # Entries as old as `due` at most: an id submitted again since has a newer one.
+            await self.forget(Entries(dict.fromkeys(gone, due), dict.fromkeys(gone, due)))
             if still:  # XX: one a purge took out meanwhile is not put back
                 await self._client.zadd(
                     self.keys.index_ended, dict.fromkeys(still, now_ms()), xx=True
@@ -147,49 +189,51 @@ class Marks:
             dropped += len(gone)
         return dropped
 
-    async def forget(self, wfs: list[str]) -> None:
-        """Take programs whose keys are gone (expired, purged) out of both indexes."""
+    async def entries(self, wfs: Sequence[str]) -> Entries:
+        """These programs' entries in the creation and ended indexes, read while the programs
+        are there: `forget` then takes out those entries, never a newer program's."""
         if self._client is None or not wfs:
-            return
+            return Entries()
         async with self._client.pipeline(transaction=False) as pipe:  # two keys, two slots
-            pipe.zrem(self.keys.index_created, *wfs)
-            pipe.zrem(self.keys.index_ended, *wfs)
-            await pipe.execute()
+            for wf in wfs:
+                pipe.zscore(self.keys.index_created, wf)
+                pipe.zscore(self.keys.index_ended, wf)
+            found = await pipe.execute()
+        return Entries(
+            {wf: s for wf, s in zip(wfs, found[::2], strict=True) if s is not None},
+            {wf: s for wf, s in zip(wfs, found[1::2], strict=True) if s is not None},
+        )
+
+    async def forget(self, entries: Entries) -> None:
+        """Take programs whose keys are gone (expired, purged) out of both indexes: each entry
+        only while its score is at most the one given. Removed by id alone, an id submitted
+        again meanwhile lost its new program's entry."""
+        if self._store is None or not entries:
+            return
+        await asyncio.gather(  # together: one round trip where the store pipelines
+            self._store.unindex(self.keys.index_created, entries.created),
+            self._store.unindex(self.keys.index_ended, entries.ended),
+        )
 
     async def failed(self, report: Failed, delay_s: float | None) -> None:
         """A task's attempt failed; the next one is published in `delay_s` (None: none is)."""
-        if self._client is None:
+        if self._store is None:
             return
-        wf = report.wf
-        key = self.keys.attempts(wf)
         due_ms = None if delay_s is None else now_ms() + ladder_ms(delay_s)  # as the queue has it
         value = json.dumps({"attempt": report.attempt, "due_ms": due_ms})
-        async with self._client.pipeline(transaction=False) as pipe:  # one slot: the wf's tag
-            pipe.hset(key, attempt_field(report.path, report.index), value)
-            pipe.sadd(self.keys.registry(wf), key)
-            await pipe.execute()
-        # Registered first, so a program that ends after this read expires the mark with its
-        # other keys; one that ended before it (a cancel just now) gets it expired here.
-        status = await self._client.hget(self.keys.state(wf), "status")  # type: ignore[misc]
-        if status not in LIVE and self._retention_ms > 0:
-            await self._client.pexpire(key, self._retention_ms)
+        field = attempt_field(report.path, report.index)
+        await self._store.mark(report.wf, self.keys.attempts(report.wf), field, value)
 
     async def slot_wait(
         self, wf: str, path: str, index: int | None, limit: KeyLimit, held: int
     ) -> None:
         """A task found every slot of its key held and waits (best effort, as every mark)."""
-        if self._client is None:
+        if self._store is None:
             return
-        key = self.keys.limit_waits(wf)
         value = {"key": limit.key, "max": limit.max, "held": held, "waits": limit.waits + 1}
+        text = json.dumps({**value, "at_ms": now_ms()})
         with contextlib.suppress(RedisError, OSError):
-            async with self._client.pipeline(transaction=False) as pipe:  # the wf's slot
-                pipe.hset(key, attempt_field(path, index), json.dumps({**value, "at_ms": now_ms()}))
-                pipe.sadd(self.keys.registry(wf), key)
-                await pipe.execute()
-            status = await self._client.hget(self.keys.state(wf), "status")  # type: ignore[misc]
-            if status not in LIVE and self._retention_ms > 0:
-                await self._client.pexpire(key, self._retention_ms)  # ended just now
+            await self._store.mark(wf, self.keys.limit_waits(wf), attempt_field(path, index), text)
 
     async def slot_taken(self, wf: str, path: str, index: int | None) -> None:
         """A task that waited got its slot: no longer waiting."""

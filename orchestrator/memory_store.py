@@ -31,6 +31,7 @@ from orchestrator.store import (
     Slot,
     Stored,
     Verdict,
+    purge_verdict,
     reopened,
 )
 
@@ -699,16 +700,22 @@ class MemoryStore:
     async def purge(self, wf: str, statuses: str, ended_before_ms: int) -> str:
         """lua/purge.lua"""
         status, ended = self._hmget(self.keys.state(wf), "status", "ended_ms")
-        if status is None:
-            return "missing"
-        if status in ("pending", "running", "compensating"):
-            return "live"
-        if status not in statuses.split(",") or not ended or int(ended) > ended_before_ms:
-            return "kept"
+        verdict = purge_verdict(status, ended, statuses.split(","), ended_before_ms)
+        if verdict != "purged":
+            return verdict
         owned = self.data.get(self.keys.registry(wf))
         self._delete(*(owned if isinstance(owned, set) else ()))
         self._delete(self.keys.registry(wf), self.keys.plan(wf), self.keys.state(wf))
         return "purged"
+
+    async def purge_many(
+        self, wfs: Sequence[str], statuses: str, ended_before_ms: int
+    ) -> list[str]:
+        return [await self.purge(wf, statuses, ended_before_ms) for wf in wfs]
+
+    async def ends(self, wfs: Sequence[str]) -> list[tuple[str | None, str | None]]:
+        found = [self._hmget(self.keys.state(wf), "status", "ended_ms") for wf in wfs]
+        return [(status, ended) for status, ended in found]
 
     # --- shard membership and plain reads ---------------------------------------------------
 

@@ -12,6 +12,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
 
 from orchestrator.keys import Keys
 from orchestrator.paths import scope_of
@@ -33,6 +34,9 @@ from orchestrator.store import (
 )
 
 log = logging.getLogger(__name__)
+
+# Keys the server walks per SCAN call: its MATCH keeps only ours, so most calls send back few.
+SCAN_COUNT = 1000
 
 
 def _carried(reply: list[str], verdicts: tuple[str, ...]) -> list[str]:
@@ -72,6 +76,7 @@ class RedisStore:
             Pipeliner(client) if pipelined and not isinstance(client, RedisCluster) else None
         )
         self._scripts: list[AsyncScript] = []
+        self._by_name: dict[str, AsyncScript] = {}
         self._submit = self._transition("submit")
         self._advance = self._transition("advance")
         self._complete = self._transition("complete")
@@ -86,11 +91,14 @@ class RedisStore:
         self._acquire = self._transition("acquire")
         self._renew = self._transition("renew")
         self._release = self._transition("release")
+        self._mark = self._transition("mark")
+        self._unindex = self._transition("unindex")
 
     def _transition(self, name: str) -> Transition:
         """The Lua script `lua/<name>.lua`, called as `(keys=..., args=...)`."""
         script = _script(self.client, name)
         self._scripts.append(script)
+        self._by_name[name] = script
         pipeliner = self.pipeliner
         if pipeliner is None:
             return script
@@ -379,10 +387,57 @@ class RedisStore:
         reply: str = await self._purge(keys=[self.keys.state(wf)], args=[statuses, ended_before_ms])
         return reply
 
+    async def purge_many(
+        self, wfs: Sequence[str], statuses: str, ended_before_ms: int
+    ) -> list[str]:
+        """`purge` each of `wfs` in one pipeline (on a cluster, one per node: each call has
+        its program's keys only): one round trip for the page, not one per program."""
+        script = self._by_name["purge"]
+        replies: list[Any] = [None] * len(wfs)
+        todo = list(range(len(wfs)))
+        for _ in range(2):  # again once, for those that met a node without the script
+            async with self.client.pipeline(transaction=False) as pipe:
+                for i in todo:
+                    pipe.execute_command(
+                        "EVALSHA", script.sha, 1, self.keys.state(wfs[i]), statuses, ended_before_ms
+                    )
+                found = await pipe.execute(raise_on_error=False)
+            for i, reply in zip(todo, found, strict=True):
+                replies[i] = reply
+            todo = [i for i in todo if isinstance(replies[i], NoScriptError)]
+            if not todo:
+                break
+            await self.client.script_load(script.script)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return [str(reply) for reply in replies]
+
+    async def mark(self, wf: str, key: str, field: str, value: str) -> bool:
+        """Write a field of one of the program's marks (a hash it names in its registry), only
+        while the program is there (see lua/mark.lua); whether it was."""
+        reply = await self._mark(keys=[self.keys.state(wf), key], args=[field, value])
+        return bool(reply == "marked")
+
+    async def unindex(self, key: str, bounds: Mapping[str, float]) -> int:
+        """Take ids out of an index where each one's score is still at most its bound (see
+        lua/unindex.lua); how many."""
+        args = [part for wf, bound in bounds.items() for part in (wf, bound)]
+        return int(await self._unindex(keys=[key], args=args)) if args else 0
+
+    async def ends(self, wfs: Sequence[str]) -> list[tuple[str | None, str | None]]:
+        async with self.client.pipeline(transaction=False) as pipe:  # split per node on a cluster
+            for wf in wfs:
+                pipe.hmget(self.keys.state(wf), "status", "ended_ms")
+            found = await pipe.execute()
+        return [(status, ended) for status, ended in found]
+
     async def programs(self) -> AsyncIterator[str]:
+        """Every program of this prefix: SCAN MATCHes our state keys only (the server still
+        walks every key, COUNT at a time, but sends back only ours), one reply held at a time."""
         pattern = self.keys.state("*")
         start = len(self.keys.prefix) + 2
-        async for key in self.client.scan_iter(match=pattern, count=1000, _type="HASH"):
+        async for key in self.client.scan_iter(match=pattern, count=SCAN_COUNT, _type="HASH"):
             yield key[start : -len("}:state")]
 
     async def track(self, wf: str, owner: int) -> None:

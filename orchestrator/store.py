@@ -7,7 +7,7 @@ specification, and a store for tests that need no Redis).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -280,6 +280,17 @@ class Store(Protocol):
         """Delete an ended program now: purged, live, kept or missing (lua/purge.lua)."""
         ...
 
+    async def purge_many(
+        self, wfs: Sequence[str], statuses: str, ended_before_ms: int
+    ) -> list[str]:
+        """`purge` each of `wfs`, sent together (a page: pipelined): what each found."""
+        ...
+
+    async def ends(self, wfs: Sequence[str]) -> list[tuple[str | None, str | None]]:
+        """Each program's status and ended_ms (None: no such program, or not ended), read
+        together: what `purge_verdict` needs."""
+        ...
+
     def programs(self) -> AsyncIterator[str]:
         """The id of every program in the store (SCAN: for maintenance, not a hot path)."""
         ...
@@ -315,6 +326,24 @@ class Store(Protocol):
         """The state's BRIEF fields that it has (empty when there is no such program): what
         an owner's sweep reads of every live program, cheaper than the whole hash."""
         ...
+
+
+def purge_verdict(
+    status: str | None, ended_ms: str | None, statuses: Collection[str], ended_before_ms: int
+) -> str:
+    """What lua/purge.lua decides for a program of this status and ended_ms: purged (it may
+    go), live, kept (its status or age does not match) or missing."""
+    if status is None:
+        return "missing"
+    if status in LIVE:
+        return "live"
+    try:  # as Lua's tonumber: anything else is no time
+        ended = float(ended_ms) if ended_ms is not None else None
+    except ValueError:
+        ended = None
+    if status not in statuses or ended is None or ended > ended_before_ms:
+        return "kept"
+    return "purged"
 
 
 def reopened(found: list[str | None], owner: int) -> bool:

@@ -211,6 +211,67 @@ async def test_a_purge_takes_what_it_purged_out_of_the_indexes(
         assert await client.zrange(key, 0, -1) == []
 
 
+async def test_an_id_submitted_again_after_its_program_went_is_listed_at_its_new_time(
+    settings: Settings, store: RedisStore
+) -> None:
+    """An id submitted again once its program expired (or was purged), before any prune
+    dropped the entry: the entry kept the gone program's time (ZADD NX), and `list --since
+    10m` missed the new program. A duplicate submit of a program that is there still keeps
+    its entry where it is."""
+    client: Redis = store.client  # type: ignore[assignment]
+    key = store.keys.index_created
+    async with connected(settings) as (store2, bus):
+        router = Router(settings, store=store2, bus=bus)
+        await router.submit(ONE, None, "again")
+        hour_ago = time.time() * 1000 - 3_600_000
+        await client.zadd(key, {"again": hour_ago})  # as if it was submitted an hour ago,
+        await client.delete(store.keys.state("again"), store.keys.plan("again"))  # and expired
+        await router.submit(ONE, None, "again")
+        since = int(time.time() * 1000) - 600_000
+        assert ids(await router.list_programs(since_ms=since)) == ["again"]
+        score = await client.zscore(key, "again")
+        await asyncio.sleep(0.003)
+        await router.submit(ONE, None, "again")  # the same program: it stays where it was
+        await Orchestrator(settings, [0, 1, 2, 3], store=store2, bus=bus).sweep()  # NX too
+        assert await client.zscore(key, "again") == score
+
+
+async def test_the_ended_prune_keeps_the_entry_of_an_id_being_submitted_again(
+    store: RedisStore,
+) -> None:
+    """The ended prune saw a program gone and took its id out of the creation index: an id
+    submitted again in between (indexed before it is recorded) lost its new entry, and its
+    program was never listed. Only entries as old as the retention go now."""
+    client: Redis = store.client  # type: ignore[assignment]
+    long_ago = time.time() * 1000 - store.retention_ms - 3 * INDEX_GRACE_MS
+    await client.zadd(store.keys.index_ended, {"back": long_ago, "gone": long_ago})
+    await client.zadd(store.keys.index_created, {"gone": long_ago - 1000})
+    await client.zadd(store.keys.index_created, {"back": time.time() * 1000})  # just now
+    assert await Marks(store).prune_ended() == 2
+    assert await client.zrange(store.keys.index_created, 0, -1) == ["back"]
+    assert await client.zrange(store.keys.index_ended, 0, -1) == []
+
+
+async def test_a_purge_forgets_the_entries_it_saw_not_those_of_an_id_submitted_again(
+    settings: Settings, store: RedisStore
+) -> None:
+    """A purge takes what it purged out of the indexes a page later: an id submitted again
+    in between kept its new program, and lost its entry (a forget by id)."""
+    client: Redis = store.client  # type: ignore[assignment]
+    async with connected(settings) as (store2, bus):
+        router = Router(settings, store=store2, bus=bus)
+        await router.submit(ONE, None, "p")
+        await router.cancel("p")
+        marks = Marks(store)
+        seen = await marks.entries(["p"])  # as purge reads them, before its script
+        assert await store.purge_many(["p"], "cancelled", 2**62) == ["purged"]
+        await asyncio.sleep(0.003)
+        await router.submit(ONE, None, "p")  # the id again: a new program, pending
+        await marks.forget(seen)
+        assert ids(await router.list_programs()) == ["p"]
+        assert await client.zscore(store.keys.index_ended, "p") is None  # the old end's note
+
+
 def test_durations_and_bad_arguments() -> None:
     assert [parse_duration(t) for t in ("90", "90s", "15m", "2h", "7d", "500ms")] == [
         90,

@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from orchestrator.connections import connected
+from orchestrator.marks import Marks
+from orchestrator.messages import Failed, KeyLimit
 from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
 from router.client import Router
@@ -204,3 +206,33 @@ async def test_a_timer_that_outlives_its_program_is_no_dead_letter(
     await asyncio.sleep(2.0)
     async with connected(router.settings, "retention-dead") as (_, bus):
         assert await bus.peek_dead(10) == []
+
+
+async def test_a_late_mark_writes_nothing_for_a_program_gone_and_expires_with_an_ended_one(
+    store: RedisStore,
+) -> None:
+    """A worker's wait for a slot, or an owner's failed attempt, may be noted after its
+    program was purged or expired (the worker checked it before): the mark wrote the
+    program's key registry anew, with no expiry, and nothing ever removed it. Nor did one
+    expire that a mark made for a program cancelled before any key was registered."""
+    marks, client = Marks(store), store.client
+    plan = json.dumps({"program": {"steps": [{"task": "t"}]}, "input": None, "owner": 0})
+    limit = KeyLimit(key="k", max=1)
+    for wf in ("gone", "ended", "live"):
+        await store.submit(wf, plan, 0, "t", "d")
+    await store.cancel("gone", "cancelled", "by hand")
+    assert await store.purge("gone", "cancelled", 2**62) == "purged"
+    await marks.slot_wait("gone", "0", None, limit, 1)
+    await marks.failed(Failed(wf="gone", path="0", error="e"), 1.0)
+    assert await _keys(store, "gone") == {}
+
+    await store.cancel("ended", "cancelled", "by hand")  # no key registered before
+    await marks.failed(Failed(wf="ended", path="0", error="e"), None)
+    ended = await _keys(store, "ended")  # state, plan, the registry and the mark
+    assert store.keys.attempts("ended") in await client.smembers(store.keys.registry("ended"))
+    assert len(ended) == 4 and all(0 < ttl <= store.retention_ms for ttl in ended.values()), ended
+
+    await marks.slot_wait("live", "0", None, limit, 1)
+    live = await _keys(store, "live")
+    assert store.keys.limit_waits("live") in await client.smembers(store.keys.registry("live"))
+    assert len(live) == 4 and all(ttl == -1 for ttl in live.values()), live
