@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.marks import INDEX_GRACE_MS, Marks, redis_of
+from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
 from orchestrator.store import Store
 
@@ -179,20 +180,21 @@ async def _list_index(
     exhausted = True
     async for batch in entries:
         states = await _states(store, [wf for wf, _ in batch])
-        gone = []
+        gone: dict[str, float] = {}
         for (wf, score), state in zip(batch, states, strict=True):
             scanned += 1
             last = (score, wf)
             if not state:
                 if score < time.time() * 1000 - INDEX_GRACE_MS:
-                    gone.append(wf)
+                    gone[wf] = score + 1  # read whole ms: up to the next one is this entry
             elif keep(state):
                 found.append(_row(wf, state))
             if len(found) >= limit or scanned >= scan:
                 exhausted = False
                 break
-        if gone:
-            await client.zrem(key, *gone)
+        if gone and isinstance(store, RedisStore):
+            # Each entry as read: an id submitted again since keeps its new one.
+            await store.unindex(key, gone)
         if not exhausted:
             await entries.aclose()
             break
