@@ -1450,28 +1450,12 @@ end""",
             "test_a_redrive_that_a_purge_overtakes_leaves_nothing_counted_live",
         ),
     ),
-    # The NetworkPolicy opens the metrics port only with the ServiceMonitor (the old bug).
-    "metrics-open-only-with-service-monitor": (
+    # The NetworkPolicy admits nothing (as it did without the ServiceMonitor): its one rule
+    # moved under a key that is no rule.
+    "metrics-port-closed": (
         "helm/shardflow/templates/networkpolicy.yaml",
-        "  ingress:\n"
-        "    - ports:\n"
-        "        - port: metrics\n"
-        "          protocol: TCP\n"
-        "      {{- with .Values.networkPolicy.metricsFrom }}\n"
-        "      from:\n"
-        "        {{- toYaml . | nindent 8 }}\n"
-        "      {{- end }}\n",
-        "  ingress:\n"
-        "    {{- if .Values.metrics.serviceMonitor.enabled }}\n"
-        "    - ports:\n"
-        "        - port: metrics\n"
-        "          protocol: TCP\n"
-        "      {{- with .Values.networkPolicy.metricsFrom }}\n"
-        "      from:\n"
-        "        {{- toYaml . | nindent 8 }}\n"
-        "      {{- end }}\n"
-        "    {{- else }} []\n"
-        "    {{- end }}\n",
+        "  ingress:\n    - ports:\n",
+        "  ingress: []\n  closed:\n    - ports:\n",
         (NETWORK_POLICY,),
     ),
     # networkPolicy.metricsFrom is ignored: the metrics port is open to anyone.
