@@ -78,7 +78,8 @@ class LoopWatch:
             self.starved += 1
             log.warning(
                 "%s: the event loop had no turn for %.1fs though it was idle: this process's "
-                "other threads, or other processes, held the CPU",
+                "other threads, or other processes, held the CPU (or, under uvloop, a blocking "
+                "call made straight from its C code, with no Python frame to name)",
                 self.name,
                 late,
             )

@@ -96,27 +96,24 @@ class Marks:
         self._me = f"{socket.gethostname()}/{os.getpid()}"
 
     async def index(self, created: Mapping[str, int]) -> None:
-        """Add programs to the creation index. An entry that exists keeps its score while its
-        program is there (a duplicate submit, the sweep's repair: NX); one whose program is
-        not (expired or purged, and the id submitted again) is the gone program's, and takes
-        the new score (kept, the new program stood at the old one's time: `list --since`
-        missed it)."""
-        if self._client is None or not created:
-            return
-        key = self.keys.index_created
-        async with self._client.pipeline(transaction=False) as pipe:  # keys of several slots
-            for wf, score in created.items():
-                pipe.zadd(key, {wf: score}, nx=True)
-                pipe.exists(self.keys.state(wf))
-            found = await pipe.execute()
-        added, there = found[::2], found[1::2]
-        stale = {
-            wf: score
-            for (wf, score), new, recorded in zip(created.items(), added, there, strict=True)
-            if not new and not recorded
-        }
-        if stale:
-            await self._client.zadd(key, stale)
+        """Add programs to the creation index; an entry that exists keeps its score (NX: the
+        sweep's repair, from a program's own `created_ms`, never moves one)."""
+        if self._client is not None and created:
+            await self._client.zadd(self.keys.index_created, dict(created), nx=True)
+
+    async def index_new(self, wf: str, at_ms: int) -> bool:
+        """Index a program about to be recorded, at `at_ms`; whether its id had an entry
+        already: a duplicate submit's, or an earlier program's (expired or purged, the id
+        submitted again), which `reindex` then moves once the new program is recorded."""
+        if self._client is None:
+            return False
+        return not await self._client.zadd(self.keys.index_created, {wf: at_ms}, nx=True)
+
+    async def reindex(self, wf: str, at_ms: int) -> None:
+        """A new program of an id indexed before takes its own time in the index (see
+        lua/reindex.lua): it stood at the earlier program's, and `list --since` missed it."""
+        if self._store is not None:
+            await self._store.reindex(self.keys.index_created, wf, at_ms)
 
     async def prune_index(self, scan: int = PRUNE_SCAN, page: int = PRUNE_PAGE) -> int:
         """Drop the entries among `scan` of the creation index whose program is gone

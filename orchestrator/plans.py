@@ -85,6 +85,7 @@ class Plans:
         # last `forget_shard` is no hit (dropping them one by one was a scan of the cache).
         self._cache: Lru[str, tuple[Plan, int]] = Lru(size, MAX_PLAN_BYTES, _program_of)
         self._generations: dict[int, int] = {}
+        self._forgets = 0  # shards forgotten so far: a read that spans one is not kept
         self._programs = ByText(self._parse)
 
     async def get(self, wf: str, *, fresh: bool = False) -> Plan | None:
@@ -95,10 +96,11 @@ class Plans:
         plan = self.cached(wf)
         if plan is not None:
             return plan
+        forgets = self._forgets
         raw = await self._store.plan(wf)
         if raw is None:
             return None
-        generation = self._generations.get(raw["owner"], 0)  # as of this read's start
+        generation = self._generations.get(raw["owner"], 0)
         parsed = self._programs.get(raw["program"])
         text = json.dumps(raw["input"])
         big = text if len(text) > INLINE_BYTES else None
@@ -114,7 +116,8 @@ class Plans:
         )
         # The input as read, and its text too when the plan keeps that.
         cost = PLAN_OVERHEAD + json_bytes(text.encode()) + (len(text) if big else 0)
-        self._cache.put(wf, (plan, generation), cost)
+        if forgets == self._forgets:  # a shard forgotten meanwhile: this read may be older
+            self._cache.put(wf, (plan, generation), cost)
         return plan
 
     def cached(self, wf: str) -> Plan | None:
@@ -134,6 +137,7 @@ class Plans:
         ended, been purged and been submitted again with another program. O(1); the old
         entries go as the cache's least recently used."""
         self._generations[owner] = self._generations.get(owner, 0) + 1
+        self._forgets += 1
 
     @property
     def parses(self) -> int:

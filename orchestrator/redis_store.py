@@ -93,6 +93,7 @@ class RedisStore:
         self._release = self._transition("release")
         self._mark = self._transition("mark")
         self._unindex = self._transition("unindex")
+        self._reindex = self._transition("reindex")
 
     def _transition(self, name: str) -> Transition:
         """The Lua script `lua/<name>.lua`, called as `(keys=..., args=...)`."""
@@ -424,6 +425,11 @@ class RedisStore:
         lua/unindex.lua); how many."""
         args = [part for wf, bound in bounds.items() for part in (wf, bound)]
         return int(await self._unindex(keys=[key], args=args)) if args else 0
+
+    async def reindex(self, key: str, wf: str, at_ms: int) -> bool:
+        """Move an id's entry in an index to `at_ms` unless it is there already or later (see
+        lua/reindex.lua); whether it moved."""
+        return bool(await self._reindex(keys=[key], args=[wf, at_ms]))
 
     async def ends(self, wfs: Sequence[str]) -> list[tuple[str | None, str | None]]:
         async with self.client.pipeline(transaction=False) as pipe:  # split per node on a cluster

@@ -146,9 +146,12 @@ class Router:
             raise ProgramError([f"input: {len(plan)} bytes with the program, over the limit"])
         # Tracked and indexed first: a crash between these and the record leaves a program
         # counted and listed that does not exist (listings drop it), never one uncounted.
-        await self._marks.index({wf: now_ms()})
+        at_ms = now_ms()
+        indexed = await self._marks.index_new(wf, at_ms)
         await self.store.track(wf, owner)
         found = await self.store.submit(wf, plan, owner, checked.name, digest)
+        if found.created and indexed:  # an earlier program's entry: this one's time now
+            await self._marks.reindex(wf, at_ms)
         if found.owner != owner or found.status in TERMINAL:
             await self.store.untrack(wf, owner)  # counted above, but not in flight here
         if found.conflict:

@@ -1516,10 +1516,17 @@ end""",
     ),
     # An id submitted again keeps its gone program's creation time (ZADD NX only).
     "index-keeps-a-gone-programs-time": (
-        "orchestrator/marks.py",
-        "            if not new and not recorded\n",
-        "            if False\n",
+        "router/client.py",
+        "            await self._marks.reindex(wf, at_ms)\n",
+        "            pass\n",
         (INDEX_AGAIN,),
+    ),
+    # A plan read across its shard's forgetting is kept as current.
+    "plan-kept-across-forget": (
+        "orchestrator/plans.py",
+        "        if forgets == self._forgets:",
+        "        if True:",
+        ("tests/test_plans.py::test_a_plan_read_while_its_shard_is_forgotten_is_not_kept",),
     ),
     # The indexes drop an id whatever its entry: one submitted again loses its new entry.
     "forget-by-id": (

@@ -234,6 +234,23 @@ async def test_an_id_submitted_again_after_its_program_went_is_listed_at_its_new
         await router.submit(ONE, None, "again")  # the same program: it stays where it was
         await Orchestrator(settings, [0, 1, 2, 3], store=store2, bus=bus).sweep()  # NX too
         assert await client.zscore(key, "again") == score
+        # The earlier program goes between the new one's index write and its record (it
+        # expires, or a purge takes it and the entry it read): the new one still gets its time.
+        await router.submit(ONE, None, "racing")
+        await client.zadd(key, {"racing": hour_ago})
+        track = store2.track
+
+        async def gone_meanwhile(wf: str, owner: int) -> None:
+            await client.delete(store.keys.state("racing"), store.keys.plan("racing"))
+            await client.zrem(key, "racing")
+            await track(wf, owner)
+
+        store2.track = gone_meanwhile  # type: ignore[method-assign]
+        try:
+            assert (await router.submit(ONE, None, "racing")).created
+        finally:
+            store2.track = track  # type: ignore[method-assign]
+        assert "racing" in ids(await router.list_programs(since_ms=since))
 
 
 async def test_the_ended_prune_keeps_the_entry_of_an_id_being_submitted_again(

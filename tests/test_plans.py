@@ -387,3 +387,34 @@ async def _until_running(cluster: Router, wf: str) -> None:
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"{wf} never ran")
+
+
+async def test_a_plan_read_while_its_shard_is_forgotten_is_not_kept(
+    settings: Settings, store: RedisStore
+) -> None:
+    """A handler of the consumer before began its read; the new consumer's first delivery
+    forgot the shard; the read's reply, maybe older than what the owner meanwhile saw, was
+    kept as current."""
+    [wf] = await _submit(settings, store, BAG, [{"n": 1}])
+    recorded = await store.plan(wf)
+    assert recorded is not None
+    plans = Plans(store, size=8)
+    read = store.plan
+    began, go = asyncio.Event(), asyncio.Event()
+
+    async def slow(wf: str) -> Any:
+        began.set()
+        await go.wait()
+        return await read(wf)
+
+    store.plan = slow  # type: ignore[method-assign]
+    try:
+        getting = asyncio.create_task(plans.get(wf))
+        await began.wait()
+        plans.forget_shard(recorded["owner"])
+        go.set()
+        assert await getting is not None  # used by the handler that asked, not kept
+    finally:
+        store.plan = read  # type: ignore[method-assign]
+    assert plans.cached(wf) is None
+    assert await plans.get(wf) is not None and plans.cached(wf) is not None
