@@ -103,12 +103,14 @@ class LoopWatch:
 
 
 def _idle(frame: FrameType) -> bool:
-    """Whether the loop's innermost frame is its wait for I/O: asyncio's selector, or the call
-    into uvloop's loop (whose wait is C, below any Python frame)."""
+    """Whether the loop's innermost frame is its own wait for I/O: asyncio's selector called
+    by the loop (a handler's blocking `subprocess.run` waits in a selector too, called by
+    the handler), or the call into uvloop's loop (whose wait is C, below any Python frame)."""
     name, path = frame.f_code.co_name, frame.f_code.co_filename
-    return (name == "select" and path.endswith("selectors.py")) or (
-        name == "run" and path.endswith(os.path.join("asyncio", "runners.py"))
-    )
+    if name == "select" and path.endswith("selectors.py"):
+        caller = frame.f_back
+        return caller is not None and caller.f_code.co_name == "_run_once"
+    return name == "run" and path.endswith(os.path.join("asyncio", "runners.py"))
 
 
 @contextlib.asynccontextmanager

@@ -96,10 +96,12 @@ class Marks:
         self._me = f"{socket.gethostname()}/{os.getpid()}"
 
     async def index(self, created: Mapping[str, int]) -> None:
-        """Add programs to the creation index; an entry that exists keeps its score (NX: the
-        sweep's repair, from a program's own `created_ms`, never moves one)."""
-        if self._client is not None and created:
-            await self._client.zadd(self.keys.index_created, dict(created), nx=True)
+        """The sweep's repair, a page of live programs by their own `created_ms`: an entry
+        missing is added, and one older than that by over INDEX_GRACE_MS moved (an earlier
+        program's, of an id submitted again whose router failed before `reindex`); others,
+        written by the router just before the record, stay."""
+        if self._store is not None and created:
+            await self._store.reindex(self.keys.index_created, created, INDEX_GRACE_MS)
 
     async def index_new(self, wf: str, at_ms: int) -> bool:
         """Index a program about to be recorded, at `at_ms`; whether its id had an entry
@@ -113,7 +115,7 @@ class Marks:
         """A new program of an id indexed before takes its own time in the index (see
         lua/reindex.lua): it stood at the earlier program's, and `list --since` missed it."""
         if self._store is not None:
-            await self._store.reindex(self.keys.index_created, wf, at_ms)
+            await self._store.reindex(self.keys.index_created, {wf: at_ms})
 
     async def prune_index(self, scan: int = PRUNE_SCAN, page: int = PRUNE_PAGE) -> int:
         """Drop the entries among `scan` of the creation index whose program is gone

@@ -426,10 +426,11 @@ class RedisStore:
         args = [part for wf, bound in bounds.items() for part in (wf, bound)]
         return int(await self._unindex(keys=[key], args=args)) if args else 0
 
-    async def reindex(self, key: str, wf: str, at_ms: int) -> bool:
-        """Move an id's entry in an index to `at_ms` unless it is there already or later (see
-        lua/reindex.lua); whether it moved."""
-        return bool(await self._reindex(keys=[key], args=[wf, at_ms]))
+    async def reindex(self, key: str, at: Mapping[str, int], slack_ms: int = 0) -> int:
+        """Put ids in an index at these times where an entry is missing or older by more
+        than `slack_ms` (see lua/reindex.lua); how many were written."""
+        args = [part for wf, ms in at.items() for part in (wf, ms)]
+        return int(await self._reindex(keys=[key], args=[slack_ms, *args])) if args else 0
 
     async def ends(self, wfs: Sequence[str]) -> list[tuple[str | None, str | None]]:
         async with self.client.pipeline(transaction=False) as pipe:  # split per node on a cluster

@@ -1521,6 +1521,32 @@ end""",
         "            pass\n",
         (INDEX_AGAIN,),
     ),
+    # A shard's plans are forgotten when its consumer starts, not at its first delivery: a
+    # standby's consumer started long before it became the owner.
+    "plans-forgotten-at-start": (
+        "orchestrator/owner.py",
+        "            owning = False\n",
+        "            owning = False\n            self.transitions.plans.forget_shard(shard)\n",
+        (PLANS_DROPPED,),
+    ),
+    # A handler waiting in a selector (subprocess.run) reads as an idle loop.
+    "loopwatch-any-select-idle": (
+        "orchestrator/loopwatch.py",
+        'return caller is not None and caller.f_code.co_name == "_run_once"',
+        "return True",
+        (
+            "tests/test_loopwatch.py::"
+            "test_a_handler_waiting_for_a_child_process_is_blocked_not_idle",
+        ),
+    ),
+    # The sweep's repair only adds missing entries: one left at an earlier program's time,
+    # its router failed before moving it, stays there.
+    "repair-adds-only": (
+        "orchestrator/marks.py",
+        "await self._store.reindex(self.keys.index_created, created, INDEX_GRACE_MS)",
+        "await self._store.reindex(self.keys.index_created, created, 10**15)",
+        (INDEX_AGAIN,),
+    ),
     # A plan read across its shard's forgetting is kept as current.
     "plan-kept-across-forget": (
         "orchestrator/plans.py",

@@ -251,6 +251,25 @@ async def test_an_id_submitted_again_after_its_program_went_is_listed_at_its_new
         finally:
             store2.track = track  # type: ignore[method-assign]
         assert "racing" in ids(await router.list_programs(since_ms=since))
+        # The router fails between the record and the move (Redis away, the process killed):
+        # the client's retry finds the program recorded, and only the sweep can mend it.
+        await client.zadd(key, {"racing": hour_ago})
+        await client.delete(store.keys.state("racing"), store.keys.plan("racing"))
+        move = router._marks.reindex
+
+        async def failing(wf: str, at_ms: int) -> None:
+            raise ConnectionError("Redis went away")
+
+        router._marks.reindex = failing  # type: ignore[method-assign]
+        try:
+            with pytest.raises(ConnectionError):
+                await router.submit(ONE, None, "racing")
+        finally:
+            router._marks.reindex = move  # type: ignore[method-assign]
+        assert not (await router.submit(ONE, None, "racing")).created  # the client's retry
+        assert "racing" not in ids(await router.list_programs(since_ms=since))
+        await Orchestrator(settings, [0, 1, 2, 3], store=store2, bus=bus).sweep()
+        assert "racing" in ids(await router.list_programs(since_ms=since))
 
 
 async def test_the_ended_prune_keeps_the_entry_of_an_id_being_submitted_again(

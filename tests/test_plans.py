@@ -11,6 +11,7 @@ import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import aiormq
 import pytest
@@ -357,10 +358,22 @@ async def test_a_shards_consumer_that_becomes_its_owner_again_trusts_no_plan_kep
             assert plans.cached(wf) is not None
             pid = await asyncio.to_thread(_connection_pid, "plans-test")
             await asyncio.to_thread(_rabbitmqctl, "close_connection", pid, "a test drops it")
-            await asyncio.sleep(0.5)
-            assert plans.cached(wf) is not None  # no delivery yet: as a standby's would be
-            # A program of the same shard: its start is the consumer's first delivery.
             shard = shard_for(wf, settings.shards)
+            queue, vhost = (
+                bus.names.shard_queue(shard),
+                unquote(urlsplit(settings.amqp_url).path[1:]),
+            )
+            for _ in range(300):  # until its consumer started again on the new connection
+                await asyncio.sleep(0.1)
+                listed = await asyncio.to_thread(
+                    _rabbitmqctl, "list_queues", "-p", vhost, "name", "consumers"
+                )
+                if f"{queue}\t1" in listed:
+                    break
+            else:
+                raise AssertionError(f"{queue} has no consumer again")
+            assert plans.cached(wf) is not None  # started, but no delivery: as a standby's
+            # A program of the same shard: its start is the consumer's first delivery.
             other = next(f"neighbour-{n}" for n in range(10_000)
                          if shard_for(f"neighbour-{n}", settings.shards) == shard)  # fmt: skip
             for _ in range(300):  # once the connection is back
