@@ -113,10 +113,6 @@ class Lru(Generic[K, T]):
             old, old_cost = self._values.popitem(last=False)[1]
             self.bytes -= old_cost + self._release(old)
 
-    def items(self) -> list[tuple[K, T]]:
-        """What it holds, oldest first (a copy: popping while going through it is safe)."""
-        return [(key, value) for key, (value, _) in self._values.items()]
-
     def pop(self, key: K) -> None:
         found = self._values.pop(key, None)
         if found is not None:

@@ -168,9 +168,9 @@ async def _list_index(
     limit: int,
     scan: int,
 ) -> Page:
-    client = redis_of(store)
-    if client is None:
+    if not isinstance(store, RedisStore):
         raise ListError("listing programs needs the Redis store")
+    client = store.client
     key = store.keys.index_created
     lowest = "-inf" if since_ms is None else since_ms - _SKEW_MS
     found: list[dict[str, Any]] = []
@@ -192,8 +192,7 @@ async def _list_index(
             if len(found) >= limit or scanned >= scan:
                 exhausted = False
                 break
-        if gone and isinstance(store, RedisStore):
-            # Each entry as read: an id submitted again since keeps its new one.
+        if gone:  # each entry as read: an id submitted again since keeps its new one
             await store.unindex(key, gone)
         if not exhausted:
             await entries.aclose()
