@@ -1592,8 +1592,16 @@ end""",
     # The chart's liveness probe stays on /healthz.
     "liveness-probe-on-healthz": (
         "helm/shardflow/templates/_helpers.tpl",
-        "{path: /livez,",
-        "{path: /healthz,",
+        "livenessProbe:\n        httpGet: {path: /livez,",
+        "livenessProbe:\n        httpGet: {path: /healthz,",
+        (PROBED_PATHS,),
+    ),
+    # A pod that starts, reaches both services, then meets an outage is killed at 180 s and
+    # restarted into a wait that ends in exit: CrashLoopBackOff for an outage.
+    "startup-probe-on-healthz": (
+        "helm/shardflow/templates/_helpers.tpl",
+        "startupProbe:\n        httpGet: {path: /livez,",
+        "startupProbe:\n        httpGet: {path: /healthz,",
         (PROBED_PATHS,),
     ),
     # A queue that answers 404 is tried every second for hours: a channel, and 4.3 KB, a try.

@@ -834,8 +834,9 @@ def test_every_process_serves_metrics_and_health_on_one_port_and_is_probed_there
         only = container(deployment)
         assert only["ports"] == [{"name": "metrics", "containerPort": 9464}], name
         # Liveness asks only that the event loop turns: a RabbitMQ or Redis outage restarts
-        # nothing (the clients reconnect). A starting process must reach both (/healthz).
-        for probe, path in (("startupProbe", "/healthz"), ("livenessProbe", "/livez"),
+        # nothing (the clients reconnect). A process serves nothing before it reached both, so
+        # startup asks /livez too: on /healthz, an outage just after the start killed the pod.
+        for probe, path in (("startupProbe", "/livez"), ("livenessProbe", "/livez"),
                             ("readinessProbe", "/readyz")):  # fmt: skip
             assert only[probe]["httpGet"] == {"path": path, "port": "metrics"}, (name, probe)
         assert only["livenessProbe"]["failureThreshold"] == 6

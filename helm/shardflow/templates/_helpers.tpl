@@ -129,13 +129,15 @@ spec:
           containerPort: {{ $.Values.metrics.port }}
       {{- with $.Values.probes }}
       {{- if .enabled }}
-      # Startup (/healthz): until the process reached RabbitMQ and Redis. Liveness (/livez):
-      # restart a process whose event loop stopped turning, and only that: a restart does not
-      # bring RabbitMQ or Redis back (the clients reconnect by themselves) but would cancel the
-      # running handlers. Readiness (/readyz): healthy and consuming (not while it stops and
-      # finishes what it holds, nor while RabbitMQ or Redis is away).
+      # Startup (/livez): until the process reached RabbitMQ and Redis, which it does before
+      # it serves anything; not /healthz, which an outage just after that turns red, and the
+      # pod would be killed into CrashLoopBackOff. Liveness (/livez): restart a process whose
+      # event loop stopped turning, and only that: a restart does not bring RabbitMQ or Redis
+      # back (the clients reconnect by themselves) but would cancel the running handlers.
+      # Readiness (/readyz): healthy and consuming (not while it stops and finishes what it
+      # holds, nor while RabbitMQ or Redis is away).
       startupProbe:
-        httpGet: {path: /healthz, port: metrics}
+        httpGet: {path: /livez, port: metrics}
         periodSeconds: 5
         timeoutSeconds: {{ .timeoutSeconds }}
         failureThreshold: {{ div (add .startupSeconds 4) 5 }}
