@@ -26,9 +26,12 @@ log = logging.getLogger(__name__)
 # No `_created` series beside every counter and histogram: a scrape's noise, no dashboard's need.
 disable_created_metrics()
 
-# From a few milliseconds to an hour: tasks range from a cache lookup to a video encode.
+# From a millisecond to 30 days: a task runs from a cache lookup to a day's encode (its
+# timeout_s is at most a day), a step with retries or a sleep or signal wait for up to 30 days
+# (MAX_SLEEP_S, deadline_s). With an hour on top, a day read as 3,600 s in every quantile.
 DURATION_BUCKETS = (
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600,
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300,
+    600, 1800, 3600, 7200, 14400, 43200, 86400, 259200, 604800, 2592000,
 )  # fmt: skip
 # How often an owner counts its shards' programs in flight (one SCARD per shard).
 IN_FLIGHT_EVERY_S = 5.0

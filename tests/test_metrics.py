@@ -308,6 +308,20 @@ def test_every_metric_is_in_the_metrics_doc() -> None:
     assert len(served) > 10 and not missing, missing
 
 
+def test_durations_have_buckets_up_to_the_longest_a_step_may_wait() -> None:
+    """A day's task and a 30-day sleep each fall in a bucket of their own size, not in +Inf
+    (the buckets stopped at an hour: every quantile above read 3,600 s)."""
+    from orchestrator.program import MAX_SLEEP_S, Task
+
+    longest_task = Task.model_fields["timeout_s"].metadata
+    [task_cap] = [m.le for m in longest_task if getattr(m, "le", None) is not None]
+    for histogram in (metrics.STEP_DURATION, metrics.TASK_DURATION):
+        bounds = histogram._upper_bounds  # the buckets, +Inf last
+        assert bounds[-2] >= MAX_SLEEP_S and task_cap in bounds, bounds
+        # a day's task lands at a day, not at the bucket below +Inf
+        assert next(b for b in bounds if b >= 86400 * 0.9) == 86400
+
+
 async def test_maps_over_no_items_take_no_pool_label_from_a_pool_that_runs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
