@@ -20,6 +20,8 @@ import traceback
 from collections.abc import AsyncIterator
 from types import FrameType
 
+from orchestrator import metrics
+
 log = logging.getLogger(__name__)
 
 BEAT_S = 0.25  # how often the loop stamps its heartbeat, and the thread reads it
@@ -76,6 +78,7 @@ class LoopWatch:
             # Late though waiting for I/O: it was not let run (plain-function handlers'
             # threads holding the GIL, or a machine short of CPU); no handler to name.
             self.starved += 1
+            metrics.LOOP_STALLS.labels("starved").inc()
             log.warning(
                 "%s: the event loop had no turn for %.1fs though it was idle: this process's "
                 "other threads, or other processes, held the CPU (or, under uvloop, a blocking "
@@ -85,6 +88,7 @@ class LoopWatch:
             )
             return
         self.stalls += 1
+        metrics.LOOP_STALLS.labels("blocked").inc()
         stack = (
             "".join(traceback.format_stack(frame)[-FRAMES:]).rstrip()
             if frame is not None

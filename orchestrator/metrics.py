@@ -111,6 +111,13 @@ IN_FLIGHT = Gauge(
 LOOP_LAG = Gauge(
     "shardflow_event_loop_lag_seconds", "How late the event loop ran the last heartbeat."
 )
+# Counted by the loop watch's thread: a stall is over before a scrape reads the lag gauge.
+LOOP_STALLS = Counter(
+    "shardflow_event_loop_stalls_total",
+    "Times the event loop went a second or more without a turn, by cause: blocked (code kept "
+    "it; the log names where) or starved (idle, but other threads or processes held the CPU).",
+    ["cause"],
+)
 DEPENDENCY_UP = Gauge(
     "shardflow_dependency_up",
     "1 while a dependency answers (redis: a PING; rabbitmq: the connection is open).",

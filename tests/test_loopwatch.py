@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from orchestrator import metrics
 from orchestrator.loopwatch import watched
 
 
@@ -22,6 +23,8 @@ async def test_a_blocked_loop_is_logged_with_its_stack_once_and_its_end(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.WARNING, logger="orchestrator.loopwatch")
+    counted = metrics.LOOP_STALLS.labels("blocked")
+    before = counted._value.get()
     async with watched("test-worker", blocked_s=0.3) as watch:
         await asyncio.sleep(0.5)  # turning: nothing to say
         assert watch.stalls == 0 and not caplog.records
@@ -30,6 +33,7 @@ async def test_a_blocked_loop_is_logged_with_its_stack_once_and_its_end(
         _a_handler_that_never_yields(0.8)
         await asyncio.sleep(0.5)
     assert watch.stalls == 2  # (a loaded machine may also starve it now and then)
+    assert counted._value.get() - before == 2  # a scrape sees it after it is over
     blocked = [r for r in caplog.records if r.levelno == logging.ERROR]
     turned = [r for r in caplog.records if "turns again" in r.getMessage()]
     assert len(blocked) == 2 and len(turned) == 2, caplog.text
@@ -73,6 +77,7 @@ async def test_an_idle_loop_not_let_run_is_starved_not_blocked(
         await asyncio.sleep(0.3)
     assert watch.stalls == 0, caplog.text
     assert watch.starved >= 1, caplog.text
+    assert metrics.LOOP_STALLS.labels("starved")._value.get() >= 1
     assert "though it was idle" in caplog.text and "in greedy" not in caplog.text
 
 
