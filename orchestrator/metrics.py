@@ -57,7 +57,18 @@ TASK_DURATION = Histogram(
     ["pool", "task", "outcome"],
     buckets=DURATION_BUCKETS,
 )
-TASKS_RUNNING = Gauge("shardflow_tasks_running", "Task handlers running now.", ["pool"])
+TASKS_RUNNING = Gauge(
+    "shardflow_tasks_running", "Task handlers running now in a worker's slots.", ["pool"]
+)
+WORKER_SLOTS = Gauge(
+    "shardflow_worker_slots", "Task handlers a worker runs at once (its concurrency).", ["pool"]
+)
+HANDLERS_LEFT = Gauge(
+    "shardflow_handlers_left_running",
+    "Handlers still running after their task ended (timed out or cancelled) and gave its slot "
+    "back: they did not end when cancelled (a plain function never can).",
+    ["pool"],
+)
 RETRIES = Counter("shardflow_retries_total", "Failed tasks scheduled to run again.")
 SLOT_WAITS = Counter(
     "shardflow_slot_waits_total",

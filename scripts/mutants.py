@@ -1604,6 +1604,13 @@ end""",
         "startupProbe:\n        httpGet: {path: /healthz,",
         (PROBED_PATHS,),
     ),
+    # A handler that catches its cancel runs on once its slot is free: tasks_running said 0.
+    "left-handlers-uncounted": (
+        "worker/pool.py",
+        "left.set_function(lambda: len(self._left) + self.threads.left_behind)",
+        "left.set_function(lambda: self.threads.left_behind)",
+        (DEAF,),
+    ),
     # A queue that answers 404 is tried every second for hours: a channel, and 4.3 KB, a try.
     "refused-start-not-backed-off": (
         "orchestrator/lifecycle.py",

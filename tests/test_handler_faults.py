@@ -10,6 +10,8 @@ import threading
 
 import pytest
 
+from prometheus_client import REGISTRY
+
 from router.client import Router
 from shardflow.cli import end_the_rest
 from tests.app import Trace
@@ -36,12 +38,19 @@ async def test_a_handler_that_catches_its_cancel_still_times_out_its_task(
     cluster: Router, trace: Trace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """It ran on for its 4 s, holding its slot, and the task failed only then (a key's lease
-    held as long, the worker's stop waited for it)."""
+    held as long, the worker's stop waited for it). Now its slot is given back, and the
+    handler that runs on is counted apart (tasks_running went to 0 while it ran)."""
     monkeypatch.setattr(pool, "HANDLER_END_S", 0.3)
+    def sample(name: str) -> float | None:
+        return REGISTRY.get_sample_value(f"shardflow_{name}", {"pool": "serial"})
+
+    assert sample("handlers_left_running") == 0
     program = {"steps": [{"task": "deaf", "args": {"for_s": 4}, "timeout_s": 0.2}]}
     wf = (await cluster.submit(program, trace.as_input())).workflow_id
     status = await cluster.wait(wf, timeout_s=3)
     assert status["status"] == "failed" and "timed out after 0.2s" in status["error"], status
+    assert sample("handlers_left_running") == 1
+    assert sample("tasks_running") == 0 and sample("worker_slots") == 1, sample("worker_slots")
 
 
 async def test_a_retry_sees_what_the_first_attempt_was_given(cluster: Router) -> None:

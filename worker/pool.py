@@ -113,10 +113,14 @@ class Worker(Service):
         self._control: Deliveries | None = None  # the control consumer started last
 
     async def run(self) -> None:
+        metrics.WORKER_SLOTS.labels(self.pool).set(self.concurrency)
+        left = metrics.HANDLERS_LEFT.labels(self.pool)
+        left.set_function(lambda: len(self._left) + self.threads.left_behind)
         try:
             await super().run()
         finally:
             self.threads.shutdown()
+            left.set_function(lambda: 0)  # keeps no reference to this pool
 
     def summary(self) -> str:
         return format_counts(self.counts)
