@@ -713,6 +713,9 @@ class MemoryStore:
     ) -> list[str]:
         return [await self.purge(wf, statuses, ended_before_ms) for wf in wfs]
 
+    async def now(self) -> float:
+        return time.time()
+
     async def ends(self, wfs: Sequence[str]) -> list[tuple[str | None, str | None]]:
         found = [self._hmget(self.keys.state(wf), "status", "ended_ms") for wf in wfs]
         return [(status, ended) for status, ended in found]

@@ -432,6 +432,10 @@ class RedisStore:
         args = [part for wf, ms in at.items() for part in (wf, ms)]
         return int(await self._reindex(keys=[key], args=[slack_ms, *args])) if args else 0
 
+    async def now(self) -> float:
+        seconds, micros = await self.client.time()  # a cluster's: its default node's
+        return float(seconds) + int(micros) / 1e6
+
     async def ends(self, wfs: Sequence[str]) -> list[tuple[str | None, str | None]]:
         async with self.client.pipeline(transaction=False) as pipe:  # split per node on a cluster
             for wf in wfs:

@@ -286,6 +286,11 @@ class Store(Protocol):
         """`purge` each of `wfs`, sent together (a page: pipelined): what each found."""
         ...
 
+    async def now(self) -> float:
+        """Seconds since the epoch on Redis's clock (TIME): the clock of every time a program's
+        state keeps, so what is compared with them (orchestrator/clock.py)."""
+        ...
+
     async def ends(self, wfs: Sequence[str]) -> list[tuple[str | None, str | None]]:
         """Each program's status and ended_ms (None: no such program, or not ended), read
         together: what `purge_verdict` needs."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
@@ -18,6 +17,7 @@ from typing import Any
 from orchestrator import limits, machine, metrics, saga
 from orchestrator.backlog import Backlog
 from orchestrator.bus import GOING_ON, NEW, Publisher, ladder_floor_ms, task_priority
+from orchestrator.clock import RedisClock
 from orchestrator.delivery import Poison
 from orchestrator.ending import end_program
 from orchestrator.marks import Marks
@@ -219,6 +219,7 @@ class Transitions:
         self.store = store
         self.bus = bus
         self.plans = plans
+        self.clock = RedisClock(store)  # timers compare "now" with the stamps Redis wrote
         self.max_join_bytes = max_join_bytes
         # Pool depths for bags and maps that name no chunk; None: one member per message.
         self.chunk_for = backlog.chunk if backlog else None
@@ -276,6 +277,9 @@ class Transitions:
                 )
                 self.counts[verdict] += 1
                 return verdict
+            if await self._past_deadline(state, plan, run):  # its first step never runs
+                deadline = Deadline(wf=message.wf, deadline_s=plan.program.deadline_s or 1)
+                return await self._deadline(deadline, plan)
             if run:  # redriven (lua/redrive.lua): run again from where it stopped
                 started = await self._redriven(message.wf, plan, state)
                 if isinstance(started, str):
@@ -434,7 +438,7 @@ class Transitions:
             return "stale"  # a wake of an earlier run (before a redrive)
         if state.get("status") == "running" and state.get("cursor") == message.path:
             began_ms = int(state.get("updated_ms") or 0)
-            delay_ms = ladder_floor_ms(began_ms / 1000 + step.sleep_s - time.time())
+            delay_ms = ladder_floor_ms(began_ms / 1000 + step.sleep_s - await self.clock.now())
             if delay_ms > 0:
                 body = encode(message)
                 await self.bus.publish_to_shard_later(plan.owner, body, delay_ms / 1000)
@@ -459,13 +463,14 @@ class Transitions:
         state = await self.store.state(message.wf)
         status = state.get("status")
         if status in ("pending", "running") and int(state.get("epoch") or 0) == message.epoch:
+            now = await self.clock.now()
             if not message.epoch:
                 since_ms = int(state.get("created_ms") or 0)
             elif status == "running":
                 since_ms = int(state.get("started_ms") or 0)
             else:  # a redriven run not started yet: its deadline has not begun
-                since_ms = int(time.time() * 1000)
-            left_s = since_ms / 1000 + deadline_s - time.time()
+                since_ms = int(now * 1000)
+            left_s = since_ms / 1000 + deadline_s - now
             if left_s > 0:  # under a ladder step left (even 1 ms): sent on for 1 ms
                 delay_ms = max(1, ladder_floor_ms(left_s))
                 body = encode(Deadline(wf=message.wf, deadline_s=deadline_s, epoch=message.epoch))
@@ -527,7 +532,7 @@ class Transitions:
         if step.timeout_s is None:  # no owner sets one: a forged or mistaken message
             raise Poison(f"{message.wf}: step {message.path} is a signal without a timeout")
         began_ms = int(state.get("updated_ms") or 0)
-        delay_ms = ladder_floor_ms(began_ms / 1000 + step.timeout_s - time.time())
+        delay_ms = ladder_floor_ms(began_ms / 1000 + step.timeout_s - await self.clock.now())
         if delay_ms > 0:
             await self.bus.publish_to_shard_later(plan.owner, encode(message), delay_ms / 1000)
             return "waiting"
@@ -558,6 +563,16 @@ class Transitions:
             return None
         return leaf.path in blobs
 
+    async def _past_deadline(self, state: dict[str, str], plan: Plan, run: int) -> bool:
+        """Whether a program waiting for its start is past its deadline already (after an
+        outage, or a backlog on its shard's queue): it fails there, and its first step's
+        handlers never run. A redriven run's deadline begins at its start."""
+        deadline_s = plan.program.deadline_s
+        created_ms = int(state.get("created_ms") or 0)
+        if deadline_s is None or run or state.get("status") != "pending" or not created_ms:
+            return False
+        return await self.clock.now() - created_ms / 1000 >= deadline_s
+
     async def _publish_deadline(
         self, wf: str, plan: Plan, epoch: int, state: dict[str, str]
     ) -> None:
@@ -567,7 +582,7 @@ class Transitions:
         deadline_s = plan.program.deadline_s
         assert deadline_s is not None
         created_ms = int(state.get("created_ms") or 0)
-        elapsed_s = max(0.0, time.time() - created_ms / 1000) if created_ms else 0.0
+        elapsed_s = max(0.0, await self.clock.now() - created_ms / 1000) if created_ms else 0.0
         if epoch:
             elapsed_s = 0.0
         body = encode(Deadline(wf=wf, deadline_s=deadline_s, epoch=epoch))

@@ -349,6 +349,7 @@ LEFT_BEHIND = (
 )
 
 HANDLER_FAULTS = "tests/test_handler_faults.py::"
+CLOCKS = "tests/test_clocks.py::"
 UNPRINTABLE = HANDLER_FAULTS + "test_an_exception_whose_text_fails_fails_its_task_once"
 DEAF = HANDLER_FAULTS + "test_a_handler_that_catches_its_cancel_still_times_out_its_task"
 POPS = HANDLER_FAULTS + "test_a_retry_sees_what_the_first_attempt_was_given"
@@ -1603,6 +1604,20 @@ end""",
         "startupProbe:\n        httpGet: {path: /livez,",
         "startupProbe:\n        httpGet: {path: /healthz,",
         (PROBED_PATHS,),
+    ),
+    # An owner's timers on its own clock: two minutes ahead, a 60 s deadline failed at once.
+    "clock-unsynced": (
+        "orchestrator/clock.py",
+        "self._offset = server - (before + after) / 2",
+        "self._offset = 0.0",
+        (CLOCKS + "test_an_owner_whose_clock_is_ahead_fires_no_timer_early",),
+    ),
+    # A program started past its deadline ran its first step, then its deadline ended it.
+    "start-past-deadline-runs": (
+        "orchestrator/transitions.py",
+        "if await self._past_deadline(state, plan, run):",
+        "if False:",
+        (CLOCKS + "test_a_program_past_its_deadline_at_its_start_runs_no_step",),
     ),
     # A handler that catches its cancel runs on once its slot is free: tasks_running said 0.
     "left-handlers-uncounted": (
