@@ -9,7 +9,6 @@ import contextlib
 import threading
 
 import pytest
-
 from prometheus_client import REGISTRY
 
 from router.client import Router
@@ -41,6 +40,7 @@ async def test_a_handler_that_catches_its_cancel_still_times_out_its_task(
     held as long, the worker's stop waited for it). Now its slot is given back, and the
     handler that runs on is counted apart (tasks_running went to 0 while it ran)."""
     monkeypatch.setattr(pool, "HANDLER_END_S", 0.3)
+
     def sample(name: str) -> float | None:
         return REGISTRY.get_sample_value(f"shardflow_{name}", {"pool": "serial"})
 
