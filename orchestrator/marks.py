@@ -24,6 +24,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from orchestrator.bus import ladder_ms
+from orchestrator.clock import RedisClock
 from orchestrator.messages import Failed, KeyLimit
 from orchestrator.redis_store import RedisStore
 from orchestrator.store import Store
@@ -94,6 +95,14 @@ class Marks:
         # otherwise fill every scan, and nothing behind them would ever be dropped.
         self._prune_rank = 0
         self._me = f"{socket.gethostname()}/{os.getpid()}"
+        # The creation index is scored, and its grace counted, on Redis's clock, as each
+        # program's created_ms: a router ahead of it pinned its programs atop `list`, one
+        # behind hid them from `list --since`, and a pruner ahead dropped fresh entries.
+        self.clock = RedisClock(store)
+
+    async def clock_ms(self) -> int:
+        """Now in ms, on Redis's clock."""
+        return int(await self.clock.now() * 1000)
 
     async def index(self, created: Mapping[str, int]) -> None:
         """The sweep's repair, a page of live programs by their own `created_ms`: an entry
@@ -126,7 +135,7 @@ class Marks:
         if self._client is None or self._store is None:
             return 0
         key = self.keys.index_created
-        old = now_ms() - INDEX_GRACE_MS
+        old = await self.clock_ms() - INDEX_GRACE_MS
         seen = dropped = 0
         first = self._prune_rank
         while seen < scan:  # at most scan / page rounds: each sees at least one entry

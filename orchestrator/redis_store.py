@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from importlib import resources
@@ -117,7 +118,7 @@ class RedisStore:
             client = RedisCluster.from_url(settings.redis_url, decode_responses=True)
         else:
             client = Redis.from_url(settings.redis_url, decode_responses=True)
-        retention_ms = int(settings.retention_s * 1000)
+        retention_ms = math.ceil(settings.retention_s * 1000)  # 0 is forever: 0.0005 is not
         return cls(client, Keys(settings.prefix), retention_ms, settings.redis_pipelining)
 
     async def load_scripts(self) -> None:

@@ -17,7 +17,7 @@ from orchestrator.caches import ByText, Lru, json_bytes
 from orchestrator.documents import check_input, check_value
 from orchestrator.ending import end_program
 from orchestrator.keys import check_workflow_id
-from orchestrator.marks import Marks, now_ms
+from orchestrator.marks import Marks
 from orchestrator.messages import Signalled, Start, encode
 from orchestrator.program import (
     MAX_PRIORITY,
@@ -146,7 +146,7 @@ class Router:
             raise ProgramError([f"input: {len(plan)} bytes with the program, over the limit"])
         # Tracked and indexed first: a crash between these and the record leaves a program
         # counted and listed that does not exist (listings drop it), never one uncounted.
-        at_ms = now_ms()
+        at_ms = await self._marks.clock_ms()
         indexed = await self._marks.index_new(wf, at_ms)
         await self.store.track(wf, owner)
         found = await self.store.submit(wf, plan, owner, checked.name, digest)

@@ -10,7 +10,6 @@ recorded) is dropped when a listing meets it.
 from __future__ import annotations
 
 import re
-import time
 import unicodedata
 from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ STATUSES = (
 )
 LIVE = frozenset({"pending", "running", "compensating"})
 DEFAULT_LIMIT = 50
+MAX_DURATION_S = 36500 * 86400.0  # a `--since` or `--older-than` of 100 years: all of them
 # Index entries (or live ids) one listing reads at most, whatever its filters: a listing never
 # walks millions. It says where to go on (`Page.more`) when it stopped early.
 SCAN_MAX = 10_000
@@ -69,12 +69,15 @@ def clean(text: Any, limit: int = 500) -> str:
 
 
 def parse_duration(text: str) -> float:
-    """`90`, `90s`, `15m`, `2h`, `7d` (or `500ms`) in seconds."""
+    """`90`, `90s`, `15m`, `2h`, `7d` (or `500ms`) in seconds, at most MAX_DURATION_S."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*", text)
     if not match:
         raise ListError(f"{text!r}: a duration such as 90s, 15m, 2h or 7d")
     number, unit = float(match[1]), match[2] or "s"
-    return number * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}[unit]
+    seconds = number * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}[unit]
+    if not seconds <= MAX_DURATION_S:  # 400 nines is infinite: int() of it crashed the CLI
+        raise ListError(f"{clean(text, 40)!r}: a duration of at most 36500d (100 years)")
+    return seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +176,7 @@ async def _list_index(
     client = store.client
     key = store.keys.index_created
     lowest = "-inf" if since_ms is None else since_ms - _SKEW_MS
+    old = await store.now() * 1000 - INDEX_GRACE_MS  # on the clock that scored the entries
     found: list[dict[str, Any]] = []
     scanned = 0
     last: tuple[int, str] | None = None
@@ -185,7 +189,7 @@ async def _list_index(
             scanned += 1
             last = (score, wf)
             if not state:
-                if score < time.time() * 1000 - INDEX_GRACE_MS:
+                if score < old:
                     gone[wf] = score + 1  # read whole ms: up to the next one is this entry
             elif keep(state):
                 found.append(_row(wf, state))

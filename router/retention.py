@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable
 
@@ -25,7 +24,8 @@ async def purge(
     wanted = set(statuses)
     if not wanted or not wanted <= TERMINAL:
         raise ValueError(f"statuses: choose among {', '.join(sorted(TERMINAL))}")
-    cutoff_ms = int((time.time() - older_than_s) * 1000)
+    # On Redis's clock, which stamped each end: a CLI ahead of it purged what just ended.
+    cutoff_ms = int((await store.now() - older_than_s) * 1000)
     allowed = ",".join(sorted(wanted))
     counts: Counter[str] = Counter()
     marks, purged = Marks(store), Entries()

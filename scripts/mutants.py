@@ -1612,6 +1612,20 @@ end""",
         "self._offset = 0.0",
         (CLOCKS + "test_an_owner_whose_clock_is_ahead_fires_no_timer_early",),
     ),
+    # A router ten minutes ahead pinned its programs atop `list`.
+    "index-on-local-clock": (
+        "orchestrator/marks.py",
+        "return int(await self.clock.now() * 1000)",
+        "return int(time.time() * 1000)",
+        (CLOCKS + "test_a_router_and_a_purge_ahead_of_redis_keep_to_redis_s_clock",),
+    ),
+    # `purge --older-than 10m` from a terminal fifteen minutes ahead took what just ended.
+    "purge-on-local-clock": (
+        "router/retention.py",
+        "cutoff_ms = int((await store.now() - older_than_s) * 1000)",
+        'cutoff_ms = int((__import__("time").time() - older_than_s) * 1000)',
+        (CLOCKS + "test_a_router_and_a_purge_ahead_of_redis_keep_to_redis_s_clock",),
+    ),
     # A program started past its deadline ran its first step, then its deadline ended it.
     "start-past-deadline-runs": (
         "orchestrator/transitions.py",

@@ -268,7 +268,8 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DURATION",
         help=f"with --purge: only those parked at least this long ago, e.g. 12h, 7d, at most "
         f"{MAX_DEAD_PURGE:,} a run (one whose time is not known counts as old: it was parked "
-        "before those after it)",
+        "before those after it; so does one stamped over 5 minutes ahead, by a node whose "
+        "clock was ahead)",
     )
 
     about = (
@@ -722,9 +723,10 @@ async def _status(settings: Settings, args: argparse.Namespace) -> int:
 
 async def _list(settings: Settings, args: argparse.Namespace) -> int:
 
-    since_ms = None if args.since is None else int((time.time() - args.since) * 1000)
     store = RedisStore.connect(settings)
     try:
+        # On Redis's clock, which stamped created_ms: not this terminal's.
+        since_ms = None if args.since is None else int((await store.now() - args.since) * 1000)
         page = await Router(settings, store=store).list_programs(
             statuses=args.status,
             name=args.name,
@@ -826,11 +828,14 @@ async def _dead(settings: Settings, args: argparse.Namespace) -> int:
         if args.purge:
             old = None
             if args.older_than is not None:
-                cutoff = (time.time() - args.older_than) * 1000
+                now = time.time() * 1000
+                cutoff = now - args.older_than * 1000
 
                 def old(headers: dict[str, Any]) -> bool:
                     at = _parked_at(headers)
-                    return at is None or at <= cutoff
+                    # A time to come is unknown (its parker's clock was ahead) and counts as
+                    # old, as none does: taken as young, it stopped the purge at it.
+                    return at is None or at <= cutoff or at > now + FUTURE_AT_MS
 
             deleted, left = await bus.purge_dead(old, MAX_DEAD_PURGE)
             _print(json.dumps({"purged": deleted, "left": left}))
@@ -846,6 +851,10 @@ async def _dead(settings: Settings, args: argparse.Namespace) -> int:
         # Parked by the broker, a message has its sender's headers: any AMQP value.
         _print(json.dumps(line, default=str))
     return 0
+
+
+# A dead letter's time further ahead than this is its parker's clock's error, not a time.
+FUTURE_AT_MS = 5 * 60_000
 
 
 def _parked_at(headers: dict[str, Any]) -> int | None:

@@ -495,7 +495,8 @@ async def test_dead_purge_deletes_all_or_those_parked_before_a_time_in_order(
 ) -> None:
     """`dead --purge --older-than`: from the oldest on, up to the first parked since (what
     follows it is younger), which stays where it was; one with no time counts as old (it was
-    parked before the rest: by a version that wrote none). `dead --purge`: all."""
+    parked before the rest: by a version that wrote none), and so does one stamped a day ahead
+    (its parker's clock was: taken as young, it stopped the purge). `dead --purge`: all."""
     import aio_pika
 
     from orchestrator.connections import connected
@@ -504,7 +505,7 @@ async def test_dead_purge_deletes_all_or_those_parked_before_a_time_in_order(
     async with connected(settings):  # the dead-letter queue exists
         pass
     now = int(time.time() * 1000)
-    parked = [None, now - 2 * 3600_000, now, now - 3 * 3600_000]
+    parked = [None, now + 86400_000, now - 2 * 3600_000, now, now - 3 * 3600_000]
     async with await aio_pika.connect(settings.amqp_url) as connection:
         channel = await connection.channel()
         for k, at in enumerate(parked):
@@ -519,9 +520,9 @@ async def test_dead_purge_deletes_all_or_those_parked_before_a_time_in_order(
     assert alone.returncode == 2 and "--older-than goes with --purge" in alone.stderr
     purged = shardflow("dead", "--purge", "--older-than", "1h", env=dev)
     assert purged.returncode == 0, purged.stderr
-    assert json.loads(purged.stdout) == {"purged": 2, "left": 2}
+    assert json.loads(purged.stdout) == {"purged": 3, "left": 2}
     listed = [json.loads(line) for line in shardflow("dead", env=dev).stdout.splitlines()]
-    assert [(entry["body"], entry["at"]) for entry in listed] == [("2", now), ("3", parked[3])]
+    assert [(entry["body"], entry["at"]) for entry in listed] == [("3", now), ("4", parked[4])]
     assert json.loads(shardflow("dead", "--purge", env=dev).stdout) == {"purged": 2, "left": 0}
     assert shardflow("dead", env=dev).stdout == ""
 

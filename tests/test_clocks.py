@@ -14,6 +14,7 @@ from orchestrator import clock
 from orchestrator.connections import connected
 from orchestrator.settings import Settings
 from router.client import Router
+from router.retention import purge
 from shardflow.dev import Dev
 from tests.app import Trace
 from tests.polling import until
@@ -68,3 +69,28 @@ async def test_a_program_past_its_deadline_at_its_start_runs_no_step(
         finally:
             dev.shutdown()
             await running
+
+
+async def test_a_router_and_a_purge_ahead_of_redis_keep_to_redis_s_clock(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A router ten minutes ahead pinned its program atop `list` above newer ones, and a
+    `purge --older-than 10m` run from a terminal fifteen minutes ahead deleted what had just
+    ended (the guard the help recommends, gone)."""
+    real = time.time
+    async with connected(settings, "clock-test") as (store, bus):
+        with monkeypatch.context() as skewed:
+            skewed.setattr(time, "time", lambda: real() + 600)
+            ahead = Router(settings, store=store, bus=bus, known_tasks=None)
+            await ahead.submit({"steps": [{"task": "echo"}]}, None, "from-ahead")
+            await ahead.cancel("from-ahead")  # ended just now, by Redis's clock
+        await asyncio.sleep(0.01)
+        router = Router(settings, store=store, bus=bus, known_tasks=None)
+        await router.submit({"steps": [{"task": "echo"}]}, None, "on-time")
+        listed = await router.list_programs()
+        assert [row["workflow_id"] for row in listed.programs] == ["on-time", "from-ahead"]
+        with monkeypatch.context() as skewed:
+            skewed.setattr(time, "time", lambda: real() + 900)
+            counts = await purge(store, older_than_s=600)
+        assert counts["purged"] == 0 and counts["kept"] == 1, counts
+        assert (await store.state("from-ahead"))["status"] == "cancelled"

@@ -320,6 +320,11 @@ def test_durations_and_bad_arguments() -> None:
     for bad in ("", "1w", "-5s", "5 minutes", "1e3"):
         with pytest.raises(ListError):
             parse_duration(bad)
+    # 400 nines is float("inf"): int() of it crashed `purge --older-than` and `list --since`
+    assert parse_duration("36500d") == 36500 * 86400
+    for huge in ("36501d", "9" * 400, "9" * 400 + "d"):
+        with pytest.raises(ListError, match="at most 36500d"):
+            parse_duration(huge)
 
 
 async def test_bad_filters_are_refused(settings: Settings, store: RedisStore) -> None:
