@@ -236,3 +236,10 @@ async def test_a_late_mark_writes_nothing_for_a_program_gone_and_expires_with_an
     live = await _keys(store, "live")
     assert store.keys.limit_waits("live") in await client.smembers(store.keys.registry("live"))
     assert len(live) == 4 and all(ttl == -1 for ttl in live.values()), live
+
+
+def test_a_retention_under_a_millisecond_is_not_forever(settings: Settings) -> None:
+    """0 ms is keep for ever: 0.0005 s rounded down to it."""
+    for seconds, kept_ms in ((0.0005, 1), (0, 0), (1.2345, 1235)):
+        store = RedisStore.connect(settings.model_copy(update={"retention_s": seconds}))
+        assert store.retention_ms == kept_ms, seconds
