@@ -27,6 +27,13 @@ def bind(**fields: Any) -> None:
     _bound.set({**current, **{k: v for k, v in fields.items() if v is not None}})
 
 
+def scope(**fields: Any) -> None:
+    """Set the fields of the log records of this asyncio task (and the tasks it starts) to
+    just these: the work at hand changed (the next of a bundle's tasks), and a field of the
+    work before (its workflow id, its task) must not stay on lines about this one."""
+    _bound.set({k: v for k, v in fields.items() if v is not None})
+
+
 class _Fields(logging.Filter):
     """Copies the bound fields onto each record (an `extra=` of the same name wins)."""
 

@@ -1612,6 +1612,13 @@ end""",
         "self._offset = 0.0",
         (CLOCKS + "test_an_owner_whose_clock_is_ahead_fires_no_timer_early",),
     ),
+    # A bundle's ghost task was logged as parked with the fields of the task run before it.
+    "log-fields-leak-in-bundles": (
+        "worker/pool.py",
+        "        logs.scope(workflow_id=task.wf, step=task.path, task=task.task)\n",
+        "",
+        ("tests/test_bundling.py::test_the_lines_about_a_bundles_task_name_it_not_the_one_before",),
+    ),
     # A router ten minutes ahead pinned its programs atop `list`.
     "index-on-local-clock": (
         "orchestrator/marks.py",

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator import metrics
+from orchestrator import logs, metrics
 from orchestrator.bundling import Bundles
 from orchestrator.connections import connected
 from orchestrator.delivery import FAILURES, redelivered
@@ -358,3 +358,28 @@ def test_the_largest_bundle_an_owner_sends_decodes() -> None:
     [body] = sent
     assert len(body) == MAX_BUNDLE_BYTES + MAX_BUNDLE + 1
     assert [t.wf for t in decode_tasks(body) or []] == [f"w{i:02}" for i in range(MAX_BUNDLE)]
+
+
+class Noted(Parked):
+    """Notes the log fields bound as the worker parks a task."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fields: list[dict[str, Any]] = []
+
+    async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:
+        self.fields.append(dict(logs._bound.get() or {}))
+        await super().dead_letter(body, reason=reason, source=source)
+
+
+async def test_the_lines_about_a_bundles_task_name_it_not_the_one_before() -> None:
+    """The ghost's dead letter was logged with the workflow id, step and task of the task
+    run before it in the bundle: a grep for that program found a letter that was not its."""
+    store, bus = Counting(Keys("bundle-logs")), Noted()
+    bodies = await _three_at_their_first_task("bundle-logs", store, bus)
+    ghost = TaskMessage(wf="ghost", path="7", task="other", owner=0)
+    worker = Worker(Settings(), Registry({"work": lambda _: "done"}), pool="parallel",
+                    store=store, bus=bus, concurrency=1)  # fmt: skip
+    await worker.handle(Delivery(bundle([bodies[0], encode(ghost)]), CARRYING), "q")
+    assert bus.dead == [(encode(ghost), "ghost: no such program")]
+    assert bus.fields == [{"workflow_id": "ghost", "step": "7", "task": "other"}]

@@ -238,6 +238,7 @@ class Worker(Service):
             running.result()
 
     async def _handle(self, delivery: Delivery, source: str) -> None:
+        logs.scope()  # nothing of the last message's: this one's fields come once decoded
         async with process(delivery, self.bus, source, limit=self.settings.delivery_limit):
             tasks = decode_tasks(delivery.body)
             if tasks is not None:
@@ -284,6 +285,8 @@ class Worker(Service):
 
     async def _run_message(self, task: TaskMessage, delivery: Delivery, source: str) -> None:
         """Run one task message's tasks and publish their reports."""
+        # Its lines (parked, stale, requeued) name it, not a bundle's task before it.
+        logs.scope(workflow_id=task.wf, step=task.path, task=task.task)
         again = redelivered(delivery)
         # Its owner records a single task's output with its advance (messages.CARRY).
         carry = (delivery.headers or {}).get(CARRY) == 1
