@@ -348,7 +348,8 @@ class Transitions:
                 self.counts["republished"] += 1
                 log.info("%s: %s redelivered after a crash: published again", message.wf, expected)
             elif ended:
-                log.info("%s: ended %s", message.wf, verdict.status)
+                why = outcome.error if isinstance(outcome, machine.Failed) else ""
+                log.info("%s: ended %s%s", message.wf, verdict.status, why and f": {why[:500]!r}")
         else:
             _ignored(message, verdict.verdict)
         if ended:

@@ -1,6 +1,7 @@
 """Whole programs on a real cluster (RabbitMQ + Redis), checked by their results and traces."""
 
 import asyncio
+import logging
 
 import pytest
 
@@ -106,8 +107,11 @@ async def test_fifty_programs_at_once_over_four_shards_all_complete(
 
 
 async def test_a_failing_task_fails_its_program_with_the_error(
-    cluster: Router, trace: Trace
+    cluster: Router, trace: Trace, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """...and says it in the log, the worker at the failed attempt and the owner at the end:
+    in Redis alone, the error went with the program's keys."""
+    caplog.set_level(logging.INFO)
     program = {
         "steps": [
             {"task": "add"},
@@ -121,6 +125,15 @@ async def test_a_failing_task_fails_its_program_with_the_error(
     assert status["error"] == "step 1/bag:1: task 'boom': RuntimeError: disk on fire"
     assert status["result"] is None
     assert "2" not in {e["path"] for e in trace.events()}  # nothing after the failure ran
+    wf = submitted.workflow_id
+    said = [r for r in caplog.records if r.getMessage().startswith(wf)]
+    failed = [r for r in said if r.name == "worker.pool" and "failed" in r.getMessage()]
+    assert [r.getMessage() for r in failed] == [
+        f"{wf}: task 'boom' of step 1 #1 failed (attempt 0): RuntimeError: disk on fire"
+    ]
+    assert failed[0].levelno == logging.WARNING
+    ended = [r.getMessage() for r in said if "ended failed" in r.getMessage()]
+    assert ended == [f"{wf}: ended failed: {status['error']!r}"], ended
 
 
 async def test_an_untiloop_that_never_holds_fails_at_max_iterations(cluster: Router) -> None:

@@ -27,6 +27,7 @@ from orchestrator.delivery import (
     redelivered,
     split,
 )
+from orchestrator.documents import printable
 from orchestrator.lifecycle import Service, end_tasks, format_counts, raise_if_cancelled
 from orchestrator.marks import Marks
 from orchestrator.messages import (
@@ -55,6 +56,8 @@ from worker.registry import Registry, UnknownTask
 from worker.threads import HandlerThreads
 
 log = logging.getLogger(__name__)
+
+LOGGED_ERROR = 500  # characters of a task's error in its log line (the report keeps 16 KiB)
 # A slot not given back within this is left to run out with its lease.
 RELEASE_WAIT_S = 5.0
 # A report no shard queue takes is tried again this often, this far apart, before it is
@@ -589,13 +592,20 @@ class Worker(Service):
             self.counts["failed"] += 1
             metrics.task_ended(self.pool, task.task, self.registry.handlers, "failed", started)
             plain = isinstance(exc, _TaskError | UnknownTask)
+            error = _cut(_said(exc) if plain else f"{type(exc).__name__}: {_said(exc)}")
+            # Said here too: in Redis alone, it went with the program's keys.
+            log.warning(
+                "%s: task %r of step %s%s failed (attempt %d): %s",
+                task.wf, task.task, task.path, "" if task.index is None else f" #{task.index}",
+                task.attempt, printable(error[:LOGGED_ERROR]),
+            )  # fmt: skip
             return Failed(
                 wf=task.wf,
                 path=task.path,
                 index=task.index,
                 attempt=task.attempt,
                 task=task.task,
-                error=_cut(_said(exc) if plain else f"{type(exc).__name__}: {_said(exc)}"),
+                error=error,
                 prev=task.prev,
                 prev_ref=task.prev_ref,
                 iteration=task.iteration,
