@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
@@ -79,6 +80,14 @@ UNCOUNTED = (
     TryAgainError,
     ReadOnlyError,
 )
+
+
+# An outage requeues every message in flight about once a RETRY_PAUSE_S: a line per queue
+# every QUIET_S, saying how many more since, not one a message (5 in flight made 125 lines in
+# 30 s, and the line that named the fault was lost among them).
+QUIET_S = 10.0
+MAX_QUIET = 1024  # queues remembered (this cluster's own: a bound all the same)
+_quiet: dict[str, tuple[float, int]] = {}
 
 
 class Poison(Exception):
@@ -231,9 +240,11 @@ async def _again(
             metrics.DEAD_LETTERS.labels(source, "limit").inc()
         else:
             if unreachable:
-                log.warning("%s: message requeued after %r", source, exc)
+                _say_requeued(source, exc)
             else:
-                log.warning("%s: failure %d of %d, requeued: %r", source, failures, limit, exc)
+                log.warning(
+                    "%s: failure %d of %d, requeued: %s", source, failures, limit, fault(exc)
+                )
             headers[FAILURES] = failures
             # The copy gets a message id of the client's own: it keeps the sender's here.
             headers[SENT_ID] = sent_id(delivery, getattr(delivery, "message_id", None)) or ""
@@ -288,8 +299,29 @@ def _int(value: Any) -> int:
         return 0
 
 
+def _say_requeued(source: str, exc: Exception) -> None:
+    """Log a message requeued while a service is away: the first of `source`'s in QUIET_S,
+    with how many were since the last line."""
+    now = time.monotonic()
+    last, since = _quiet.get(source, (-QUIET_S, 0))
+    if now - last < QUIET_S:
+        _quiet[source] = (last, since + 1)
+        return
+    if len(_quiet) >= MAX_QUIET:
+        _quiet.clear()
+    _quiet[source] = (now, 0)
+    more = f" ({since} more in the last {now - last:.0f}s)" if since else ""
+    log.warning("%s: message requeued after %s%s", source, fault(exc), more)
+
+
+def fault(exc: BaseException) -> str:
+    """An error for a log line, by its type and text: redis-py's repr is only its category
+    (`server:ResponseError`), which named no fault."""
+    return f"{type(exc).__name__}: {describe(exc)}"
+
+
 async def _requeue(delivery: Delivery, source: str, exc: Exception) -> None:
-    log.warning("%s: message requeued after %r", source, exc)
+    _say_requeued(source, exc)
     metrics.REQUEUED.labels(source, "unreachable").inc()
     await settle(delivery, ok=False)
     await asyncio.sleep(RETRY_PAUSE_S)

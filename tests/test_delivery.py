@@ -3,6 +3,7 @@ becomes of a message whose handling fails, by the kind of failure."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,3 +191,25 @@ async def test_a_copy_keeps_only_our_headers_as_values_the_client_can_write_back
         (b"a", {FAILURES: 0, CARRY: 1}),
         (b"b", {FAILURES: 0, CARRY: 1}),
     ]
+
+
+async def test_an_outage_logs_a_line_a_queue_every_few_seconds_not_one_a_message(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """5 messages in flight through 30 s of Redis away made 125 warnings: the one line that
+    named the fault was lost among them."""
+    clock = [1000.0]
+    monkeypatch.setattr(policy.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(policy, "_quiet", {})
+    caplog.set_level(logging.WARNING, logger="orchestrator.delivery")
+    bus = Transport()
+    for _ in range(3):  # a second's tries of 25 messages, from two queues
+        for n in range(25):
+            async with process(Held(), bus, f"q{n % 2}", limit=3):
+                raise RedisConnectionError("Connection refused")
+        clock[0] += 5
+    said = [r.getMessage() for r in caplog.records]
+    assert len(bus.sent) == 75 and len(said) == 4, said  # q0 and q1, at 0 s and at 10 s
+    fault = "ConnectionError: Connection refused"  # redis-py's repr: network:ConnectionError
+    assert said[0] == f"q0: message requeued after {fault}"
+    assert said[2] == f"q0: message requeued after {fault} (25 more in the last 10s)"
