@@ -129,6 +129,7 @@ class Service:
         self.grace_s = grace_s
         self._stop = asyncio.Event()
         self._iterators: set[Deliveries] = set()
+        self._wanted = 0  # consumer loops under way: each wants a consumer started
         self._in_flight: set[asyncio.Task[Any]] = set()
         # One consumer start at a time: a worker starts one per share queue, and several
         # opening channels and declaring at once on one connection only contend.
@@ -146,36 +147,43 @@ class Service:
         channel closed: a reconnect) or ends (the broker cancelled it) is stopped, its channel
         too, and started again (orchestrator/consuming.py)."""
         refused = 0  # starts in a row the broker answered 404
-        while True:
-            try:
-                async with self._starting:
-                    iterator = await _started(start, stop)
-            except _NOT_YET as exc:
+        self._wanted += 1
+        try:
+            while True:
+                try:
+                    async with self._starting:
+                        iterator = await _started(start, stop)
+                except _NOT_YET as exc:
+                    raise_if_cancelled()
+                    # Counted up to a bound: 2 ** 1024 is no float (a node down for 4.5 hours).
+                    refused = min(refused + 1, 16) if isinstance(exc, ChannelNotFoundEntity) else 0
+                    pause = min(RECONSUME_S * 2 ** max(0, refused - 1), REFUSED_MAX_S)
+                    log.warning(
+                        "%s: a consumer did not start (%r); trying again in %gs",
+                        self.name,
+                        exc,
+                        pause,
+                    )
+                    await asyncio.sleep(pause)
+                    continue
+                refused = 0
+                self._iterators.add(iterator)
+                try:
+                    async for message in iterator:
+                        yield message
+                    if self._stop.is_set():
+                        return
+                    log.warning("%s: a consumer ended under us; consuming again", self.name)
+                except _LOST as exc:
+                    log.warning("%s: a consumer failed (%r); consuming again", self.name, exc)
+                finally:
+                    self._iterators.discard(iterator)
+                with contextlib.suppress(Exception):
+                    await within(stop(iterator), CONSUMER_RPC_TIMEOUT_S)
                 raise_if_cancelled()
-                # Counted up to a bound: 2 ** 1024 is no float (a node down for 4.5 hours).
-                refused = min(refused + 1, 16) if isinstance(exc, ChannelNotFoundEntity) else 0
-                pause = min(RECONSUME_S * 2 ** max(0, refused - 1), REFUSED_MAX_S)
-                log.warning(
-                    "%s: a consumer did not start (%r); trying again in %gs", self.name, exc, pause
-                )
-                await asyncio.sleep(pause)
-                continue
-            refused = 0
-            self._iterators.add(iterator)
-            try:
-                async for message in iterator:
-                    yield message
-                if self._stop.is_set():
-                    return
-                log.warning("%s: a consumer ended under us; consuming again", self.name)
-            except _LOST as exc:
-                log.warning("%s: a consumer failed (%r); consuming again", self.name, exc)
-            finally:
-                self._iterators.discard(iterator)
-            with contextlib.suppress(Exception):
-                await within(stop(iterator), CONSUMER_RPC_TIMEOUT_S)
-            raise_if_cancelled()
-            await asyncio.sleep(RECONSUME_S)
+                await asyncio.sleep(RECONSUME_S)
+        finally:
+            self._wanted -= 1
 
     def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Run one message's work beside the loop; held until done, awaited on stop.
@@ -189,8 +197,10 @@ class Service:
 
     @property
     def consuming(self) -> bool:
-        """Whether this part consumes now: its consumers started and it is not stopping."""
-        return bool(self._iterators) and not self._stop.is_set()
+        """Whether this part consumes now: every consumer it wants started (one of four
+        shards' failing to start for good left it ready), and it is not stopping."""
+        started = len(self._iterators)
+        return started > 0 and started >= self._wanted and not self._stop.is_set()
 
     def summary(self) -> str:
         """One line of what this part handled, logged when it stops."""

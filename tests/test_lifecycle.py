@@ -258,3 +258,67 @@ async def test_a_queue_that_refuses_each_start_is_tried_again_later_and_later(
     pauses = [float(r.getMessage().rsplit(" in ", 1)[1].rstrip("s")) for r in caplog.records
               if "did not start" in r.getMessage()]  # fmt: skip
     assert pauses == [0.01, 0.02, 0.04, 0.04, 0.01, 0.01, 0.01]
+
+
+class _Waiting:
+    """A consumer that started and waits for messages (none come)."""
+
+    def __aiter__(self) -> "_Waiting":
+        return self
+
+    async def __anext__(self) -> str:
+        await asyncio.Event().wait()
+        raise StopAsyncIteration
+
+    async def close(self) -> None:
+        pass
+
+
+class _Two(Service):
+    """Two consumers: one that starts, one refused (404) until `let` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(grace_s=0.1)
+        self.let = asyncio.Event()
+
+    async def _start(self) -> list[Coroutine[Any, Any, None]]:
+        async def fine() -> Any:
+            return _Waiting()
+
+        async def refused() -> Any:
+            if not self.let.is_set():
+                raise ChannelNotFoundEntity("NOT_FOUND - home node of queue 'q2' is down")
+            return _Waiting()
+
+        return [self._read(fine), self._read(refused)]
+
+    async def _read(self, start: Any) -> None:
+        async def stop(iterator: Any) -> None:
+            pass
+
+        async for _ in self._messages(start, stop):
+            pass
+
+
+async def test_a_part_with_a_consumer_that_cannot_start_is_not_consuming(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One of its consumers refused for good: it counted as consuming (so /readyz was green)
+    as long as any other one ran."""
+    monkeypatch.setattr(lifecycle, "RECONSUME_S", 0.01)
+    monkeypatch.setattr(lifecycle, "REFUSED_MAX_S", 0.02)
+    part = _Two()
+    running = asyncio.create_task(part.run())
+    try:
+        await asyncio.sleep(0.2)  # the first started long ago; the second is refused still
+        assert len(part._iterators) == 1 and not part.consuming
+        part.let.set()
+        for _ in range(100):
+            if part.consuming:
+                break
+            await asyncio.sleep(0.01)
+        assert part.consuming and len(part._iterators) == 2
+    finally:
+        part.shutdown()
+        await asyncio.wait_for(running, 5)
+    assert not part.consuming
