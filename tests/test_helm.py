@@ -29,7 +29,7 @@ HELM = os.environ.get("SHARDFLOW_HELM") or shutil.which("helm") or str(ROOT / ".
 CHECKOV = ROOT / ".tools" / "checkov" / "bin" / "checkov"
 UID = 10001
 # Kinds of optional features whose schemas (CRDs) kubernetes-validate does not know.
-CUSTOM_KINDS = {"ServiceMonitor", "ScaledObject", "TriggerAuthentication"}
+CUSTOM_KINDS = {"ServiceMonitor", "PrometheusRule", "ScaledObject", "TriggerAuthentication"}
 
 yaml = pytest.importorskip("yaml")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -913,6 +913,45 @@ def test_the_service_monitor_scrapes_the_pods_metrics_port() -> None:
         assert service["spec"]["selector"].items() <= labels.items(), name
 
 
+def test_the_alert_rules_ask_for_this_releases_exported_metrics() -> None:
+    """metrics.prometheusRule: each rule's expression names metrics the code exports, on this
+    release's series only, and one counts every shard of the ring by name."""
+    import re
+
+    from orchestrator import metrics
+
+    assert "PrometheusRule" not in {d["kind"] for d in manifests()}
+    documents = manifests(
+        "metrics.prometheusRule.enabled=true",
+        "metrics.serviceMonitor.enabled=true",
+        "metrics.prometheusRule.labels.release=kps",
+        "metrics.prometheusRule.alertLabels.team=flows",
+        "metrics.prometheusRule.extraRules[0].alert=Mine",
+        "metrics.prometheusRule.extraRules[0].expr=vector(1)",
+        "shards=3",
+    )
+    (rules,) = of_kind(documents, "PrometheusRule").values()
+    assert rules["metadata"]["labels"]["release"] == "kps"
+    (group,) = rules["spec"]["groups"]
+    *ours, mine = group["rules"]
+    assert mine == {"alert": "Mine", "expr": "vector(1)"}
+    exported = metrics.names()
+    assert len(ours) >= 8
+    for rule in ours:
+        named = set(re.findall(r"\bshardflow_[a-z0-9_]+", rule["expr"]))
+        assert named and named <= exported, (rule["alert"], named - exported)
+        for name in named:  # each series of this release only
+            assert re.search(name + r'\{namespace="default", job="demo-metrics"', rule["expr"])
+        assert rule["labels"]["team"] == "flows" and rule["labels"]["severity"]
+        assert rule["annotations"]["summary"], rule["alert"]
+    [shards] = [r["expr"] for r in ours if r["alert"] == "ShardflowShardWithoutOrchestrator"]
+    assert 'shard=~"0|1|2"' in shards and shards.endswith("< 3")
+    # Scraped by their own means (no ServiceMonitor): by namespace alone.
+    (plain,) = of_kind(manifests("metrics.prometheusRule.enabled=true"), "PrometheusRule").values()
+    first = plain["spec"]["groups"][0]["rules"][0]["expr"]
+    assert 'shardflow_dependency_up{namespace="default"})' in first
+
+
 def admitted(documents: list[dict[str, Any]]) -> dict[str, list[tuple[int | None, Any]]]:
     """What the NetworkPolicy lets in to each Deployment's pods: (port, peers) per ingress rule
     port, a named port resolved to the pod's number; port None means every port, peers None
@@ -982,7 +1021,10 @@ def test_the_policy_scan_with_the_dashboard_monitor_and_no_probes_is_clean(
     checkov: Path, tmp_path: Path
 ) -> None:
     rendered = render(
-        "dashboard.enabled=true", "metrics.serviceMonitor.enabled=true", "probes.enabled=false"
+        "dashboard.enabled=true",
+        "metrics.serviceMonitor.enabled=true",
+        "metrics.prometheusRule.enabled=true",
+        "probes.enabled=false",
     )
     assert rendered.returncode == 0, rendered.stderr
     (tmp_path / "optional.yaml").write_text(rendered.stdout)
