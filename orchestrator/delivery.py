@@ -11,14 +11,15 @@ Shaped like aio-pika's `message.process()`, for at-least-once work:
 - the block raises anything else: the message is published again at the queue's tail (with
   its reply-to and correlation ids, and its sender's message id in a header) and the
   original acked, so it cannot wedge the head of a shard's queue, then a pause, so a broken
-  dependency is not hammered. Any error but a lost connection (UNCOUNTED) is counted in the
-  header `x-shardflow-failures`, and at `limit` failures the message is dead-lettered with its
-  last error, on every queue type. A lost connection (Redis away, a Redis Cluster failing
-  over) is not counted, however often: the header is kept as it was (present, so the message
-  counts as redelivered). It is not nacked either: a quorum queue counts each nack
-  against its `x-delivery-limit` (RabbitMQ 3.x), so a Redis restart of a few seconds would
-  have the broker dead-letter every message in flight. When RabbitMQ is away too, the
-  message is handed back as it is (the nack, or the channel's close).
+  dependency is not hammered. Any error but a lost connection (UNCOUNTED) or Redis refusing
+  work (REFUSING) is counted in the header `x-shardflow-failures`, and at `limit` failures the
+  message is dead-lettered with its last error, on every queue type. A lost connection (Redis
+  away, a Redis Cluster failing over) or a refusal (Redis full) is not counted, however often:
+  the header is kept as it was (present, so the message counts as redelivered). It is not
+  nacked either: a quorum queue counts each nack against its `x-delivery-limit` (RabbitMQ
+  3.x), so a Redis restart of a few seconds would have the broker dead-letter every message in
+  flight. When RabbitMQ is away too, the message is handed back as it is (the nack, or the
+  channel's close).
 - the block is cancelled (a hard stop): neither. The channel's close hands it back.
 
 A message carried inside another (a bundle's task) is settled by the same policy as a `Part`.
@@ -39,6 +40,7 @@ from redis.exceptions import (
     ClusterDownError,
     ReadOnlyError,
     RedisClusterUnreachableError,
+    ResponseError,
     TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -88,6 +90,38 @@ UNCOUNTED = (
 QUIET_S = 10.0
 MAX_QUIET = 1024  # queues remembered (this cluster's own: a bound all the same)
 _quiet: dict[str, tuple[float, int]] = {}
+
+
+# Redis up but refusing work, for as long as an operator takes to mend it: full (OOM, under
+# the noeviction the docs ask for), its disk failing (MISCONF), a script running long (BUSY),
+# too few replicas (NOREPLICAS), an ACL (NOPERM; inside a script, "ERR ... can't run this
+# command"), a replica's master away (MASTERDOWN), loading its data (LOADING). None is the
+# message's fault: counted, every message in flight was dead-lettered within 10 s, and its
+# program stayed running for good. So they are not counted, as a lost connection is not.
+REFUSING = frozenset({"OOM", "MISCONF", "BUSY", "NOREPLICAS", "NOPERM", "MASTERDOWN", "LOADING"})
+_REFUSING_TEXTS = ("can't run this command", "OOM command not allowed")
+# The last refusal seen (when, what), for /healthz: PING is still answered while Redis is full.
+last_refusal: tuple[float, str] | None = None
+
+
+def redis_refuses(exc: BaseException) -> bool:
+    """Whether `exc` is Redis refusing work for a while (REFUSING), whatever the message."""
+    if not isinstance(exc, ResponseError):
+        return False
+    if getattr(exc, "status_code", None) in REFUSING:
+        return True
+    text = str(exc)
+    return any(refusal in text for refusal in _REFUSING_TEXTS)
+
+
+def waits_for_services(exc: BaseException) -> bool:
+    """Whether `exc` says RabbitMQ or Redis is away or refusing work: nothing the message did,
+    so never counted against it (and noted for /healthz when Redis refuses)."""
+    if redis_refuses(exc):
+        global last_refusal
+        last_refusal = (time.monotonic(), f"refuses work: {describe(exc)[:200]}")
+        return True
+    return isinstance(exc, UNCOUNTED)
 
 
 class Poison(Exception):
@@ -230,7 +264,7 @@ async def _again(
 ) -> None:
     """Publish the message again at the tail of its queue, counting the failure unless the
     services are away, or dead-letter it at `limit` failures; then ack the original."""
-    unreachable = isinstance(exc, UNCOUNTED)
+    unreachable = waits_for_services(exc)
     try:
         headers = kept_headers(delivery.headers)
         failures = _int((delivery.headers or {}).get(FAILURES)) + (0 if unreachable else 1)

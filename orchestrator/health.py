@@ -29,6 +29,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import make_wsgi_app
 
+from orchestrator import delivery
 from orchestrator.lifecycle import raise_if_cancelled
 from orchestrator.metrics import DEPENDENCY_UP, LOOP_LAG
 from orchestrator.settings import Settings
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 BEAT_S = 0.25  # how often the heartbeat runs
 PROBE_S = 1.0  # how often Redis is pinged
 PING_TIMEOUT_S = 2.0
+# A refusal of Redis (full, say) seen this recently makes the process unhealthy: its work waits.
+REFUSAL_S = 10.0
 # No heartbeat (or Redis answer) for this long: the loop is stuck, or Redis is.
 STALE_S = 5.0
 # The HTTP endpoint's bounds: a connection is dropped this long after it opened (a scrape or
@@ -105,7 +108,9 @@ class Health:
             except Exception as exc:  # any failure to answer is the fault reported
                 fault = f"{type(exc).__name__}: {exc}"[:300]
             self._redis = (time.monotonic(), fault)
-            DEPENDENCY_UP.labels("redis").set(not fault)
+            refusal = delivery.last_refusal
+            refused = refusal is not None and time.monotonic() - refusal[0] < REFUSAL_S
+            DEPENDENCY_UP.labels("redis").set(not fault and not refused)
             raise_if_cancelled()
             await asyncio.sleep(PROBE_S)
 
@@ -123,8 +128,11 @@ class Health:
                 state = "not checked yet" if self._rabbitmq is None else "not connected"
                 found.append(f"rabbitmq: {state}")
             checked, fault = self._redis
+            refusal = delivery.last_refusal  # PING is answered while Redis refuses writes
             if fault:
                 found.append(f"redis: {fault}")
+            elif refusal is not None and now - refusal[0] < REFUSAL_S:
+                found.append(f"redis: {refusal[1]}")
             elif now - checked > self.stale_s + PING_TIMEOUT_S:
                 found.append(f"redis: no answer for {now - checked:.1f}s")
         return found

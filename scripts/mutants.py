@@ -350,6 +350,9 @@ LEFT_BEHIND = (
 
 HANDLER_FAULTS = "tests/test_handler_faults.py::"
 CLOCKS = "tests/test_clocks.py::"
+FULL_REDIS = (
+    "tests/test_redis_refusals.py::test_a_full_redis_parks_nothing_and_runs_no_handler_twice"
+)
 UNPRINTABLE = HANDLER_FAULTS + "test_an_exception_whose_text_fails_fails_its_task_once"
 DEAF = HANDLER_FAULTS + "test_a_handler_that_catches_its_cancel_still_times_out_its_task"
 POPS = HANDLER_FAULTS + "test_a_retry_sees_what_the_first_attempt_was_given"
@@ -1611,6 +1614,27 @@ end""",
         "self._offset = server - (before + after) / 2",
         "self._offset = 0.0",
         (CLOCKS + "test_an_owner_whose_clock_is_ahead_fires_no_timer_early",),
+    ),
+    # A full Redis (OOM) counted against each message: all in flight parked within 10 s.
+    "redis-refusals-counted": (
+        "orchestrator/delivery.py",
+        "    unreachable = waits_for_services(exc)\n",
+        "    unreachable = isinstance(exc, UNCOUNTED)\n",
+        ("tests/test_delivery.py::test_redis_refusing_writes_is_never_counted_against_a_message",),
+    ),
+    # A refused record sent the task message back: its handlers ran again at every try.
+    "refused-record-reruns-handlers": (
+        "worker/pool.py",
+        "                if not waits_for_services(exc) or self._stop.is_set():\n",
+        "                if True:\n",
+        (FULL_REDIS,),
+    ),
+    # A full Redis still answers PING: /healthz stayed green while nothing could be written.
+    "health-blind-to-refusals": (
+        "orchestrator/health.py",
+        "            elif refusal is not None and now - refusal[0] < REFUSAL_S:\n",
+        "            elif False:\n",
+        (FULL_REDIS,),
     ),
     # One of four shards' consumers refused for good: the process still said it was ready.
     "ready-with-any-consumer": (

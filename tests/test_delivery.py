@@ -213,3 +213,17 @@ async def test_an_outage_logs_a_line_a_queue_every_few_seconds_not_one_a_message
     fault = "ConnectionError: Connection refused"  # redis-py's repr: network:ConnectionError
     assert said[0] == f"q0: message requeued after {fault}"
     assert said[2] == f"q0: message requeued after {fault} (25 more in the last 10s)"
+
+
+async def test_redis_refusing_writes_is_never_counted_against_a_message() -> None:
+    """Full (OOM, as noeviction answers), its disk failing, a long script: counted, every
+    message in flight was parked within 10 s, and its program stayed running for good."""
+    from redis._parsers.base import BaseParser
+
+    for reply in ("OOM command not allowed when used memory > 'maxmemory'.", "BUSY a script"):
+        bus = Transport()
+        held = Held(headers={FAILURES: 2})
+        for n in range(5):  # past the limit of 3
+            await _fail(held, bus, BaseParser.parse_error(reply))
+            held = _copy(bus.sent[-1], n)
+        assert bus.dead == [] and bus.sent[-1][1][FAILURES] == 2, reply

@@ -23,9 +23,11 @@ from orchestrator.delivery import (
     Delivery,
     Part,
     Poison,
+    fault,
     process,
     redelivered,
     split,
+    waits_for_services,
 )
 from orchestrator.documents import printable
 from orchestrator.lifecycle import Service, end_tasks, format_counts, raise_if_cancelled
@@ -49,7 +51,7 @@ from orchestrator.paths import is_saga, live_status
 from orchestrator.program import check_pool_name, is_lane
 from orchestrator.settings import Settings
 from orchestrator.shares import share_pools
-from orchestrator.store import TERMINAL, Store
+from orchestrator.store import TERMINAL, Completion, Store
 from worker.context import TaskContext
 from worker.fair import FairSlots
 from worker.registry import Registry, UnknownTask
@@ -57,6 +59,12 @@ from worker.threads import HandlerThreads
 
 log = logging.getLogger(__name__)
 
+# While Redis refuses writes or is away, a step's outputs are kept and their record tried
+# again, with pauses from RECORD_PAUSE_S doubling to RECORD_PAUSE_MAX_S, this long at most (well
+# inside RabbitMQ's consumer_timeout); then the message goes back to its queue, uncounted.
+RECORD_WAIT_S = 600.0
+RECORD_PAUSE_S = 0.5
+RECORD_PAUSE_MAX_S = 5.0
 LOGGED_ERROR = 500  # characters of a task's error in its log line (the report keeps 16 KiB)
 # A slot not given back within this is left to run out with its lease.
 RELEASE_WAIT_S = 5.0
@@ -531,7 +539,7 @@ class Worker(Service):
             output = json.loads(outputs[None])
             reports.append(Next(wf=task.wf, path=task.path, output=output, epoch=task.epoch))
             return reports
-        completion = await self.store.record(task.wf, task.path, task.size, outputs, task.epoch)
+        completion = await self._record(task, outputs)
         if completion.verdict in ("missing", "invalid"):
             raise Poison(f"{task.wf}: {', '.join(completion.outputs) or 'no such program'}")
         self.counts[completion.verdict] += len(outputs)
@@ -548,6 +556,27 @@ class Worker(Service):
             output = joined if task.index is not None else joined[0]
             reports.append(Next(wf=task.wf, path=task.path, output=output, epoch=task.epoch))
         return reports
+
+    async def _record(self, task: TaskMessage, outputs: dict[int | None, str]) -> Completion:
+        """Record a step's outputs; while Redis refuses writes (full) or is away, keep them and
+        try again, up to RECORD_WAIT_S: sent back to the queue, the message's handlers ran
+        again at every try (20 times a member, under a full Redis)."""
+        pause, deadline = RECORD_PAUSE_S, time.monotonic() + RECORD_WAIT_S
+        while True:
+            try:
+                return await self.store.record(task.wf, task.path, task.size, outputs, task.epoch)
+            except Exception as exc:
+                if not waits_for_services(exc) or self._stop.is_set():
+                    raise
+                if time.monotonic() + pause > deadline:
+                    raise
+                if pause == RECORD_PAUSE_S:
+                    log.warning(
+                        "%s: %s: its outputs wait for Redis to take them (%s)",
+                        self.name, task.wf, fault(exc),
+                    )  # fmt: skip
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, RECORD_PAUSE_MAX_S)
 
     async def _values(self, task: TaskMessage) -> tuple[Any, Any]:
         """The task's input and prev: carried, or read once from where the owner kept them."""
