@@ -19,13 +19,14 @@ from typing import Any, NoReturn
 import uvloop
 from pydantic import ValidationError
 from redis.exceptions import InvalidResponse as RedisInvalidResponse
+from redis.exceptions import ReadOnlyError as RedisReadOnlyError
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import ResponseError as RedisResponseError
 
 from orchestrator import logs
 from orchestrator.bus import Bus, TopologyError
 from orchestrator.connections import UNREACHABLE, connected
-from orchestrator.delivery import first_error
+from orchestrator.delivery import describe, first_error, redis_refuses
 from orchestrator.documents import parse_document, parse_input
 from orchestrator.health import serving
 from orchestrator.keys import check_workflow_id
@@ -470,9 +471,13 @@ def main(argv: list[str] | None = None) -> NoReturn:
     except RedisInvalidResponse as exc:
         code = _fail(f"cannot connect to {_service(exc)}: not Redis? {exc}", EXIT_UNAVAILABLE)
     except RedisResponseError as exc:
-        if "DB index" not in str(exc):  # anything else is not the configuration's fault
+        if redis_refuses(exc) or isinstance(exc, RedisReadOnlyError):  # full, say: wait
+            refusal = f"{type(exc).__name__}: {describe(exc)}"
+            code = _fail(f"{_service(exc)} refuses work now ({refusal})", EXIT_UNAVAILABLE)
+        elif "DB index" not in str(exc):  # anything else is not the configuration's fault
             raise
-        code = _fail(f"cannot connect to {_service(exc)}: {exc}", EXIT_UNAVAILABLE)
+        else:
+            code = _fail(f"cannot connect to {_service(exc)}: {exc}", EXIT_UNAVAILABLE)
     except KeyboardInterrupt:
         code = 130
     except _StdoutClosed:

@@ -95,3 +95,19 @@ async def test_a_full_redis_parks_nothing_and_runs_no_handler_twice(
 
 async def _events(trace: Trace) -> dict[str, int]:
     return {"starts": sum(e["event"] == "start" for e in trace.events())}
+
+
+def test_the_cli_says_redis_refuses_work_in_a_line(
+    settings: Settings, full_redis: PrivateRedis
+) -> None:
+    """It printed a traceback and exited 1, as for a bug of its own."""
+    from tests.test_cli import environment, shardflow
+
+    redis.Redis(port=full_redis.port).config_set("maxmemory", 1)
+    env = {**environment(settings), "SHARDFLOW_REDIS_URL": full_redis.url}
+    program = '{"steps": [{"task": "echo"}]}'
+    result = shardflow("submit", "-", env=env, stdin=program)
+    assert result.returncode == 4, result.stderr
+    [line] = result.stderr.splitlines()
+    assert line.startswith("shardflow: Redis (SHARDFLOW_REDIS_URL) refuses work now ("), line
+    assert "OutOfMemoryError" in line
