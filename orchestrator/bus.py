@@ -163,6 +163,9 @@ class Consumer(Protocol):
 
     names: Names
 
+    @property
+    def publishing_blocked(self) -> bool: ...
+
     async def consume_pool(self, pool: str, prefetch: int) -> Deliveries: ...
 
     async def consume_control(self) -> Deliveries: ...
@@ -248,6 +251,18 @@ class Bus:
     def is_connected(self) -> bool:
         """Whether the connection to RabbitMQ is up now (a robust one reconnects by itself)."""
         return self._connection is not None and self._connection.connected.is_set()
+
+    @property
+    def publishing_blocked(self) -> bool:
+        """Whether RabbitMQ blocks this connection now (a memory or disk alarm, once it has
+        published since): the broker reads nothing more from it, so publishes, acks and
+        channel opens wait until the alarm clears. aiormq keeps this in a private event (its
+        `ready()` waits on it); tests/test_alarms.py pins the name to the aiormq in use."""
+        transport = self._connection.transport if self._connection is not None else None
+        if transport is None:
+            return False
+        unblocked = getattr(transport.connection, "_Connection__connection_unblocked", None)
+        return isinstance(unblocked, asyncio.Event) and not unblocked.is_set()
 
     async def close(self) -> None:
         if self._connection is not None:
@@ -391,6 +406,8 @@ class Bus:
         transport = self._connection.transport
         if transport is None or not self._connection.connected.is_set():
             raise ConnectionError("the broker connection is down; it reconnects by itself")
+        if self.publishing_blocked:  # opened now, its number could be a closed one's (aiormq)
+            raise ConnectionError("the broker blocks this connection (a resource alarm)")
         return await transport.connection.channel(publisher_confirms=False)
 
     def _queue_arguments(

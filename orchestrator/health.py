@@ -69,11 +69,14 @@ class Health:
         rabbitmq_up: Callable[[], bool],
         consuming: Callable[[], bool],
         *,
+        blocked: Callable[[], bool] = lambda: False,
         stale_s: float = STALE_S,
     ) -> None:
         self._ping = ping
         self._rabbitmq_up = rabbitmq_up
         self._consuming = consuming
+        self._blocked = blocked  # by a resource alarm of RabbitMQ's
+        self._blocked_since: float | None = None
         self.stale_s = stale_s
         started = time.monotonic()
         # Plain attributes written by the loop and read by the HTTP threads: each is replaced
@@ -94,9 +97,26 @@ class Health:
             now = time.monotonic()
             LOOP_LAG.set(max(0.0, now - before - BEAT_S))
             self._rabbitmq = bool(self._rabbitmq_up())
-            DEPENDENCY_UP.labels("rabbitmq").set(self._rabbitmq)
+            self._note_blocked(now)
+            DEPENDENCY_UP.labels("rabbitmq").set(self._rabbitmq and self._blocked_since is None)
             self._ready = bool(self._consuming())
             self._beat = now
+
+    def _note_blocked(self, now: float) -> None:
+        """Follow a resource alarm's block, and say when it begins and ends: all else shows
+        an idle process, its probes green, its queues still."""
+        blocked = self._rabbitmq and bool(self._blocked())
+        if blocked and self._blocked_since is None:
+            self._blocked_since = now
+            log.warning(
+                "RabbitMQ blocks this process (a memory or disk alarm): its publishes and acks "
+                "wait until the alarm clears; nothing is lost"
+            )
+        elif not blocked and self._blocked_since is not None:
+            log.warning(
+                "RabbitMQ blocked this process for %.0fs; it goes on", now - self._blocked_since
+            )
+            self._blocked_since = None
 
     async def _probe(self) -> None:
         while True:
@@ -127,6 +147,11 @@ class Health:
             if not self._rabbitmq:
                 state = "not checked yet" if self._rabbitmq is None else "not connected"
                 found.append(f"rabbitmq: {state}")
+            elif (since := self._blocked_since) is not None:
+                found.append(
+                    f"rabbitmq: publishing blocked by the broker (a memory or disk alarm) for "
+                    f"{now - since:.0f}s"
+                )
             checked, fault = self._redis
             refusal = delivery.last_refusal  # PING is answered while Redis refuses writes
             if fault:
@@ -261,7 +286,12 @@ async def serving(
     if not settings.metrics_port:
         yield None
         return
-    health = Health(store.client.ping, lambda: bus.is_connected, lambda: service.consuming)
+    health = Health(
+        store.client.ping,
+        lambda: bus.is_connected,
+        lambda: service.consuming,
+        blocked=lambda: bus.publishing_blocked,
+    )
     try:
         server = serve(application(health), settings.metrics_addr, settings.metrics_port)
     except OSError as exc:

@@ -131,7 +131,8 @@ LOOP_STALLS = Counter(
 )
 DEPENDENCY_UP = Gauge(
     "shardflow_dependency_up",
-    "1 while a dependency answers (redis: a PING; rabbitmq: the connection is open).",
+    "1 while a dependency answers (redis: a PING, and no refusal of work in 10 s; rabbitmq: "
+    "the connection is open and not blocked by a memory or disk alarm).",
     ["dependency"],
 )
 

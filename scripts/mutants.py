@@ -350,6 +350,7 @@ LEFT_BEHIND = (
 
 HANDLER_FAULTS = "tests/test_handler_faults.py::"
 CLOCKS = "tests/test_clocks.py::"
+ALARMS = "tests/test_alarms.py::test_a_memory_alarm_is_told_waits_and_loses_nothing"
 FULL_REDIS = (
     "tests/test_redis_refusals.py::test_a_full_redis_parks_nothing_and_runs_no_handler_twice"
 )
@@ -1614,6 +1615,20 @@ end""",
         "self._offset = server - (before + after) / 2",
         "self._offset = 0.0",
         (CLOCKS + "test_an_owner_whose_clock_is_ahead_fires_no_timer_early",),
+    ),
+    # A resource alarm of RabbitMQ's: every probe green, every queue still, the system idle.
+    "alarm-unseen": (
+        "orchestrator/bus.py",
+        "return isinstance(unblocked, asyncio.Event) and not unblocked.is_set()",
+        "return False",
+        (ALARMS,),
+    ),
+    # A channel opened while blocked took a closed one's number: the broker closed all.
+    "channel-opened-while-blocked": (
+        "orchestrator/bus.py",
+        "        if self.publishing_blocked:  # opened now",
+        "        if False:  # opened now",
+        (ALARMS,),
     ),
     # A full Redis (OOM) counted against each message: all in flight parked within 10 s.
     "redis-refusals-counted": (

@@ -119,6 +119,13 @@ class PrivateRabbit:
         self.stop()
         self.start()
 
+    def ctl(self, *args: str) -> str:
+        """`rabbitmqctl -n <this node> args...`; its output."""
+        return subprocess.run(
+            ["rabbitmqctl", "-q", "-n", self.node, *args], env=self._env(), capture_output=True,
+            text=True, check=True, timeout=60,
+        ).stdout  # fmt: skip
+
     def close(self) -> None:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -164,7 +164,9 @@ class Worker(Service):
         took its binding along, and nothing tells a consumer (orchestrator/bus.py)."""
         while True:
             await asyncio.sleep(CONTROL_REBIND_S)
-            if self._control is None:
+            # Blocked by an alarm, the broker reads no declare: the call's timeout then closed
+            # the control consumer's own channel, and cancels went unheard until the alarm ended.
+            if self._control is None or self.bus.publishing_blocked:
                 continue
             try:
                 await self.bus.bind_control(self._control)
