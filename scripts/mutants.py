@@ -1630,6 +1630,15 @@ end""",
         "        if False:  # opened now",
         (ALARMS,),
     ),
+    # The CLI waited for the broker's confirm for a whole alarm, and printed no id meanwhile.
+    "cli-waits-for-a-blocked-broker": (
+        "shardflow/cli.py",
+        "        return await within(call, BROKER_WAIT_S)\n",
+        "        return await call\n",
+        (
+            "tests/test_alarms.py::test_the_cli_says_what_waits_for_a_blocked_broker_and_prints_the_id",
+        ),
+    ),
     # A full Redis (OOM) counted against each message: all in flight parked within 10 s.
     "redis-refusals-counted": (
         "orchestrator/delivery.py",

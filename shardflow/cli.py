@@ -12,9 +12,10 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Coroutine
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import uvloop
 from pydantic import ValidationError
@@ -30,7 +31,7 @@ from orchestrator.delivery import describe, first_error, redis_refuses
 from orchestrator.documents import parse_document, parse_input
 from orchestrator.health import serving
 from orchestrator.keys import check_workflow_id
-from orchestrator.lifecycle import end_tasks
+from orchestrator.lifecycle import end_tasks, within
 from orchestrator.loopwatch import watched
 from orchestrator.owner import Orchestrator, ShardError
 from orchestrator.program import (
@@ -43,8 +44,9 @@ from orchestrator.program import (
 from orchestrator.redis_store import RedisStore
 from orchestrator.settings import MAX_SHARDS, Settings
 from orchestrator.store import TERMINAL
-from router.client import Router
+from router.client import Router, Submitted
 from router.explain import explain_text
+from router.hashing import shard_for
 from router.ingress import Ingress
 from router.listing import DEFAULT_LIMIT, SCAN_MAX, STATUSES, ListError, clean, parse_duration
 from router.redriving import RedriveError
@@ -54,6 +56,8 @@ from shardflow.views import LiveProgress, list_table
 from worker.pool import Worker
 from worker.registry import Registry
 from worker.threads import left_running
+
+T = TypeVar("T")
 
 EXIT_FAILED = 1  # the program ended failed or cancelled
 EXIT_USAGE = 2  # bad arguments, program or input
@@ -669,7 +673,16 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
     known = _registry(args.app).names() if args.app else None
     async with connected(settings, "shardflow-submit") as (store, bus):
         router = Router(settings, store=store, bus=bus, known_tasks=known)
-        submitted = await router.submit(text, payload, args.id, args.priority)
+        wf = args.id if args.id is not None else uuid.uuid4().hex  # said, whatever happens
+        try:
+            submitted = await _broker_bound(router.submit(text, payload, wf, args.priority))
+        except _BrokerSlow:
+            if not await store.state(wf):
+                raise CliError(f"{BROKER_SLOW}; nothing was recorded", EXIT_UNAVAILABLE) from None
+            # Recorded: its owner's sweep starts it if the start message never goes.
+            print(f"shardflow: {BROKER_SLOW}; {wf} is recorded, and starts once RabbitMQ takes "
+                  "its start (or the owner's sweep starts it)", file=sys.stderr)  # fmt: skip
+            submitted = Submitted(wf, shard_for(wf, settings.shards), False, "pending")
         if not args.wait:
             _print(submitted.workflow_id)
             return 0
@@ -692,6 +705,29 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
     if saga.get("error"):  # a compensation failed too (or was stopped)
         error = f"{error}; {clean(saga['error'], 2000)}"
     raise CliError(f"program {status['status']}: {error}", EXIT_FAILED)
+
+
+# How long a command waits for RabbitMQ to take the message it publishes (its confirm). A
+# memory or disk alarm blocks every publishing connection until it clears: submit, cancel,
+# signal and redrive hung for its whole length, and a submit interrupted meanwhile had
+# printed no id, though its program was recorded (a retry submitted it twice).
+BROKER_WAIT_S = 15.0
+BROKER_SLOW = (
+    f"RabbitMQ took no message of this command in {BROKER_WAIT_S:g}s (a memory or disk alarm "
+    "blocks publishing, or the broker is slow)"
+)
+
+
+class _BrokerSlow(Exception):
+    pass
+
+
+async def _broker_bound(call: Awaitable[T]) -> T:
+    """`call`'s result, or _BrokerSlow after BROKER_WAIT_S (what it wrote to Redis stands)."""
+    try:
+        return await within(call, BROKER_WAIT_S)
+    except TimeoutError:
+        raise _BrokerSlow from None
 
 
 def _read_program(path: Path, max_bytes: int) -> str:
@@ -776,7 +812,13 @@ async def _signal(settings: Settings, args: argparse.Namespace) -> int:
     async with connected(settings, "shardflow-signal") as (store, bus):
         router = Router(settings, store=store, bus=bus)
         try:
-            sent = await router.signal(args.id, args.name, data, args.signal_id)
+            sent = await _broker_bound(router.signal(args.id, args.name, data, args.signal_id))
+        except _BrokerSlow:
+            raise CliError(
+                f"{BROKER_SLOW}; the signal is kept if the program waits for it (send it again "
+                "with the same --signal-id: it is taken once)",
+                EXIT_UNAVAILABLE,
+            ) from None
         except LookupError as exc:
             raise CliError(str(exc), EXIT_FAILED) from None
         except ValueError as exc:
@@ -790,9 +832,15 @@ async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
     async with connected(settings, "shardflow-cancel") as (store, bus):
         try:
             router = Router(settings, store=store, bus=bus)
-            status = await router.cancel(
-                args.id, args.reason, stop_compensations=args.stop_compensations
+            status = await _broker_bound(
+                router.cancel(args.id, args.reason, stop_compensations=args.stop_compensations)
             )
+        except _BrokerSlow:
+            raise CliError(
+                f"{BROKER_SLOW}; the program is cancelled in Redis (`status` says so), and the "
+                "notice that stops its running tasks goes once RabbitMQ takes it",
+                EXIT_UNAVAILABLE,
+            ) from None
         except LookupError as exc:
             raise CliError(str(exc), EXIT_FAILED) from None
     if "note" in status:  # a person may miss it in the JSON
@@ -806,7 +854,13 @@ async def _redrive(settings: Settings, args: argparse.Namespace) -> int:
     async with connected(settings, "shardflow-redrive") as (store, bus):
         try:
             router = Router(settings, store=store, bus=bus)
-            status = await router.redrive(args.id, args.from_step)
+            status = await _broker_bound(router.redrive(args.id, args.from_step))
+        except _BrokerSlow:
+            raise CliError(
+                f"{BROKER_SLOW}; if `status` says pending, the redrive is recorded and its "
+                "owner's sweep starts it",
+                EXIT_UNAVAILABLE,
+            ) from None
         except LookupError as exc:
             raise CliError(str(exc), EXIT_FAILED) from None
         except RedriveError as exc:

@@ -71,3 +71,32 @@ async def test_a_memory_alarm_is_told_waits_and_loses_nothing(
             beating.cancel()
             dev.shutdown()
             await asyncio.gather(running, beating, return_exceptions=True)
+
+
+def test_the_cli_says_what_waits_for_a_blocked_broker_and_prints_the_id(
+    settings: Settings, rabbit: PrivateRabbit, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`submit` hung for the alarm's whole length, and one interrupted meanwhile had printed
+    no id though its program was recorded: a retry submitted it twice."""
+    import time
+
+    from tests.test_cli import environment, shardflow
+
+    env = {**environment(settings), "SHARDFLOW_AMQP_URL": rabbit.url}
+    program = '{"steps": [{"task": "echo"}]}'
+    warm = shardflow("submit", "-", env=env, stdin=program)  # declares the topology
+    assert warm.returncode == 0, warm.stderr
+    rabbit.ctl("set_vm_memory_high_watermark", "0.0000001")
+    try:
+        began = time.monotonic()
+        result = shardflow("submit", "-", env=env, stdin=program, timeout=60)
+        took = time.monotonic() - began
+        assert result.returncode == 0, result.stderr
+        wf = result.stdout.strip()
+        assert len(wf) == 32, result.stdout
+        assert f"{wf} is recorded, and starts once RabbitMQ takes its start" in result.stderr
+        assert took < 40, took  # 15 s for the confirm, and the rest
+        status = shardflow("status", wf, env=env)
+        assert '"status": "pending"' in status.stdout, status.stdout
+    finally:
+        rabbit.ctl("set_vm_memory_high_watermark", "0.6")
