@@ -73,6 +73,8 @@ CLOSE_TIMEOUT_S = 10.0  # closing a consumer's channel, which a lost connection 
 # without waiting for the socket (orchestrator/coalescing.py), so while the broker reads
 # nothing (a memory or disk alarm) this, not the socket, bounds what a process holds.
 MAX_UNCONFIRMED = 1024
+# Dead letters `resend_dead` holds unacked because none of its queues is theirs, at most.
+MAX_DEAD_HELD = 1000
 # A control queue no consumer uses is deleted after this long.
 CONTROL_QUEUE_EXPIRES_MS = 60_000
 # A worker binds its control queue again this often (`Bus.bind_control`): an operator who
@@ -761,6 +763,46 @@ class Bus:
                 await message.ack()
                 deleted += 1
             return deleted, max(0, ready - deleted)
+        finally:
+            await channel.close()
+
+    async def resend_dead(
+        self,
+        again: Callable[[dict[str, Any]], tuple[str, dict[str, Any]] | None],
+        most: int,
+    ) -> tuple[int, int, int]:
+        """Publish dead-lettered messages again, oldest first, at most `most` looked at:
+        `again(headers)` names the queue each goes to and its headers (None: no queue known,
+        kept). Each leaves the dead-letter queue once its copy is confirmed; those kept are
+        handed back, in order, when the channel closes (at most MAX_DEAD_HELD held). (sent,
+        kept, left)."""
+        channel = await self._consumer_channel()
+        try:
+            try:
+                queue = await channel.get_queue(self.names.dead_queue, ensure=True)
+            except aiormq.exceptions.ChannelNotFoundEntity:
+                return 0, 0, 0  # no dead-letter queue: nothing was ever parked
+            ready = queue.declaration_result.message_count or 0
+            sent = kept = 0
+            while sent + kept < most and kept < MAX_DEAD_HELD:
+                message = await queue.get(no_ack=False, fail=False)
+                if message is None:
+                    break
+                target = again(dict(message.headers or {}))
+                if target is None:
+                    kept += 1  # held, not acked: back to the queue at the close
+                    continue
+                try:
+                    await self.requeue(
+                        target[0], message.body, target[1], message.priority,
+                        reply_to=message.reply_to, correlation_id=message.correlation_id,
+                    )  # fmt: skip
+                except aio_pika.exceptions.PublishError:  # no such queue: it stays parked
+                    kept += 1
+                    continue
+                await message.ack()
+                sent += 1
+            return sent, kept, max(0, ready - sent)
         finally:
             await channel.close()
 

@@ -350,6 +350,7 @@ LEFT_BEHIND = (
 
 HANDLER_FAULTS = "tests/test_handler_faults.py::"
 CLOCKS = "tests/test_clocks.py::"
+REQUEUE = "tests/test_cli.py::test_dead_requeue_sends_each_back_to_its_own_queue_and_keeps_the_rest"
 ALARMS = "tests/test_alarms.py::test_a_memory_alarm_is_told_waits_and_loses_nothing"
 FULL_REDIS = (
     "tests/test_redis_refusals.py::test_a_full_redis_parks_nothing_and_runs_no_handler_twice"
@@ -1629,6 +1630,20 @@ end""",
         "        if self.publishing_blocked:  # opened now",
         "        if False:  # opened now",
         (ALARMS,),
+    ),
+    # `dead --requeue` trusted the header naming a letter's queue: any queue of the vhost.
+    "requeue-trusts-the-header": (
+        "shardflow/cli.py",
+        "    if not isinstance(source, str) or not _our_queue(names, source):",
+        "    if not isinstance(source, str):",
+        (REQUEUE,),
+    ),
+    # A letter sent back with its failures counted and its reasons: parked again at once.
+    "requeue-keeps-the-count": (
+        "shardflow/cli.py",
+        "    return source, {**kept, FAILURES: 0}",
+        "    return source, dict(headers)",
+        (REQUEUE,),
     ),
     # The CLI waited for the broker's confirm for a whole alarm, and printed no id meanwhile.
     "cli-waits-for-a-blocked-broker": (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import functools
 import json
 import logging
 import math
@@ -27,10 +28,10 @@ from redis.exceptions import ResponseError as RedisResponseError
 from orchestrator import logs
 from orchestrator.bus import Bus, TopologyError
 from orchestrator.connections import UNREACHABLE, connected
-from orchestrator.delivery import describe, first_error, redis_refuses
+from orchestrator.delivery import FAILURES, describe, first_error, kept_headers, redis_refuses
 from orchestrator.documents import parse_document, parse_input
 from orchestrator.health import serving
-from orchestrator.keys import check_workflow_id
+from orchestrator.keys import Names, check_workflow_id
 from orchestrator.lifecycle import end_tasks, within
 from orchestrator.loopwatch import watched
 from orchestrator.owner import Orchestrator, ShardError
@@ -43,6 +44,7 @@ from orchestrator.program import (
 )
 from orchestrator.redis_store import RedisStore
 from orchestrator.settings import MAX_SHARDS, Settings
+from orchestrator.shares import SHARES
 from orchestrator.store import TERMINAL
 from router.client import Router, Submitted
 from router.explain import explain_text
@@ -249,10 +251,12 @@ def _parser() -> argparse.ArgumentParser:
 
     dead = commands.add_parser(
         "dead",
-        help="list dead-lettered messages with the reason each was refused (or delete them)",
+        help="list dead-lettered messages with the reason each was refused (or delete them, "
+        "or send them back)",
         description="List the dead-lettered messages, oldest first, one JSON line each: why it "
         "was refused, the queue it came from, when it was parked (`at`, ms; null when not "
-        "known) and its body. They stay in the queue. With --purge, delete them instead.",
+        "known) and its body. They stay in the queue. With --purge, delete them instead; with "
+        "--requeue, publish them again to the queues they came from.",
     )
     dead.add_argument(
         "--limit",
@@ -266,6 +270,16 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="delete dead-lettered messages (all of them, or with --older-than the older "
         "ones) and print how many were deleted and how many are left",
+    )
+    dead.add_argument(
+        "--requeue",
+        action="store_true",
+        help=f"publish dead-lettered messages again to the queue each came from (this "
+        f"cluster's shard, pool and ingress queues only), oldest first, at most "
+        f"{MAX_DEAD_PURGE:,} a run, and print how many went, how many were kept (no such "
+        "queue known) and how many are left. Safe for any of them: every transition is "
+        "compare-and-advance, so one that already happened changes nothing; one refused "
+        "again comes back here. For what a fault since mended parked (Redis full, a bug)",
     )
     dead.add_argument(
         "--older-than",
@@ -883,7 +897,15 @@ async def _dead(settings: Settings, args: argparse.Namespace) -> int:
 
     if args.older_than is not None and not args.purge:
         raise CliError("--older-than goes with --purge")
+    if args.purge and args.requeue:
+        raise CliError("--purge or --requeue, not both")
     async with connected(settings, "shardflow-dead", declare=False) as (_, bus):
+        if args.requeue:
+            sent, kept, left = await bus.resend_dead(
+                functools.partial(_sent_back, bus.names), MAX_DEAD_PURGE
+            )
+            _print(json.dumps({"requeued": sent, "kept": kept, "left": left}))
+            return 0
         if args.purge:
             old = None
             if args.older_than is not None:
@@ -910,6 +932,40 @@ async def _dead(settings: Settings, args: argparse.Namespace) -> int:
         # Parked by the broker, a message has its sender's headers: any AMQP value.
         _print(json.dumps(line, default=str))
     return 0
+
+
+def _sent_back(names: Names, headers: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+    """Where a dead letter goes again and with which headers: the queue it came from, if that
+    is one of this cluster's that a consumer reads (a header may name any queue: it is not
+    trusted), counted as redelivered and without the reasons it was parked with."""
+    source = headers.get("x-shardflow-from") or (_first_death(headers) or {}).get("queue")
+    if not isinstance(source, str) or not _our_queue(names, source):
+        return None
+    kept = {k: v for k, v in kept_headers(headers).items() if k not in _PARKING_HEADERS}
+    return source, {**kept, FAILURES: 0}
+
+
+_PARKING_HEADERS = ("x-shardflow-reason", "x-shardflow-from", "x-shardflow-at")
+
+
+def _our_queue(names: Names, queue: str) -> bool:
+    """Whether `queue` is this cluster's ingress, a shard's or a pool's (share) queue."""
+    if queue == names.ingress_queue:
+        return True
+    shard = queue.removeprefix(names.shard_queue(0)[:-1])
+    if shard != queue:
+        return shard.isascii() and shard.isdigit() and int(shard) < MAX_SHARDS
+    pool = queue.removeprefix(names.task_queue(""))
+    if pool == queue or not pool:
+        return False
+    base, _, share = pool.rpartition(".")
+    if base and share.isascii() and share.isdigit() and int(share) < SHARES:
+        pool = base
+    try:
+        check_pool_name(pool)
+    except ValueError:
+        return False
+    return True
 
 
 # A dead letter's time further ahead than this is its parker's clock's error, not a time.

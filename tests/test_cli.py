@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -525,6 +526,56 @@ async def test_dead_purge_deletes_all_or_those_parked_before_a_time_in_order(
     assert [(entry["body"], entry["at"]) for entry in listed] == [("3", now), ("4", parked[4])]
     assert json.loads(shardflow("dead", "--purge", env=dev).stdout) == {"purged": 2, "left": 0}
     assert shardflow("dead", env=dev).stdout == ""
+
+
+def test_dead_requeue_sends_each_back_to_its_own_queue_and_keeps_the_rest(
+    settings: Settings,
+) -> None:
+    """What a fault since mended parked (a full Redis, before it was waited for) had no way
+    back: `dead` could list and delete, never send again. A header naming a queue that is not
+    this cluster's is not trusted: that letter stays."""
+    import aio_pika
+
+    from orchestrator.connections import connected
+    from orchestrator.delivery import FAILURES
+    from orchestrator.keys import Names
+
+    names = Names(settings.prefix)
+    env = environment(settings)
+    elsewhere = f"another-app-{settings.prefix}"  # a queue that exists, not shardflow's
+
+    async def park() -> None:
+        async with connected(settings) as (_, bus):  # declares the queues
+            await bus._ensure_pool("parallel.3")  # a worker's, which this test has none of
+            await bus._channel.declare_queue(elsewhere, arguments={"x-expires": 60_000})
+            for body, source in ((b"a", names.task_queue("parallel.3")), (b"b", elsewhere),
+                                 (b"c", None), (b"e", names.task_queue("gone")),
+                                 (b"d", names.shard_queue(2))):  # fmt: skip
+                headers: dict[str, Any] = {"x-shardflow-reason": "Redis full", FAILURES: 20}
+                if source is not None:
+                    headers["x-shardflow-from"] = source
+                await bus._send(
+                    "", names.dead_queue, body, aio_pika.Message(body, headers=headers).properties
+                )  # type: ignore[arg-type]
+
+    asyncio.run(park())
+    requeued = shardflow("dead", "--requeue", env=env)
+    assert requeued.returncode == 0, requeued.stderr
+    assert json.loads(requeued.stdout) == {"requeued": 2, "kept": 3, "left": 3}
+    listed = [json.loads(line) for line in shardflow("dead", env=env).stdout.splitlines()]
+    assert [entry["body"] for entry in listed] == ["b", "c", "e"]  # in their order
+
+    async def take(queue: str) -> tuple[bytes, dict[str, Any]]:
+        async with await aio_pika.connect(settings.amqp_url) as connection:
+            channel = await connection.channel()
+            found = await (await channel.get_queue(queue)).get(no_ack=True)
+            return found.body, dict(found.headers or {})
+
+    body, headers = asyncio.run(take(names.task_queue("parallel.3")))
+    assert body == b"a" and headers == {FAILURES: 0}  # counted as redelivered, reasons gone
+    assert asyncio.run(take(names.shard_queue(2)))[0] == b"d"
+    both = shardflow("dead", "--purge", "--requeue", env=env)
+    assert both.returncode == 2 and "--purge or --requeue, not both" in both.stderr
 
 
 def test_cancel_of_an_unknown_program_exits_1(settings: Settings) -> None:
