@@ -1631,6 +1631,13 @@ end""",
         "        if False:  # opened now",
         (ALARMS,),
     ),
+    # A cancel whose notice an alarm held back: its program's handlers ran to their end.
+    "cancels-heard-only-from-the-broker": (
+        "worker/pool.py",
+        '                if status == "cancelled" and wf in self._running:',
+        "                if False:",
+        ("tests/test_e2e.py::test_a_cancel_whose_notice_is_lost_still_stops_running_tasks",),
+    ),
     # `dead --requeue` trusted the header naming a letter's queue: any queue of the vhost.
     "requeue-trusts-the-header": (
         "shardflow/cli.py",

@@ -2,9 +2,11 @@
 
 import asyncio
 import logging
+from typing import Any
 
 import pytest
 
+from orchestrator import metrics
 from orchestrator.connections import connected
 from orchestrator.program import PARALLEL, ProgramError
 from orchestrator.settings import Settings
@@ -230,6 +232,41 @@ async def test_cancel_stops_running_tasks_and_dispatches_nothing_more(
     assert "1" not in {e["path"] for e in events}
     again = await cluster.cancel(submitted.workflow_id)
     assert again["error"] == "not needed any more"  # the first end stands
+
+
+@pytest.fixture
+def quick_cancel_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker import pool
+
+    monkeypatch.setattr(pool, "CANCEL_CHECK_S", 0.2)
+
+
+class _NoNotice:
+    """A bus whose cancel notices never reach the workers (held back by a memory alarm)."""
+
+    def __init__(self, bus: Any) -> None:
+        self._bus = bus
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bus, name)
+
+    async def publish_control(self, body: bytes) -> None:
+        pass
+
+
+async def test_a_cancel_whose_notice_is_lost_still_stops_running_tasks(
+    quick_cancel_checks: None, cluster: Router, trace: Trace
+) -> None:
+    """The notice is a publish, which an alarm holds back: the handlers ran to their end."""
+    from orchestrator.ending import end_program
+
+    program = {"steps": [{"bag": [{"task": "echo", "args": {"sleep_s": 30}}] * 2}]}
+    wf = (await cluster.submit(program, trace.as_input())).workflow_id
+    await _until(lambda: len(trace.events()) == 2)
+    assert cluster.bus is not None
+    await end_program(cluster.store, _NoNotice(cluster.bus), wf, "cancelled", "no notice")
+    await _until(lambda: metrics.TASKS_RUNNING.labels("parallel")._value.get() == 0, 5)
+    assert [e["event"] for e in trace.events()] == ["start"] * 2  # stopped, not ended
 
 
 async def test_a_program_past_its_deadline_fails(cluster: Router) -> None:

@@ -65,7 +65,10 @@ log = logging.getLogger(__name__)
 RECORD_WAIT_S = 600.0
 RECORD_PAUSE_S = 0.5
 RECORD_PAUSE_MAX_S = 5.0
-LOGGED_ERROR = 500  # characters of a task's error in its log line (the report keeps 16 KiB)
+LOGGED_ERROR = 500
+# How often a worker reads whether its running tasks' programs were cancelled, besides the
+# broker's notice (`_watch_cancels`).
+CANCEL_CHECK_S = 10.0  # characters of a task's error in its log line (the report keeps 16 KiB)
 # A slot not given back within this is left to run out with its lease.
 RELEASE_WAIT_S = 5.0
 # A report no shard queue takes is tried again this often, this far apart, before it is
@@ -142,7 +145,12 @@ class Worker(Service):
             "%s: consuming %d queue(s) with concurrency %d, at most %d per share",
             self.name, len(pools), self.concurrency, self.share,
         )  # fmt: skip
-        return [*(self._consume(pool) for pool in pools), self._listen(), self._rebind()]
+        return [
+            *(self._consume(pool) for pool in pools),
+            self._listen(),
+            self._rebind(),
+            self._watch_cancels(),
+        ]
 
     async def _listen(self) -> None:
         """Stop the running tasks of programs that were cancelled or ran out of time."""
@@ -173,6 +181,25 @@ class Worker(Service):
             except Exception as exc:  # its channel lost: the consumer starts again, bound
                 raise_if_cancelled()
                 log.warning("%s: binding the control queue again failed: %r", self.name, exc)
+
+    async def _watch_cancels(self) -> None:
+        """Every CANCEL_CHECK_S, stop the running tasks of programs that were cancelled, read
+        from Redis: the broker's notice is a publish, which a memory alarm held back (and the
+        control consumer may be away a while), so such a program's handlers ran to their end."""
+        while True:
+            await asyncio.sleep(CANCEL_CHECK_S)
+            running = list(self._running)  # at most the worker's concurrency
+            if not running:
+                continue
+            try:
+                found = await self.store.ends(running)
+            except Exception as exc:  # Redis away: the next check, or the notice, will do
+                raise_if_cancelled()
+                log.debug("%s: could not read its programs' ends: %r", self.name, exc)
+                continue
+            for wf, (status, _) in zip(running, found, strict=True):
+                if status == "cancelled" and wf in self._running:
+                    self.cancel_program(wf)
 
     async def stop_ended(self, wf: str) -> int:
         """A program was cancelled (or ran out of time): stop this worker's running tasks of
