@@ -19,11 +19,13 @@ from orchestrator.delivery import (
     Delivery,
     Part,
     Requeues,
+    fault,
     process,
     redelivered,
     settle,
     split,
     split_headers,
+    waits_for_services,
 )
 from orchestrator.lifecycle import Service, format_counts, raise_if_cancelled
 from orchestrator.machine import PathError
@@ -197,10 +199,12 @@ class Orchestrator(Service):
                 started = await self.sweep()
                 if started:
                     log.warning("orchestrator: started %d program(s) that never started", started)
-            except UNREACHABLE as exc:
-                log.warning("orchestrator: sweep skipped: %r", exc)
-            except Exception:  # e.g. aio-pika's channel() while it reconnects: try next time
-                log.exception("orchestrator: sweep failed; the next one tries again")
+            except Exception as exc:
+                if not (isinstance(exc, UNREACHABLE) or waits_for_services(exc)):
+                    # e.g. aio-pika's channel() while it reconnects: try next time
+                    log.exception("orchestrator: sweep failed; the next one tries again")
+                else:  # a service away, or Redis refusing work (BUSY, say): one line
+                    log.warning("orchestrator: sweep skipped: %s", fault(exc))
             raise_if_cancelled()
             await asyncio.sleep(self.settings.sweep_s)
 

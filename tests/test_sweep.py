@@ -79,3 +79,27 @@ async def test_each_sweep_reads_a_bounded_share_and_the_whole_set_is_still_swept
         assert started == 1  # the orphan, once
         # Ghosts seen unrecorded in two whole scans are no longer counted in flight.
         assert await store.in_flight(0) == 1
+
+
+async def test_a_sweep_that_redis_refuses_logs_a_line_not_a_traceback(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """BUSY (a long script) or MASTERDOWN logged a whole traceback every sweep."""
+    from redis._parsers.base import BaseParser
+
+    async def refused() -> int:
+        raise BaseParser.parse_error("BUSY Redis is busy running a script.")
+
+    caplog.set_level("WARNING", logger="orchestrator.owner")
+    quick = settings.model_copy(update={"sweep_s": 0.1})
+    async with connected(quick, "test-sweep-busy") as (store, bus):
+        orchestrator = Orchestrator(quick, [0], store=store, bus=bus)
+        orchestrator.sweep = refused  # type: ignore[method-assign]
+        sweeping = asyncio.create_task(orchestrator._sweep_every())
+        await asyncio.sleep(0.15)
+        sweeping.cancel()
+        await asyncio.gather(sweeping, return_exceptions=True)
+    assert caplog.records and all(r.exc_info is None for r in caplog.records)
+    assert caplog.records[0].getMessage() == (
+        "orchestrator: sweep skipped: ResponseError: BUSY Redis is busy running a script."
+    )
