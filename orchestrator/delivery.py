@@ -212,7 +212,8 @@ async def process(
 ) -> AsyncIterator[None]:
     """Run the block for one delivery of queue `source` and settle it by the policy above.
 
-    `on_poison(reason)` runs after a poison message was parked (e.g. to answer its sender).
+    `on_poison(reason)` runs after a message was parked, poison or at the limit (e.g. to
+    answer its sender, who would otherwise hear nothing).
     """
     if redelivered(delivery):
         metrics.REDELIVERIES.labels(source).inc()
@@ -222,7 +223,7 @@ async def process(
         raise
     except Exception as exc:
         if not isinstance(exc, (Poison, *poison)):
-            await _again(delivery, bus, source, exc, limit)
+            await _again(delivery, bus, source, exc, limit, on_poison)
             return
         reason = describe(exc)
         try:
@@ -260,7 +261,12 @@ def redelivered(delivery: Delivery) -> bool:
 
 
 async def _again(
-    delivery: Delivery, bus: Requeues, source: str, exc: Exception, limit: int
+    delivery: Delivery,
+    bus: Requeues,
+    source: str,
+    exc: Exception,
+    limit: int,
+    on_poison: Callable[[str], Awaitable[None]] | None = None,
 ) -> None:
     """Publish the message again at the tail of its queue, counting the failure unless the
     services are away, or dead-letter it at `limit` failures; then ack the original."""
@@ -272,6 +278,8 @@ async def _again(
             reason = f"failed {failures} times, the limit; last: {describe(exc)}"
             await bus.dead_letter(delivery.body, reason=reason, source=source)
             metrics.DEAD_LETTERS.labels(source, "limit").inc()
+            if on_poison is not None:
+                await on_poison(reason)
         else:
             if unreachable:
                 _say_requeued(source, exc)

@@ -113,7 +113,10 @@ class Ingress(Service):
 
         source = self.bus.names.ingress_queue
         message_id = sent_id(delivery, message_id)
-        async with process(delivery, self.bus, source, poison=(ProgramError,), on_poison=refused):
+        limit = self.settings.delivery_limit
+        async with process(
+            delivery, self.bus, source, poison=(ProgramError,), on_poison=refused, limit=limit
+        ):
             # The program and its input, each up to SHARDFLOW_MAX_PROGRAM_BYTES.
             if len(delivery.body) > 2 * self.settings.max_program_bytes:
                 raise Poison(f"request: {len(delivery.body)} bytes, over the limit")

@@ -1631,6 +1631,17 @@ end""",
         "        if False:  # opened now",
         (ALARMS,),
     ),
+    # An ingress request parked at the limit got no answer: its sender heard nothing.
+    "limit-parks-unanswered": (
+        "orchestrator/delivery.py",
+        "            if on_poison is not None:\n"
+        "                await on_poison(reason)\n"
+        "        else:",
+        "        else:",
+        (
+            "tests/test_delivery.py::test_a_message_parked_at_the_limit_is_answered_as_a_poison_one_is",
+        ),
+    ),
     # A cancel whose notice an alarm held back: its program's handlers ran to their end.
     "cancels-heard-only-from-the-broker": (
         "worker/pool.py",

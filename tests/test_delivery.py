@@ -227,3 +227,16 @@ async def test_redis_refusing_writes_is_never_counted_against_a_message() -> Non
             await _fail(held, bus, BaseParser.parse_error(reply))
             held = _copy(bus.sent[-1], n)
         assert bus.dead == [] and bus.sent[-1][1][FAILURES] == 2, reply
+
+
+async def test_a_message_parked_at_the_limit_is_answered_as_a_poison_one_is() -> None:
+    """An ingress request parked at the limit got no reply: its sender heard nothing."""
+    told: list[str] = []
+
+    async def answer(reason: str) -> None:
+        told.append(reason)
+
+    bus = Transport()
+    async with process(Held(headers={FAILURES: 2}), bus, "q", limit=3, on_poison=answer):
+        raise TimeoutError("over budget")
+    assert bus.dead == told == ["failed 3 times, the limit; last: over budget"]
