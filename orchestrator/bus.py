@@ -27,7 +27,7 @@ from orchestrator import amqp_decode, metrics
 from orchestrator.bundling import Bundles
 from orchestrator.coalescing import CoalescingConnection
 from orchestrator.consuming import Deliveries
-from orchestrator.delivery import Requeues
+from orchestrator.delivery import MAX_MESSAGE_ID, SENT_ID, Requeues
 from orchestrator.keys import Names
 from orchestrator.lifecycle import within
 from orchestrator.program import MAX_PRIORITY, PARALLEL, SERIAL, is_lane
@@ -695,14 +695,20 @@ class Bus:
         properties.correlation_id = correlation_id
         await self._send("", queue, body, properties)
 
-    async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:
-        """Park an unusable message with the reason in its headers."""
+    async def dead_letter(
+        self, body: bytes, *, reason: str, source: str, message_id: str | None = None
+    ) -> None:
+        """Park an unusable message with the reason in its headers (and the id its sender
+        gave it: what `dead --requeue` sends back keeps it)."""
         log.warning("dead-lettering a message from %s: %r", source, reason)
-        headers = {
+        headers: dict[str, Any] = {
             "x-shardflow-reason": reason,
             "x-shardflow-from": source,
             "x-shardflow-at": int(time.time() * 1000),  # when parked: `shardflow dead --purge`
         }
+        # "" for none, as a copy after a failure says it: the header's absence is a letter
+        # parked before this version.
+        headers[SENT_ID] = message_id if message_id and len(message_id) <= MAX_MESSAGE_ID else ""
         # Declared again if it was deleted, or the message would go back to its queue's head
         # for good.
         queue = self.names.dead_queue

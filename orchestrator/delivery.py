@@ -186,7 +186,9 @@ class Part:
 class Requeues(Protocol):
     """What the policy needs of the transport; `Bus` is one."""
 
-    async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None: ...
+    async def dead_letter(
+        self, body: bytes, *, reason: str, source: str, message_id: str | None = None
+    ) -> None: ...
 
     async def requeue(
         self,
@@ -227,7 +229,9 @@ async def process(
             return
         reason = describe(exc)
         try:
-            await bus.dead_letter(delivery.body, reason=reason, source=source)
+            await bus.dead_letter(
+                delivery.body, reason=reason, source=source, message_id=_sent(delivery)
+            )
             metrics.DEAD_LETTERS.labels(source, "refused").inc()
             if on_poison is not None:
                 await on_poison(reason)
@@ -276,7 +280,9 @@ async def _again(
         failures = _int((delivery.headers or {}).get(FAILURES)) + (0 if unreachable else 1)
         if failures >= limit:
             reason = f"failed {failures} times, the limit; last: {describe(exc)}"
-            await bus.dead_letter(delivery.body, reason=reason, source=source)
+            await bus.dead_letter(
+                delivery.body, reason=reason, source=source, message_id=_sent(delivery)
+            )
             metrics.DEAD_LETTERS.labels(source, "limit").inc()
             if on_poison is not None:
                 await on_poison(reason)
@@ -321,6 +327,13 @@ def kept_headers(headers: dict[str, Any] | None) -> dict[str, Any]:
         if name.startswith(OWN_HEADERS) and writable and not isinstance(value, bool):
             kept[name] = value
     return kept
+
+
+def _sent(delivery: Delivery) -> str | None:
+    """The id its sender gave the message, kept with it when it is parked: an ingress request
+    without a workflow id takes its id from it, so one sent back (`dead --requeue`) submits
+    the same program, never a second."""
+    return sent_id(delivery, getattr(delivery, "message_id", None))
 
 
 def sent_id(delivery: Delivery, message_id: str | None) -> str | None:

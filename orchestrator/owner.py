@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 
@@ -216,7 +215,8 @@ class Orchestrator(Service):
         where the last sweep stopped. Idempotent: starting twice is a stale
         compare-and-advance. Returns how many it started."""
         started = 0
-        old_ms = (time.time() - self.settings.sweep_s) * 1000
+        # On Redis's clock, as created_ms and updated_ms are: an owner behind it started late.
+        old_ms = (await self.transitions.clock.now() - self.settings.sweep_s) * 1000
         indexed: dict[str, int] = {}  # repairs the creation index (router/listing.py)
         for shard in self.owned:
             # A pending program's start may still wait in a busy queue: under a backlog, a

@@ -1649,6 +1649,20 @@ end""",
         "                if False:",
         ("tests/test_e2e.py::test_a_cancel_whose_notice_is_lost_still_stops_running_tasks",),
     ),
+    # A letter parked without its sender's message id: an ingress request sent back by
+    # `dead --requeue` got a new workflow id, and a program recorded before ran twice.
+    "parked-without-its-id": (
+        "orchestrator/bus.py",
+        'headers[SENT_ID] = message_id if message_id and len(message_id) <= MAX_MESSAGE_ID else ""',
+        'headers[SENT_ID] = ""',
+        (REQUEUE,),
+    ),
+    "requeue-old-ingress-letters": (
+        "shardflow/cli.py",
+        "    if source == names.ingress_queue and SENT_ID not in headers:",
+        "    if False:",
+        (REQUEUE,),
+    ),
     # `dead --requeue` trusted the header naming a letter's queue: any queue of the vhost.
     "requeue-trusts-the-header": (
         "shardflow/cli.py",

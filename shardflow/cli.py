@@ -26,9 +26,16 @@ from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import ResponseError as RedisResponseError
 
 from orchestrator import logs
-from orchestrator.bus import Bus, TopologyError
+from orchestrator.bus import MAX_DEAD_HELD, Bus, TopologyError
 from orchestrator.connections import UNREACHABLE, connected
-from orchestrator.delivery import FAILURES, describe, first_error, kept_headers, redis_refuses
+from orchestrator.delivery import (
+    FAILURES,
+    SENT_ID,
+    describe,
+    first_error,
+    kept_headers,
+    redis_refuses,
+)
 from orchestrator.documents import parse_document, parse_input
 from orchestrator.health import serving
 from orchestrator.keys import Names, check_workflow_id
@@ -276,10 +283,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"publish dead-lettered messages again to the queue each came from (this "
         f"cluster's shard, pool and ingress queues only), oldest first, at most "
-        f"{MAX_DEAD_PURGE:,} a run, and print how many went, how many were kept (no such "
-        "queue known) and how many are left. Safe for any of them: every transition is "
-        "compare-and-advance, so one that already happened changes nothing; one refused "
-        "again comes back here. For what a fault since mended parked (Redis full, a bug)",
+        f"{MAX_DEAD_PURGE:,} a run (it stops at {MAX_DEAD_HELD:,} kept), and print how many "
+        "went, how many were kept (no such queue known, left in place) and how many are "
+        "left. Safe for any of them: every transition is compare-and-advance, so one that "
+        "already happened changes nothing; one refused again comes back here. For what a "
+        "fault since mended parked (Redis full, a bug)",
     )
     dead.add_argument(
         "--older-than",
@@ -828,9 +836,13 @@ async def _signal(settings: Settings, args: argparse.Namespace) -> int:
         try:
             sent = await _broker_bound(router.signal(args.id, args.name, data, args.signal_id))
         except _BrokerSlow:
+            again = (
+                "send it again with the same --signal-id: it is taken once"
+                if args.signal_id
+                else "without --signal-id, sending it again keeps a second one: see `explain`"
+            )
             raise CliError(
-                f"{BROKER_SLOW}; the signal is kept if the program waits for it (send it again "
-                "with the same --signal-id: it is taken once)",
+                f"{BROKER_SLOW}; the signal is kept if the program waits for it ({again})",
                 EXIT_UNAVAILABLE,
             ) from None
         except LookupError as exc:
@@ -941,6 +953,8 @@ def _sent_back(names: Names, headers: dict[str, Any]) -> tuple[str, dict[str, An
     source = headers.get("x-shardflow-from") or (_first_death(headers) or {}).get("queue")
     if not isinstance(source, str) or not _our_queue(names, source):
         return None
+    if source == names.ingress_queue and SENT_ID not in headers:
+        return None  # parked before ids were kept: its request would get a new id, a second program
     kept = {k: v for k, v in kept_headers(headers).items() if k not in _PARKING_HEADERS}
     return source, {**kept, FAILURES: 0}
 

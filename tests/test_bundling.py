@@ -129,7 +129,7 @@ class Parked(Recorder):
         self.again: list[tuple[bytes, dict[str, Any]]] = []
         self.again_to: list[tuple[str, Any]] = []  # each one's queue and priority
 
-    async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:
+    async def dead_letter(self, body: bytes, *, reason: str, source: str, **_: Any) -> None:
         self.dead.append((body, reason))
 
     async def requeue(self, queue: str, body: bytes, headers: Any, priority: Any, **_: Any) -> None:
@@ -307,7 +307,7 @@ async def test_a_bundle_runs_at_most_the_workers_concurrency_of_its_tasks_at_onc
 class Away(Parked):
     """The broker away as the worker parks a task."""
 
-    async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:
+    async def dead_letter(self, body: bytes, *, reason: str, source: str, **_: Any) -> None:
         raise ConnectionError("the broker went away")
 
 
@@ -367,7 +367,7 @@ class Noted(Parked):
         super().__init__()
         self.fields: list[dict[str, Any]] = []
 
-    async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:
+    async def dead_letter(self, body: bytes, *, reason: str, source: str, **_: Any) -> None:
         self.fields.append(dict(logs._bound.get() or {}))
         await super().dead_letter(body, reason=reason, source=source)
 

@@ -537,7 +537,7 @@ def test_dead_requeue_sends_each_back_to_its_own_queue_and_keeps_the_rest(
     import aio_pika
 
     from orchestrator.connections import connected
-    from orchestrator.delivery import FAILURES
+    from orchestrator.delivery import FAILURES, SENT_ID
     from orchestrator.keys import Names
 
     names = Names(settings.prefix)
@@ -557,13 +557,19 @@ def test_dead_requeue_sends_each_back_to_its_own_queue_and_keeps_the_rest(
                 await bus._send(
                     "", names.dead_queue, body, aio_pika.Message(body, headers=headers).properties
                 )  # type: ignore[arg-type]
+            # An ingress request without a workflow id takes its id from its message id: sent
+            # back without it, a request already recorded was submitted a second time.
+            ingress = names.ingress_queue
+            await bus.dead_letter(b"f", reason="Redis full", source=ingress, message_id="m-1")
+            await bus._send("", names.dead_queue, b"g", aio_pika.Message(b"g", headers={
+                "x-shardflow-from": ingress}).properties)  # fmt: skip  # parked by an older one
 
     asyncio.run(park())
     requeued = shardflow("dead", "--requeue", env=env)
     assert requeued.returncode == 0, requeued.stderr
-    assert json.loads(requeued.stdout) == {"requeued": 2, "kept": 3, "left": 3}
+    assert json.loads(requeued.stdout) == {"requeued": 3, "kept": 4, "left": 4}
     listed = [json.loads(line) for line in shardflow("dead", env=env).stdout.splitlines()]
-    assert [entry["body"] for entry in listed] == ["b", "c", "e"]  # in their order
+    assert [entry["body"] for entry in listed] == ["b", "c", "e", "g"]  # in their order
 
     async def take(queue: str) -> tuple[bytes, dict[str, Any]]:
         async with await aio_pika.connect(settings.amqp_url) as connection:
@@ -574,6 +580,8 @@ def test_dead_requeue_sends_each_back_to_its_own_queue_and_keeps_the_rest(
     body, headers = asyncio.run(take(names.task_queue("parallel.3")))
     assert body == b"a" and headers == {FAILURES: 0}  # counted as redelivered, reasons gone
     assert asyncio.run(take(names.shard_queue(2)))[0] == b"d"
+    body, headers = asyncio.run(take(names.ingress_queue))
+    assert body == b"f" and headers == {FAILURES: 0, SENT_ID: "m-1"}
     both = shardflow("dead", "--purge", "--requeue", env=env)
     assert both.returncode == 2 and "--purge or --requeue, not both" in both.stderr
 

@@ -40,7 +40,7 @@ class Transport:
     sent: list[tuple[bytes, dict[str, Any], dict[str, Any]]] = field(default_factory=list)
     dead: list[str] = field(default_factory=list)
 
-    async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:
+    async def dead_letter(self, body: bytes, *, reason: str, source: str, **_: Any) -> None:
         self.dead.append(reason)
 
     async def requeue(

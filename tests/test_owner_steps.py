@@ -59,7 +59,7 @@ class Recorder:
 
     async def publish_control(self, body: bytes) -> None: ...
 
-    async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:
+    async def dead_letter(self, body: bytes, *, reason: str, source: str, **_: Any) -> None:
         raise AssertionError(f"dead-lettered: {reason}")
 
     async def requeue(

@@ -183,7 +183,7 @@ class Transport:
         self._count()
         self._keep(Envelope("control", body, wf=Cancelled.model_validate_json(body).wf))
 
-    async def dead_letter(self, body: bytes, *, reason: str, source: str) -> None:
+    async def dead_letter(self, body: bytes, *, reason: str, source: str, **_: Any) -> None:
         self.dead.append(f"{source}: {reason}")
 
     async def requeue(self, queue: str, body: bytes, headers: Any, priority: Any, **_: Any) -> None:

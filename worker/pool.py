@@ -65,10 +65,10 @@ log = logging.getLogger(__name__)
 RECORD_WAIT_S = 600.0
 RECORD_PAUSE_S = 0.5
 RECORD_PAUSE_MAX_S = 5.0
-LOGGED_ERROR = 500
+LOGGED_ERROR = 500  # characters of a task's error in its log line (the report keeps 16 KiB)
 # How often a worker reads whether its running tasks' programs were cancelled, besides the
 # broker's notice (`_watch_cancels`).
-CANCEL_CHECK_S = 10.0  # characters of a task's error in its log line (the report keeps 16 KiB)
+CANCEL_CHECK_S = 10.0
 # A slot not given back within this is left to run out with its lease.
 RELEASE_WAIT_S = 5.0
 # A report no shard queue takes is tried again this often, this far apart, before it is
