@@ -774,14 +774,14 @@ class Bus:
 
     async def resend_dead(
         self,
-        again: Callable[[dict[str, Any]], tuple[str, dict[str, Any]] | None],
+        again: Callable[[dict[str, Any], str | None], tuple[str, dict[str, Any]] | None],
         most: int,
     ) -> tuple[int, int, int]:
         """Publish dead-lettered messages again, oldest first, at most `most` looked at:
-        `again(headers)` names the queue each goes to and its headers (None: no queue known,
-        kept). Each leaves the dead-letter queue once its copy is confirmed; those kept are
-        handed back, in order, when the channel closes (at most MAX_DEAD_HELD held). (sent,
-        kept, left)."""
+        `again(headers, message_id)` names the queue each goes to and its headers (None: no
+        queue known, kept). Each leaves the dead-letter queue once its copy is confirmed;
+        those kept are handed back, in order, when the channel closes (at most MAX_DEAD_HELD
+        held). (sent, kept, left)."""
         channel = await self._consumer_channel()
         try:
             try:
@@ -794,7 +794,7 @@ class Bus:
                 message = await queue.get(no_ack=False, fail=False)
                 if message is None:
                     break
-                target = again(dict(message.headers or {}))
+                target = again(dict(message.headers or {}), message.message_id)
                 if target is None:
                     kept += 1  # held, not acked: back to the queue at the close
                     continue

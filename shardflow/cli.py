@@ -946,16 +946,20 @@ async def _dead(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-def _sent_back(names: Names, headers: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+def _sent_back(
+    names: Names, headers: dict[str, Any], message_id: str | None = None
+) -> tuple[str, dict[str, Any]] | None:
     """Where a dead letter goes again and with which headers: the queue it came from, if that
     is one of this cluster's that a consumer reads (a header may name any queue: it is not
     trusted), counted as redelivered and without the reasons it was parked with."""
     source = headers.get("x-shardflow-from") or (_first_death(headers) or {}).get("queue")
     if not isinstance(source, str) or not _our_queue(names, source):
         return None
-    if source == names.ingress_queue and SENT_ID not in headers:
-        return None  # parked before ids were kept: its request would get a new id, a second program
     kept = {k: v for k, v in kept_headers(headers).items() if k not in _PARKING_HEADERS}
+    if source == names.ingress_queue and SENT_ID not in headers:
+        if _first_death(headers) is None:
+            return None  # parked before ids were kept: its request would get a new id
+        kept[SENT_ID] = message_id or ""  # parked by the broker, which kept the message's own
     return source, {**kept, FAILURES: 0}
 
 

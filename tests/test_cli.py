@@ -563,11 +563,14 @@ def test_dead_requeue_sends_each_back_to_its_own_queue_and_keeps_the_rest(
             await bus.dead_letter(b"f", reason="Redis full", source=ingress, message_id="m-1")
             await bus._send("", names.dead_queue, b"g", aio_pika.Message(b"g", headers={
                 "x-shardflow-from": ingress}).properties)  # fmt: skip  # parked by an older one
+            death = [{"queue": ingress, "reason": "delivery_limit", "count": 1}]  # the broker's
+            parked = aio_pika.Message(b"h", headers={"x-death": death}, message_id="m-2")
+            await bus._send("", names.dead_queue, b"h", parked.properties)  # type: ignore[arg-type]
 
     asyncio.run(park())
     requeued = shardflow("dead", "--requeue", env=env)
     assert requeued.returncode == 0, requeued.stderr
-    assert json.loads(requeued.stdout) == {"requeued": 3, "kept": 4, "left": 4}
+    assert json.loads(requeued.stdout) == {"requeued": 4, "kept": 4, "left": 4}
     listed = [json.loads(line) for line in shardflow("dead", env=env).stdout.splitlines()]
     assert [entry["body"] for entry in listed] == ["b", "c", "e", "g"]  # in their order
 
@@ -582,6 +585,8 @@ def test_dead_requeue_sends_each_back_to_its_own_queue_and_keeps_the_rest(
     assert asyncio.run(take(names.shard_queue(2)))[0] == b"d"
     body, headers = asyncio.run(take(names.ingress_queue))
     assert body == b"f" and headers == {FAILURES: 0, SENT_ID: "m-1"}
+    body, headers = asyncio.run(take(names.ingress_queue))  # the broker parked it: its own id
+    assert body == b"h" and headers == {FAILURES: 0, SENT_ID: "m-2"}
     both = shardflow("dead", "--purge", "--requeue", env=env)
     assert both.returncode == 2 and "--purge or --requeue, not both" in both.stderr
 
