@@ -118,6 +118,13 @@ class Deliveries:
         """The queue it consumes."""
         return self._queue
 
+    @property
+    def live(self) -> bool:
+        """Whether it still consumes: not closed, not cancelled by the broker, its channel
+        open. Known at once, not only once its holder reads it again (a worker whose slots are
+        all busy reads none)."""
+        return self._lost is None and not self._ended and not self._closed
+
     async def consume(self) -> None:
         """Start the consumer (one RPC), watching for its end from before it is sent."""
         self._channel.on_consumer_cancel_callbacks.add(self._on_cancel)

@@ -199,7 +199,9 @@ class Service:
     def consuming(self) -> bool:
         """Whether this part consumes now: every consumer it wants started (one of four
         shards' failing to start for good left it ready), and it is not stopping."""
-        started = len(self._iterators)
+        # A consumer the broker took back (consumer_timeout, its channel closed) counts as
+        # none at once: a worker whose slots are all busy would notice only once it read it.
+        started = sum(1 for iterator in self._iterators if getattr(iterator, "live", True))
         return started > 0 and started >= self._wanted and not self._stop.is_set()
 
     def summary(self) -> str:

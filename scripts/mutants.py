@@ -1716,6 +1716,23 @@ end""",
             "tests/test_lifecycle.py::test_a_part_with_a_consumer_that_cannot_start_is_not_consuming",
         ),
     ),
+    # A consumer the broker took back counted until its holder read it: a busy worker, never.
+    "ready-with-a-taken-consumer": (
+        "orchestrator/lifecycle.py",
+        'started = sum(1 for iterator in self._iterators if getattr(iterator, "live", True))',
+        "started = len(self._iterators)",
+        (
+            "tests/test_lifecycle.py::test_a_part_whose_consumer_the_broker_took_back_is_not_consuming",
+        ),
+    ),
+    "consumer-live-until-read": (
+        "orchestrator/consuming.py",
+        "        return self._lost is None and not self._ended and not self._closed",
+        "        return not self._closed",
+        (
+            "tests/test_consuming.py::test_a_consumer_the_broker_ended_is_not_live_before_anyone_reads_it",
+        ),
+    ),
     # An outage logged a line for every message requeued: 125 in 30 s for 5 in flight.
     "requeue-lines-unquiet": (
         "orchestrator/delivery.py",

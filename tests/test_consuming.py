@@ -122,6 +122,26 @@ async def test_a_deleted_queue_ends_its_consumer(bus: Bus) -> None:
     await bus.stop_consuming(deliveries)
 
 
+async def test_a_consumer_the_broker_ended_is_not_live_before_anyone_reads_it(bus: Bus) -> None:
+    """A worker whose slots are all busy reads none: it stayed ready with no consumer left
+    (the broker takes consumers back past consumer_timeout; a queue deleted does the same)."""
+    deliveries = await bus.consume_pool(POOL, 5)
+    other = await bus.consume_pool(POOL + ".1", 5)
+    assert deliveries.live and other.live
+    assert bus._publisher is not None
+    await bus._publisher.queue_delete(bus.names.task_queue(POOL))  # nobody reads meanwhile
+    await until(lambda: _live(deliveries), lambda live: not live["live"])
+    channel = await bus._consumer_channels[other].get_underlay_channel()
+    await channel.close()
+    await until(lambda: _live(other), lambda live: not live["live"])
+    await bus.stop_consuming(deliveries)
+    await bus.stop_consuming(other)
+
+
+async def _live(deliveries: Any) -> dict[str, bool]:
+    return {"live": deliveries.live}
+
+
 async def test_a_channel_closed_under_it_fails_its_reader(bus: Bus) -> None:
     """As when the connection drops: the reader learns it (lifecycle consumes again on a new
     channel), and the messages it held unread are the broker's to hand out again."""

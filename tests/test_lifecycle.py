@@ -322,3 +322,45 @@ async def test_a_part_with_a_consumer_that_cannot_start_is_not_consuming(
         part.shutdown()
         await asyncio.wait_for(running, 5)
     assert not part.consuming
+
+
+class _Taken(_Waiting):
+    """A started consumer the broker may take back (`live` False) while nobody reads it."""
+
+    live = True
+
+
+class _One(Service):
+    def __init__(self) -> None:
+        super().__init__(grace_s=0.1)
+        self.consumer = _Taken()
+
+    async def _start(self) -> list[Coroutine[Any, Any, None]]:
+        async def start() -> Any:
+            return self.consumer
+
+        async def stop(iterator: Any) -> None:
+            pass
+
+        async def read() -> None:
+            async for _ in self._messages(start, stop):
+                pass
+
+        return [read()]
+
+
+async def test_a_part_whose_consumer_the_broker_took_back_is_not_consuming() -> None:
+    """Its loop waiting for a slot, not reading: it stayed ready with no consumer left."""
+    part = _One()
+    running = asyncio.create_task(part.run())
+    try:
+        for _ in range(100):
+            if part.consuming:
+                break
+            await asyncio.sleep(0.01)
+        assert part.consuming
+        part.consumer.live = False
+        assert not part.consuming
+    finally:
+        part.shutdown()
+        await asyncio.wait_for(running, 5)
