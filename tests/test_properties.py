@@ -820,11 +820,13 @@ class Cluster(RuleBasedStateMachine):
             self.history.append(envelope)
             return
         delivery = FakeDelivery(envelope)
-        deadline = envelope.kind == "shard" and json.loads(envelope.body)["kind"] == "deadline"
+        kind = json.loads(envelope.body)["kind"] if envelope.kind == "shard" else None
+        deadline = kind == "deadline"
         before = await self.store.state(envelope.wf) if deadline else {}
-        if deadline and self.drawn[envelope.wf]["deadline_s"] < 1:
+        if kind in ("deadline", "start") and self.drawn[envelope.wf].get("deadline_s", 60) < 1:
             # A 1 ms deadline is due whenever it comes, not early by a hair (the stamps are
-            # whole ms): which rules can run next must not depend on the machine's speed.
+            # whole ms): which rules can run next must not depend on the machine's speed. So
+            # is a program's first start past it (it ends there, running no step).
             await asyncio.sleep(0.002)
         later = len(self.transport.later)
         self.transport.crash_after = crash_after
