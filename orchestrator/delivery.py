@@ -295,7 +295,7 @@ async def _again(
                 )
             headers[FAILURES] = failures
             # The copy gets a message id of the client's own: it keeps the sender's here.
-            headers[SENT_ID] = sent_id(delivery, getattr(delivery, "message_id", None)) or ""
+            headers[SENT_ID] = _sent(delivery) or ""
             await bus.requeue(
                 source,
                 delivery.body,

@@ -128,9 +128,8 @@ class Health:
             except Exception as exc:  # any failure to answer is the fault reported
                 fault = f"{type(exc).__name__}: {exc}"[:300]
             self._redis = (time.monotonic(), fault)
-            refusal = delivery.last_refusal
-            refused = refusal is not None and time.monotonic() - refusal[0] < REFUSAL_S
-            DEPENDENCY_UP.labels("redis").set(not fault and not refused)
+            refused = _recent_refusal(time.monotonic())
+            DEPENDENCY_UP.labels("redis").set(not fault and refused is None)
             raise_if_cancelled()
             await asyncio.sleep(PROBE_S)
 
@@ -153,11 +152,11 @@ class Health:
                     f"{now - since:.0f}s"
                 )
             checked, fault = self._redis
-            refusal = delivery.last_refusal  # PING is answered while Redis refuses writes
+            refused = _recent_refusal(now)  # PING is answered while Redis refuses writes
             if fault:
                 found.append(f"redis: {fault}")
-            elif refusal is not None and now - refusal[0] < REFUSAL_S:
-                found.append(f"redis: {refusal[1]}")
+            elif refused is not None:
+                found.append(f"redis: {refused}")
             elif now - checked > self.stale_s + PING_TIMEOUT_S:
                 found.append(f"redis: no answer for {now - checked:.1f}s")
         return found
@@ -165,6 +164,12 @@ class Health:
     def not_ready(self) -> list[str]:
         """Why the process should get no work; empty when it consumes and is healthy."""
         return self.faults() + ([] if self._ready else ["not consuming"])
+
+
+def _recent_refusal(now: float) -> str | None:
+    """What Redis refused in the last REFUSAL_S (delivery.waits_for_services noted it)."""
+    refusal = delivery.last_refusal
+    return refusal[1] if refusal is not None and now - refusal[0] < REFUSAL_S else None
 
 
 def application(health: Health, registry: Any = None) -> Callable[..., Iterable[bytes]]:

@@ -1658,21 +1658,30 @@ end""",
         (REQUEUE,),
     ),
     "requeue-old-ingress-letters": (
-        "shardflow/cli.py",
+        "router/dead_letters.py",
         "    if source == names.ingress_queue and SENT_ID not in headers:",
         "    if False:",
         (REQUEUE,),
     ),
+    # A header naming a shard of thousands of digits: int() raised, and `--requeue` stopped.
+    "dead-letter-numbers-unbounded": (
+        "router/dead_letters.py",
+        "    return 0 < len(text) <= 6 and text.isascii() and text.isdigit()",
+        "    return 0 < len(text) and text.isascii() and text.isdigit()",
+        (
+            "tests/test_dead_letters.py::test_a_header_of_thousands_of_digits_is_no_queue_and_no_crash",
+        ),
+    ),
     # `dead --requeue` trusted the header naming a letter's queue: any queue of the vhost.
     "requeue-trusts-the-header": (
-        "shardflow/cli.py",
-        "    if not isinstance(source, str) or not _our_queue(names, source):",
+        "router/dead_letters.py",
+        "    if not isinstance(source, str) or not our_queue(names, source):",
         "    if not isinstance(source, str):",
         (REQUEUE,),
     ),
     # A letter sent back with its failures counted and its reasons: parked again at once.
     "requeue-keeps-the-count": (
-        "shardflow/cli.py",
+        "router/dead_letters.py",
         "    return source, {**kept, FAILURES: 0}",
         "    return source, dict(headers)",
         (REQUEUE,),
@@ -1696,14 +1705,14 @@ end""",
     # A refused record sent the task message back: its handlers ran again at every try.
     "refused-record-reruns-handlers": (
         "worker/pool.py",
-        "                if not waits_for_services(exc) or self._stop.is_set():\n",
+        "                if given_up or not waits_for_services(exc):\n",
         "                if True:\n",
         (FULL_REDIS,),
     ),
     # A full Redis still answers PING: /healthz stayed green while nothing could be written.
     "health-blind-to-refusals": (
         "orchestrator/health.py",
-        "            elif refusal is not None and now - refusal[0] < REFUSAL_S:\n",
+        "            elif refused is not None:\n",
         "            elif False:\n",
         (FULL_REDIS,),
     ),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import functools
 import json
 import logging
@@ -12,7 +11,6 @@ import math
 import os
 import signal
 import sys
-import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
@@ -29,16 +27,13 @@ from orchestrator import logs
 from orchestrator.bus import MAX_DEAD_HELD, Bus, TopologyError
 from orchestrator.connections import UNREACHABLE, connected
 from orchestrator.delivery import (
-    FAILURES,
-    SENT_ID,
     describe,
     first_error,
-    kept_headers,
     redis_refuses,
 )
 from orchestrator.documents import parse_document, parse_input
 from orchestrator.health import serving
-from orchestrator.keys import Names, check_workflow_id
+from orchestrator.keys import check_workflow_id
 from orchestrator.lifecycle import end_tasks, within
 from orchestrator.loopwatch import watched
 from orchestrator.owner import Orchestrator, ShardError
@@ -51,9 +46,9 @@ from orchestrator.program import (
 )
 from orchestrator.redis_store import RedisStore
 from orchestrator.settings import MAX_SHARDS, Settings
-from orchestrator.shares import SHARES
 from orchestrator.store import TERMINAL
 from router.client import Router, Submitted
+from router.dead_letters import death_reason, parked_at, parked_before, sent_back
 from router.explain import explain_text
 from router.hashing import shard_for
 from router.ingress import Ingress
@@ -914,109 +909,26 @@ async def _dead(settings: Settings, args: argparse.Namespace) -> int:
     async with connected(settings, "shardflow-dead", declare=False) as (_, bus):
         if args.requeue:
             sent, kept, left = await bus.resend_dead(
-                functools.partial(_sent_back, bus.names), MAX_DEAD_PURGE
+                functools.partial(sent_back, bus.names), MAX_DEAD_PURGE
             )
             _print(json.dumps({"requeued": sent, "kept": kept, "left": left}))
             return 0
         if args.purge:
-            old = None
-            if args.older_than is not None:
-                now = time.time() * 1000
-                cutoff = now - args.older_than * 1000
-
-                def old(headers: dict[str, Any]) -> bool:
-                    at = _parked_at(headers)
-                    # A time to come is unknown (its parker's clock was ahead) and counts as
-                    # old, as none does: taken as young, it stopped the purge at it.
-                    return at is None or at <= cutoff or at > now + FUTURE_AT_MS
-
+            old = None if args.older_than is None else parked_before(args.older_than)
             deleted, left = await bus.purge_dead(old, MAX_DEAD_PURGE)
             _print(json.dumps({"purged": deleted, "left": left}))
             return 0
         messages = await bus.peek_dead(args.limit)
     for headers, body in messages:
         line = {
-            "reason": headers.get("x-shardflow-reason") or _death_reason(headers),
+            "reason": headers.get("x-shardflow-reason") or death_reason(headers),
             "from": headers.get("x-shardflow-from"),
-            "at": _parked_at(headers),
+            "at": parked_at(headers),
             "body": body.decode(errors="replace")[:500],
         }
         # Parked by the broker, a message has its sender's headers: any AMQP value.
         _print(json.dumps(line, default=str))
     return 0
-
-
-def _sent_back(
-    names: Names, headers: dict[str, Any], message_id: str | None = None
-) -> tuple[str, dict[str, Any]] | None:
-    """Where a dead letter goes again and with which headers: the queue it came from, if that
-    is one of this cluster's that a consumer reads (a header may name any queue: it is not
-    trusted), counted as redelivered and without the reasons it was parked with."""
-    source = headers.get("x-shardflow-from") or (_first_death(headers) or {}).get("queue")
-    if not isinstance(source, str) or not _our_queue(names, source):
-        return None
-    kept = {k: v for k, v in kept_headers(headers).items() if k not in _PARKING_HEADERS}
-    if source == names.ingress_queue and SENT_ID not in headers:
-        if _first_death(headers) is None:
-            return None  # parked before ids were kept: its request would get a new id
-        kept[SENT_ID] = message_id or ""  # parked by the broker, which kept the message's own
-    return source, {**kept, FAILURES: 0}
-
-
-_PARKING_HEADERS = ("x-shardflow-reason", "x-shardflow-from", "x-shardflow-at")
-
-
-def _our_queue(names: Names, queue: str) -> bool:
-    """Whether `queue` is this cluster's ingress, a shard's or a pool's (share) queue."""
-    if queue == names.ingress_queue:
-        return True
-    shard = queue.removeprefix(names.shard_queue(0)[:-1])
-    if shard != queue:
-        return shard.isascii() and shard.isdigit() and int(shard) < MAX_SHARDS
-    pool = queue.removeprefix(names.task_queue(""))
-    if pool == queue or not pool:
-        return False
-    base, _, share = pool.rpartition(".")
-    if base and share.isascii() and share.isdigit() and int(share) < SHARES:
-        pool = base
-    try:
-        check_pool_name(pool)
-    except ValueError:
-        return False
-    return True
-
-
-# A dead letter's time further ahead than this is its parker's clock's error, not a time.
-FUTURE_AT_MS = 5 * 60_000
-
-
-def _parked_at(headers: dict[str, Any]) -> int | None:
-    """When a message was parked, in ms: the broker's `x-death` says when it parked one
-    (which keeps its sender's headers, ours too), ours say when we did."""
-    when = (_first_death(headers) or {}).get("time")
-    if isinstance(when, datetime.datetime):
-        return int(when.timestamp() * 1000)
-    at = headers.get("x-shardflow-at")
-    if isinstance(at, int) and not isinstance(at, bool):
-        return at
-    return None
-
-
-def _death_reason(headers: dict[str, Any]) -> str:
-    # Dead-lettered by the broker (rejected, or over a quorum queue's delivery limit).
-    death = _first_death(headers)
-    if death is not None:
-        return f"{death.get('reason')} by the broker from {death.get('queue')}"
-    return "unknown"
-
-
-def _first_death(headers: dict[str, Any]) -> dict[str, Any] | None:
-    """The broker's latest `x-death` entry, when the header is the list of tables it writes
-    (a sender may set it to anything)."""
-    deaths = headers.get("x-death")
-    if isinstance(deaths, list) and deaths and isinstance(deaths[0], dict):
-        return deaths[0]
-    return None
 
 
 async def _shards(settings: Settings, args: argparse.Namespace) -> int:

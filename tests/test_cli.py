@@ -724,7 +724,7 @@ def test_a_dead_letter_was_parked_when_the_broker_says_before_what_its_headers_s
     `x-shardflow-*`): its `x-death` time is when it was parked. Ours: `x-shardflow-at`."""
     import datetime
 
-    from shardflow.cli import _parked_at
+    from router.dead_letters import parked_at as _parked_at
 
     when = datetime.datetime(2026, 12, 5, 4, 0, tzinfo=datetime.UTC)
     death = {"reason": "delivery_limit", "queue": "q", "time": when}

@@ -595,9 +595,8 @@ class Worker(Service):
             try:
                 return await self.store.record(task.wf, task.path, task.size, outputs, task.epoch)
             except Exception as exc:
-                if not waits_for_services(exc) or self._stop.is_set():
-                    raise
-                if time.monotonic() + pause > deadline:
+                given_up = self._stop.is_set() or time.monotonic() + pause > deadline
+                if given_up or not waits_for_services(exc):
                     raise
                 if pause == RECORD_PAUSE_S:
                     log.warning(
