@@ -777,20 +777,23 @@ class Bus:
         again: Callable[[dict[str, Any], str | None], tuple[str, dict[str, Any]] | None],
         most: int,
     ) -> tuple[int, int, int]:
-        """Publish dead-lettered messages again, oldest first, at most `most` looked at:
-        `again(headers, message_id)` names the queue each goes to and its headers (None: no
-        queue known, kept). Each leaves the dead-letter queue once its copy is confirmed;
-        those kept are handed back, in order, when the channel closes (at most MAX_DEAD_HELD
-        held). (sent, kept, left)."""
+        """Publish dead-lettered messages again, oldest first: those the queue held when
+        this began, at most `most` of them. `again(headers, message_id)` names the queue each
+        goes to and its headers (None: no queue known, kept). Each leaves the dead-letter
+        queue once its copy is confirmed; those kept are handed back, in order, when the
+        channel closes (at most MAX_DEAD_HELD held). (sent, kept, left: what the queue holds
+        once done, letters refused again meanwhile too)."""
         channel = await self._consumer_channel()
         try:
             try:
                 queue = await channel.get_queue(self.names.dead_queue, ensure=True)
             except aiormq.exceptions.ChannelNotFoundEntity:
                 return 0, 0, 0  # no dead-letter queue: nothing was ever parked
+            # Only those there now: a letter refused again comes back behind them, and read
+            # again it went round for as long as this ran (hundreds of times for 3 letters).
             ready = queue.declaration_result.message_count or 0
             sent = kept = 0
-            while sent + kept < most and kept < MAX_DEAD_HELD:
+            while sent + kept < min(most, ready) and kept < MAX_DEAD_HELD:
                 message = await queue.get(no_ack=False, fail=False)
                 if message is None:
                     break
@@ -808,9 +811,10 @@ class Bus:
                     continue
                 await message.ack()
                 sent += 1
-            return sent, kept, max(0, ready - sent)
         finally:
-            await channel.close()
+            await channel.close()  # the kept go back first, then they are counted
+        state = await self.queue_state(self.names.dead_queue)
+        return sent, kept, 0 if state is None else state[0]
 
     async def consume_ingress(self, prefetch: int) -> Deliveries:
         """Consume the ingress queue, declaring it first (with the arguments `declare` gives

@@ -1672,6 +1672,15 @@ end""",
             "tests/test_dead_letters.py::test_a_header_of_thousands_of_digits_is_no_queue_and_no_crash",
         ),
     ),
+    # `dead --requeue` read on past the letters there at its start: one refused again went round.
+    "requeue-reads-its-own-returns": (
+        "orchestrator/bus.py",
+        "            while sent + kept < min(most, ready) and kept < MAX_DEAD_HELD:",
+        "            while sent + kept < most and kept < MAX_DEAD_HELD:",
+        (
+            "tests/test_ingress.py::test_a_requeue_sends_each_letter_once_though_the_router_refuses_it_again",
+        ),
+    ),
     # `dead --requeue` trusted the header naming a letter's queue: any queue of the vhost.
     "requeue-trusts-the-header": (
         "router/dead_letters.py",

@@ -277,12 +277,13 @@ def _parser() -> argparse.ArgumentParser:
         "--requeue",
         action="store_true",
         help=f"publish dead-lettered messages again to the queue each came from (this "
-        f"cluster's shard, pool and ingress queues only), oldest first, at most "
-        f"{MAX_DEAD_PURGE:,} a run (it stops at {MAX_DEAD_HELD:,} kept), and print how many "
-        "went, how many were kept (no such queue known, left in place) and how many are "
-        "left. Safe for any of them: every transition is compare-and-advance, so one that "
-        "already happened changes nothing; one refused again comes back here. For what a "
-        "fault since mended parked (Redis full, a bug)",
+        f"cluster's shard, pool and ingress queues only), oldest first: those there when "
+        f"it began, at most {MAX_DEAD_PURGE:,} (it stops at {MAX_DEAD_HELD:,} kept), and "
+        "print how many went, how many were kept (no such queue known, left in place) and "
+        "how many are left. Safe for any of them: every transition is compare-and-advance, "
+        "so one that already happened changes nothing; one refused again comes back here, "
+        "behind the rest, and is not sent again in the same run. For what a fault since "
+        "mended parked (Redis full, a bug)",
     )
     dead.add_argument(
         "--older-than",

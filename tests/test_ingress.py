@@ -92,6 +92,33 @@ async def test_requests_are_submitted_and_bad_ones_refused_with_the_fault(
     assert sorted(a["error"] for a in answers if "error" in a) == reasons
 
 
+async def test_a_requeue_sends_each_letter_once_though_the_router_refuses_it_again(
+    ingress: Router, settings: Settings
+) -> None:
+    """A letter sent back and refused again is parked behind the rest: `dead --requeue` read
+    on until the queue was empty, so 3 letters went round hundreds of times in one run (a
+    reply and a log line each) and `left` said 0 with 3 there."""
+    from router.dead_letters import sent_back
+
+    bad = [json.dumps({"program": {"steps": [{"task": f"nope{k}"}]}}).encode() for k in range(3)]
+    async with connected(settings) as (_, bus):
+        for body in bad:
+            await bus.dead_letter(body, reason="Redis full", source=bus.names.ingress_queue)
+        sent, kept, _ = await bus.resend_dead(lambda h, m: sent_back(bus.names, h, m), 100)
+        assert (sent, kept) == (3, 0)
+        for _ in range(200):  # the router parks each again
+            parked = await bus.peek_dead(10)
+            if len(parked) == 3:
+                break
+            await asyncio.sleep(0.05)
+        assert sorted(body for _, body in parked) == sorted(bad)
+        assert {h["x-shardflow-reason"] for h, _ in parked} == {
+            f"steps[0].task: unknown task 'nope{k}'" for k in range(3)
+        }
+        again = await bus.resend_dead(lambda h, m: sent_back(bus.names, h, m), 100)
+        assert again[:2] == (3, 0)  # once each again, not round and round
+
+
 async def test_signals_arrive_through_the_ingress_once_per_message(
     ingress: Router, settings: Settings
 ) -> None:
