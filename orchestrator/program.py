@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Iterator
 from functools import cached_property
@@ -89,6 +90,15 @@ def _no_serial_bag(name: str) -> str:
     return name
 
 
+def _no_serial_compensation(name: str) -> str:
+    if is_lane(name):
+        raise ValueError(
+            "a compensation never runs on a serial lane (a bag's compensations run side by "
+            "side): name a pool of many consumers, or none"
+        )
+    return name
+
+
 PoolName = Annotated[
     str,
     AfterValidator(check_pool_name),
@@ -98,24 +108,22 @@ PoolName = Annotated[
         "task at a time); parallel, or any other name: a pool of its own, with many consumers",
     ),
 ]
-BagPool = Annotated[
-    str,
-    AfterValidator(check_pool_name),
-    AfterValidator(_no_serial_bag),
-    Field(
-        json_schema_extra={
-            "pattern": POOL_NAME,
-            "not": {
-                "anyOf": [
-                    {"pattern": _RESERVED_POOL.pattern},
-                    {"const": SERIAL},
-                    {"pattern": f"^{LANE_PREFIX}"},
-                ]
-            },
+_NO_LANE = Field(
+    json_schema_extra={
+        "pattern": POOL_NAME,
+        "not": {
+            "anyOf": [
+                {"pattern": _RESERVED_POOL.pattern},
+                {"const": SERIAL},
+                {"pattern": f"^{LANE_PREFIX}"},
+            ]
         },
-        description="parallel, or any other name but serial and serial-*: a pool with many "
-        "consumers",
-    ),
+    },
+    description="parallel, or any other name but serial and serial-*: a pool with many consumers",
+)
+BagPool = Annotated[str, AfterValidator(check_pool_name), AfterValidator(_no_serial_bag), _NO_LANE]
+CompensationPool = Annotated[
+    str, AfterValidator(check_pool_name), AfterValidator(_no_serial_compensation), _NO_LANE
 ]
 
 
@@ -198,7 +206,7 @@ class Compensate(_Model):
     retry: Retry | None = None
     timeout_s: float | None = Field(default=None, gt=0, le=86400)
     # A bag's compensations run side by side: like a bag member's, never on a serial lane.
-    pool: BagPool | None = None
+    pool: CompensationPool | None = None
 
 
 class Member(_Model):
@@ -409,6 +417,9 @@ def _step_kind(value: Any) -> str | None:
     return kinds[0] if len(kinds) == 1 else None
 
 
+_ONE_KIND = (
+    "a step needs exactly one of 'task', 'bag', 'map', 'sleep_s', 'until', 'choice' or 'signal'"
+)
 _KINDS = {
     "task": "Task",
     "bag": "Bag",
@@ -430,10 +441,7 @@ Step = Annotated[
     Discriminator(
         _step_kind,
         custom_error_type="step_kind",
-        custom_error_message=(
-            "a step needs exactly one of 'task', 'bag', 'map', 'sleep_s', 'until', 'choice' "
-            "or 'signal'"
-        ),
+        custom_error_message=_ONE_KIND,
     ),
 ]
 Untiloop.model_rebuild()
@@ -588,42 +596,56 @@ MAX_UNKNOWN_NAMED = 10  # a program of many unknown tasks still gets a short err
 
 def _unknown_tasks(program: Program, known: set[str]) -> list[str]:
     """Each unknown task name once, at the path of its first use in the document."""
-    first: dict[str, str] = {}
-    for path, name in _task_paths(program.steps, "steps"):
-        if name not in known:
-            first.setdefault(name, path)
-    faults = [f"{path}: unknown task {name!r}" for name, path in first.items()]
-    more = len(faults) - MAX_UNKNOWN_NAMED
-    return faults[:MAX_UNKNOWN_NAMED] + ([f"and {more} more unknown tasks"] if more > 0 else [])
+    tasks = (task for task, _ in _leaf_paths(program.steps, "steps"))
+    return _unknown(tasks, known, "unknown task {!r}", "unknown tasks")
 
 
 def _unknown_pools(program: Program, known: frozenset[str]) -> list[str]:
-    unknown = sorted(program.pools() - known)
+    """Each pool not in SHARDFLOW_POOLS once, at the path of its first use in the document."""
     named = ", ".join(sorted(known - {SERIAL, PARALLEL})) or "none"
-    faults = [
-        f"pool {name!r} is not one of SHARDFLOW_POOLS ({named}; serial and parallel always are)"
-        for name in unknown[:MAX_UNKNOWN_NAMED]
-    ]
-    more = len(unknown) - MAX_UNKNOWN_NAMED
-    return faults + ([f"and {more} more unknown pools"] if more > 0 else [])
+    fault = f"pool {{!r}} is not one of SHARDFLOW_POOLS ({named}; serial and parallel always are)"
+    pools = (pool for _, pool in _leaf_paths(program.steps, "steps"))
+    return _unknown(pools, known, fault, "unknown pools")
 
 
-def _task_paths(steps: list[Step], prefix: str) -> Iterator[tuple[str, str]]:
-    """(document path of a `task` field, the name there) for every task a step list runs,
-    compensations too, deep."""
+def _unknown(
+    uses: Iterator[tuple[str, str]], known: set[str] | frozenset[str], fault: str, more: str
+) -> list[str]:
+    """`<path>: <fault with the name>` for each name not known, at its first use; at most
+    MAX_UNKNOWN_NAMED, then how many `more`."""
+    first: dict[str, str] = {}
+    for path, name in uses:
+        if name not in known:
+            first.setdefault(name, path)
+    faults = [f"{path}: {fault.format(name)}" for name, path in first.items()]
+    left = len(faults) - MAX_UNKNOWN_NAMED
+    return faults[:MAX_UNKNOWN_NAMED] + ([f"and {left} more {more}"] if left > 0 else [])
+
+
+def _leaf_paths(
+    steps: list[Step], prefix: str
+) -> Iterator[tuple[tuple[str, str], tuple[str, str]]]:
+    """For every task a step list runs, compensations too, deep: ((document path of its
+    `task` field, the name), (path of the `pool` field that sends it there, the pool))."""
     for n, step in enumerate(steps):
         path = f"{prefix}[{n}]"
-        members: list[tuple[str, Member]] = []
+        members: list[tuple[str, Member, str, str]] = []  # path, member, pool's path, pool
         if isinstance(step, Task | Map):
-            members = [(path, step)]
+            members = [(path, step, f"{path}.pool", pool_of(step))]
         elif isinstance(step, Bag):
-            members = [(f"{path}.bag[{i}]", member) for i, member in step.tasks()]
-        for where, member in members:
-            yield f"{where}.task", member.task
+            for i, member in step.tasks():
+                where = f"{path}.bag[{i}]"
+                named = f"{where}.pool" if member.pool else f"{path}.pool"
+                members.append((where, member, named, pool_of(step, i)))
+        for where, member, pool_path, pool in members:
+            yield (f"{where}.task", member.task), (pool_path, pool)
             if member.compensate is not None:
-                yield f"{where}.compensate.task", member.compensate.task
+                yield (
+                    (f"{where}.compensate.task", member.compensate.task),
+                    (f"{where}.compensate.pool", member.compensate.pool or PARALLEL),
+                )
         for inner, inner_path in _branches(step, path):
-            yield from _task_paths(inner, inner_path)
+            yield from _leaf_paths(inner, inner_path)
 
 
 # --- saga compensation ---------------------------------------------------------------------
@@ -810,7 +832,27 @@ def _fault(error: Any) -> str:
     message = printable(error["msg"].removeprefix("Value error, "))
     if error["type"] == "model_type":  # pydantic names its class: "instance of Program"
         message = f"a JSON object, not {_json_kind(error['input'])}"
+    elif error["type"] == "step_kind":
+        message = _kind_fault(error["input"])
     return f"{path or 'program'}: {message}"
+
+
+def _kind_fault(step: Any) -> str:
+    """Why a step has no kind, naming what it holds instead: the kinds that clash, or the
+    keys that are none (with the kind each is close to), at most MAX_UNKNOWN_NAMED of them."""
+    if not isinstance(step, dict):
+        return f"a JSON object, not {_json_kind(step)}"
+    kinds = [key for key in _KINDS if key in step]
+    if len(kinds) > 1:  # task and map together are a map: not here
+        both = ", ".join(repr(key) for key in kinds[:-1]) + f" and {kinds[-1]!r}"
+        return f"{both} in one step: {_ONE_KIND}"
+    if not step:
+        return f"an empty step: {_ONE_KIND}"
+    named = []
+    for key in list(step)[:MAX_UNKNOWN_NAMED]:
+        close = difflib.get_close_matches(key[:40], _KINDS, n=1, cutoff=0.6)
+        named.append(short(key) + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return f"no kind among {', '.join(named)}: {_ONE_KIND}"
 
 
 def _json_kind(value: Any) -> str:

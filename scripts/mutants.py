@@ -1672,6 +1672,24 @@ end""",
             "tests/test_dead_letters.py::test_a_header_of_thousands_of_digits_is_no_queue_and_no_crash",
         ),
     ),
+    # A refusal of an unknown pool named a bag's pool where its member named its own.
+    "pool-path-of-the-bag": (
+        "orchestrator/program.py",
+        '                named = f"{where}.pool" if member.pool else f"{path}.pool"',
+        '                named = f"{path}.pool"',
+        (
+            "tests/test_program.py::test_every_task_and_pool_is_found_at_the_path_a_fault_would_name",
+        ),
+    ),
+    # A compensation's task and pool went unwalked: an unknown one would be refused unnamed.
+    "leaf-paths-skip-compensations": (
+        "orchestrator/program.py",
+        "            if member.compensate is not None:\n                yield (",
+        "            if False:\n                yield (",
+        (
+            "tests/test_program.py::test_every_task_and_pool_is_found_at_the_path_a_fault_would_name",
+        ),
+    ),
     # `dead --requeue` read on past the letters there at its start: one refused again went round.
     "requeue-reads-its-own-returns": (
         "orchestrator/bus.py",

@@ -170,7 +170,8 @@ def test_a_pool_outside_shardflow_pools_is_refused_at_submit(settings: Settings)
     result = shardflow("submit", "-", env=env, stdin=program)
     assert result.returncode == 2, result.stderr
     assert result.stderr == (
-        "shardflow: pool 'billng' is not one of SHARDFLOW_POOLS (billing; serial and parallel "
+        "shardflow: steps[0].pool: pool 'billng' is not one of SHARDFLOW_POOLS (billing; "
+        "serial and parallel "
         "always are)\n"
     )
     bad = shardflow("submit", "-", env={**env, "SHARDFLOW_POOLS": "Billing"}, stdin=program)

@@ -2,10 +2,14 @@
 
 import json
 import math
+import re
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
+from hypothesis import given
+from hypothesis import settings as hyp_settings
 from pydantic import ValidationError
 
 from orchestrator.documents import parse_input
@@ -23,6 +27,7 @@ from orchestrator.program import (
 )
 from orchestrator.program import program_schema as schema
 from orchestrator.settings import Settings
+from tests.model import programs, with_compensations
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "thumbnails.json"
 
@@ -79,8 +84,20 @@ def test_untiloops_nest() -> None:
     [
         ({"steps": []}, "steps: List should have at least 1 item"),
         ({}, "steps: Field required"),
-        ({"steps": [{"task": "a"}, {"oops": 1}]}, "steps[1]: a step needs exactly one of"),
-        ({"steps": [{"task": "a", "bag": []}]}, "steps[0]: a step needs exactly one of"),
+        (
+            {"steps": [{"task": "a"}, {"oops": 1}]},
+            "steps[1]: no kind among 'oops': a step needs exactly one of",
+        ),
+        (
+            {"steps": [{"bags": [{"task": "a"}]}]},
+            "steps[0]: no kind among 'bags' (did you mean 'bag'?): a step needs exactly one of",
+        ),
+        ({"steps": [{}]}, "steps[0]: an empty step: a step needs exactly one of"),
+        ({"steps": [[]]}, "steps[0]: a JSON object, not a list"),
+        (
+            {"steps": [{"task": "a", "bag": []}]},
+            "steps[0]: 'task' and 'bag' in one step: a step needs exactly one of",
+        ),
         ({"steps": [{"bag": []}]}, "steps[0].bag: List should have at least 1 item"),
         (
             {"steps": [{"bag": [{"task": "a"}], "chunk": 0}]},
@@ -156,7 +173,10 @@ def test_untiloops_nest() -> None:
             {"steps": [{"map": "input", "task": "a", "max_items": 2, "pool": "serial"}]},
             "steps[0].pool: a bag or map runs its members side by side",
         ),
-        ({"steps": [{"map": "input", "bag": [], "max_items": 2}]}, "steps[0]: a step needs"),
+        (
+            {"steps": [{"map": "input", "bag": [], "max_items": 2}]},
+            "steps[0]: 'bag' and 'map' in one step",
+        ),
         ({"steps": [{"sleep_s": 0}]}, "steps[0].sleep_s: Input should be greater than 0"),
         ({"steps": [{"choice": []}]}, "steps[0].choice: List should have at least 1 item"),
         (
@@ -165,7 +185,7 @@ def test_untiloops_nest() -> None:
         ),
         (
             {"steps": [{"choice": [{"when": "true", "steps": [{"oops": 1}]}]}]},
-            "steps[0].choice[0].steps[0]: a step needs exactly one of",
+            "steps[0].choice[0].steps[0]: no kind among 'oops': a step needs exactly one of",
         ),
         (
             {"steps": [{"choice": [{"when": "true", "steps": [{"task": "a"}]}], "otherwise": []}]},
@@ -175,7 +195,14 @@ def test_untiloops_nest() -> None:
             {"steps": [{"sleep_s": 2592001}]},
             "steps[0].sleep_s: Input should be less than or equal to 2592000",
         ),
-        ({"steps": [{"sleep_s": 1, "task": "a"}]}, "steps[0]: a step needs exactly one of"),
+        (
+            {"steps": [{"sleep_s": 1, "task": "a"}]},
+            "steps[0]: 'task' and 'sleep_s' in one step: a step needs exactly one of",
+        ),
+        (
+            {"steps": [{"task": "a", "compensate": {"task": "b", "pool": "serial-x"}}]},
+            "steps[0].compensate.pool: a compensation never runs on a serial lane",
+        ),
         ({"steps": [{"sleep_s": 1, "args": {}}]}, "steps[0].args: Extra inputs"),
     ],
 )
@@ -206,9 +233,9 @@ def test_pools_outside_shardflow_pools_are_refused_naming_them() -> None:
     with pytest.raises(ProgramError) as caught:
         parse_program(program, known_pools=known)
     assert caught.value.faults == [
-        f"pool {name!r} is not one of SHARDFLOW_POOLS (billing, serial-reports; serial and "
-        "parallel always are)"
-        for name in ("billng", "gpu")
+        f"{path}: pool {name!r} is not one of SHARDFLOW_POOLS (billing, serial-reports; serial "
+        "and parallel always are)"
+        for path, name in (("steps[1].bag[0].pool", "billng"), ("steps[2].compensate.pool", "gpu"))
     ]
     assert parse_program(program, known_pools=known | {"billng", "gpu"})
     assert parse_program(program, known_pools=None)  # unset: any pool
@@ -413,3 +440,32 @@ def test_the_schema_accepts_and_refuses_the_pool_names_the_format_does() -> None
         with pytest.raises(ProgramError, match=r"a serial lane takes single tasks"):
             parse_program(program)
     assert validator.is_valid({"steps": [{"task": "a", "pool": "serial"}]})
+
+
+@hyp_settings(max_examples=150, deadline=None)
+@given(program=with_compensations(programs(max_bag=5, branchy=True)))
+def test_every_task_and_pool_is_found_at_the_path_a_fault_would_name(program: dict) -> None:
+    """A refusal of an unknown task or pool names the path of its first use: each path
+    names that value in the document (or, for a pool not written, the field that would), and
+    together they are every task and pool the program uses, so no fault goes unnamed."""
+    from orchestrator.program import _leaf_paths
+
+    parsed = parse_program(program)
+    tasks, pools = set(), set()
+    for (task_path, task), (pool_path, pool) in _leaf_paths(parsed.steps, "steps"):
+        assert _at(program, task_path) == task
+        assert _at(program, pool_path) in (pool, None)
+        tasks.add(task)
+        pools.add(pool)
+    assert tasks == parsed.task_names()
+    assert pools == parsed.pools()
+
+
+def _at(document: Any, path: str) -> Any:
+    """The value at a fault's path (`steps[1].bag[0].pool`), None when the last key is absent."""
+    for part in re.findall(r"\[(\d+)\]|\.?([a-z_]+)", path):
+        index, key = part
+        document = document[int(index)] if index else document.get(key)
+        if document is None:
+            return None
+    return document
