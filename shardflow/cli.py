@@ -46,7 +46,7 @@ from orchestrator.program import (
 )
 from orchestrator.redis_store import RedisStore
 from orchestrator.settings import MAX_SHARDS, Settings
-from orchestrator.store import TERMINAL
+from orchestrator.store import TERMINAL, Store
 from router.client import Router, Submitted
 from router.dead_letters import death_reason, parked_at, parked_before, sent_back
 from router.explain import explain_text
@@ -104,7 +104,9 @@ def _parser() -> argparse.ArgumentParser:
         "--shards",
         type=_shard_count,
         metavar="N",
-        help=f"shard count, 1 to {MAX_SHARDS} (default: SHARDFLOW_SHARDS, else 4)",
+        help=f"shard count, 1 to {MAX_SHARDS} (default: SHARDFLOW_SHARDS, else 4), of this "
+        "process only: submit and the router place programs by their own SHARDFLOW_SHARDS, so "
+        "set that instead to change it for all",
     )
     _app_argument(dev, "import MODULE and use its @task() handlers")
     _concurrency_argument(dev, "the parallel pool's and named pools' tasks at once")
@@ -705,6 +707,7 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
             _print(submitted.workflow_id)
             return 0
         print(submitted.workflow_id, file=sys.stderr)
+        watch = asyncio.create_task(_warn_unserved(store, bus, submitted, settings.shards))
         try:
             if sys.stderr.isatty():  # live progress for a person; nothing extra for a script
                 with LiveProgress(sys.stderr) as view:
@@ -714,6 +717,8 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
                 status = await router.wait(submitted.workflow_id, args.timeout)
         except TimeoutError as exc:
             raise CliError(str(exc), EXIT_TIMEOUT) from None
+        finally:
+            watch.cancel()
     if status["status"] == "completed":
         _print(json.dumps(status["result"]))
         return 0
@@ -723,6 +728,29 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
     if saga.get("error"):  # a compensation failed too (or was stopped)
         error = f"{error}; {clean(saga['error'], 2000)}"
     raise CliError(f"program {status['status']}: {error}", EXIT_FAILED)
+
+
+# A program still pending this long after `submit --wait` sent it, on a shard no orchestrator
+# consumes, is said to wait for one (longer than an orchestrator takes to start beside it).
+UNSERVED_AFTER_S = 3.0
+
+
+async def _warn_unserved(store: Store, bus: Bus, submitted: Submitted, shards: int) -> None:
+    """Say so on stderr, once, when the program still waits for an orchestrator: `--wait`
+    said nothing while it hung (a `dev --shards 2` beside a client's default 4)."""
+    await asyncio.sleep(UNSERVED_AFTER_S)
+    try:
+        state = await store.state(submitted.workflow_id)
+        queue = await bus.queue_state(bus.names.shard_queue(submitted.shard))
+    except Exception:  # only a hint: the wait goes on and says what it finds
+        return
+    if state.get("status") == "pending" and queue is not None and queue[1] == 0:
+        print(
+            f"shardflow: warning: no orchestrator consumes shard {submitted.shard} (of "
+            f"SHARDFLOW_SHARDS={shards}): the program waits until one does. `shardflow shards` "
+            "shows each shard's consumers: do the orchestrators run with this SHARDFLOW_SHARDS?",
+            file=sys.stderr,
+        )
 
 
 # How long a command waits for RabbitMQ to take the message it publishes (its confirm). A

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from orchestrator.settings import Settings
+from router.hashing import shard_for
 
 ROOT = Path(__file__).parent.parent
 EXAMPLE = ROOT / "examples" / "thumbnails.json"
@@ -733,3 +734,28 @@ def test_a_dead_letter_was_parked_when_the_broker_says_before_what_its_headers_s
     assert _parked_at({"x-death": [death], "x-shardflow-at": later}) == later - 10**9
     assert _parked_at({"x-shardflow-at": later}) == later
     assert _parked_at({"x-shardflow-at": True, "x-death": [{"time": "soon"}]}) is None
+
+
+def test_submit_wait_says_when_no_orchestrator_consumes_the_programs_shard(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """A `dev --shards 2` beside a client's default 4: `--wait` hung on shards 2 and 3 and
+    said nothing. Here no orchestrator runs at all."""
+    program = tmp_path / "p.json"
+    program.write_text(json.dumps({"steps": [{"task": "resize"}]}))
+    env = environment(settings)
+    waited = shardflow("submit", str(program), "--id", "unserved", "--wait", "--timeout", "5",
+                       env=env)  # fmt: skip
+    assert waited.returncode == 3, waited.stderr
+    shards = int(env["SHARDFLOW_SHARDS"])
+    assert (
+        f"shardflow: warning: no orchestrator consumes shard {shard_for('unserved', shards)} "
+        f"(of SHARDFLOW_SHARDS={shards}): the program waits until one does." in waited.stderr
+    ), waited.stderr
+
+
+def test_submit_wait_warns_of_nothing_while_its_program_runs(dev: dict[str, str]) -> None:
+    program = json.dumps({"steps": [{"sleep_s": 4}]})
+    waited = shardflow("submit", "-", "--wait", "--timeout", "30", env=dev, stdin=program)
+    assert waited.returncode == 0, waited.stderr
+    assert "warning" not in waited.stderr, waited.stderr
