@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import importlib
 import json
 import logging
 import math
 import os
 import signal
 import sys
+import traceback
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
@@ -69,6 +71,7 @@ EXIT_TIMEOUT = 3  # --wait gave up; the program goes on
 EXIT_UNAVAILABLE = 4  # RabbitMQ or Redis could not be reached
 
 LONG_RUNNING = ("dev", "orchestrator", "router", "worker")
+log = logging.getLogger(__name__)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MAX_CONCURRENCY = 1000  # as SHARDFLOW_PARALLEL_CONCURRENCY
 MAX_DEAD = 1000  # `dead` holds what it lists in memory
@@ -95,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
         "count and names come from SHARDFLOW_* environment variables (SHARDFLOW_AMQP_URL, "
         "SHARDFLOW_REDIS_URL, SHARDFLOW_SHARDS, SHARDFLOW_PREFIX, ...).",
     )
-    _log_level_argument(parser, os.environ.get("SHARDFLOW_LOG_LEVEL", "INFO"))
+    _log_level_argument(parser, os.environ.get("SHARDFLOW_LOG_LEVEL") or None)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     about = "run every shard and both worker pools in one process (until Ctrl-C)"
@@ -315,14 +318,15 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _log_level_argument(parser: argparse.ArgumentParser, default: str) -> None:
+def _log_level_argument(parser: argparse.ArgumentParser, default: str | None) -> None:
     parser.add_argument(
         "--log-level",
         type=_log_level,
         default=default,
         metavar="LEVEL",
         help=f"{', '.join(level.lower() for level in LOG_LEVELS)} "
-        "(default: SHARDFLOW_LOG_LEVEL, else info)",
+        "(default: SHARDFLOW_LOG_LEVEL, else info for dev, orchestrator, worker and router, "
+        "warning for the rest)",
     )
 
 
@@ -463,7 +467,9 @@ def _pools(groups: list[list[str]]) -> list[str]:
 def main(argv: list[str] | None = None) -> NoReturn:
     """Entry point of the `shardflow` console script."""
     args = _parser().parse_args(argv)
-    logs.configure(args.log_level, os.environ.get("SHARDFLOW_LOG_FORMAT", "text"))
+    # A short command's own progress (`ended cancelled: ...`) is no news beside its output.
+    level = args.log_level or ("INFO" if args.command in LONG_RUNNING else "WARNING")
+    logs.configure(level, os.environ.get("SHARDFLOW_LOG_FORMAT", "text"))
     if args.command not in LONG_RUNNING:
         # A command's connection fault is its one line; aiormq's and aio-pika's own logs
         # of it (an error, "reconnecting") would only repeat it.
@@ -617,12 +623,12 @@ async def end_the_rest(
 def _registry(modules: list[str]) -> Registry:
 
     sys.path.insert(0, os.getcwd())
+    for module in modules:  # one at a time: an error names the one that failed
+        _import_app(module)
     try:
         registry = Registry.from_modules(modules)
-    except ImportError as exc:
+    except ValueError as exc:  # two modules' handlers of one name
         raise CliError(f"--app: {exc}") from None
-    except Exception as exc:  # the module itself failed: a syntax error, an error at import
-        raise CliError(f"--app: importing it raised {type(exc).__name__}: {exc}") from None
     if modules and not registry.names():  # a worker that knows nothing fails every task
         raise CliError(
             f"--app {', '.join(modules)}: no @task() handler in it (decorate its functions "
@@ -631,9 +637,32 @@ def _registry(modules: list[str]) -> Registry:
     return registry
 
 
+def _import_app(module: str) -> None:
+    """Import an --app module, or CliError naming it, and where it failed if inside it."""
+    if module.endswith(".py") or "/" in module:
+        dotted = module.removesuffix(".py").replace("/", ".").strip(".")
+        raise CliError(f"--app {module}: a module's name, not a file's: --app {dotted}")
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        raise CliError(f"--app {module}: {exc}") from None
+    except Exception as exc:  # the module itself failed: a syntax error, an error at import
+        where = ""
+        frames = traceback.extract_tb(exc.__traceback__)
+        if frames:
+            where = f" at {frames[-1].filename}:{frames[-1].lineno}"
+        if isinstance(exc, SyntaxError) and exc.filename:
+            where = f" at {exc.filename}:{exc.lineno}"
+        raise CliError(
+            f"--app {module}: importing it raised {type(exc).__name__}{where}: {exc}"
+        ) from None
+
+
 async def _dev(settings: Settings, args: argparse.Namespace) -> int:
 
     registry = _registry(args.app)
+    if not args.app:
+        log.warning("dev: no --app given: no task handler is known, so every task fails")
     return await _serve(
         lambda store, bus: Dev(
             settings,

@@ -324,10 +324,19 @@ def test_the_log_level_goes_before_or_after_the_command() -> None:
     parser = _parser()
     assert parser.parse_args(["status", "x", "--log-level", "debug"]).log_level == "DEBUG"
     assert parser.parse_args(["--log-level", "error", "status", "x"]).log_level == "ERROR"
-    assert parser.parse_args(["status", "x"]).log_level in {
-        "INFO",
-        os.environ.get("SHARDFLOW_LOG_LEVEL", "INFO").upper(),
-    }
+    unset = os.environ.get("SHARDFLOW_LOG_LEVEL")
+    assert parser.parse_args(["status", "x"]).log_level == (unset and unset.upper())
+
+
+def test_a_short_command_logs_warnings_only_unless_told(settings: Settings) -> None:
+    """`cancel` printed `INFO orchestrator.ending: ... ended cancelled` before its JSON."""
+    env = {**environment(settings), "SHARDFLOW_LOG_LEVEL": ""}  # unset, as a user's shell
+    program = json.dumps({"steps": [{"sleep_s": 60}]})
+    ids = [shardflow("submit", "-", env=env, stdin=program).stdout.strip() for _ in range(2)]
+    quiet = shardflow("cancel", ids[0], env=env)
+    assert (quiet.returncode, quiet.stderr) == (0, ""), quiet.stderr
+    told = shardflow("cancel", ids[1], "--log-level", "info", env=env)
+    assert told.returncode == 0 and f"{ids[1]}: ended cancelled" in told.stderr, told.stderr
 
 
 def test_an_app_that_fails_at_import_and_a_full_stdout_are_one_line(tmp_path: Path) -> None:
@@ -335,7 +344,22 @@ def test_an_app_that_fails_at_import_and_a_full_stdout_are_one_line(tmp_path: Pa
     app = {"PYTHONPATH": str(tmp_path)}
     broken = shardflow("worker", "--pool", "reports", "--app", "broken_app", env=app)
     assert broken.returncode == 2 and "Traceback" not in broken.stderr, broken.stderr
-    assert broken.stderr == "shardflow: --app: importing it raised RuntimeError: no config\n"
+    assert broken.stderr == (
+        f"shardflow: --app broken_app: importing it raised RuntimeError at "
+        f"{tmp_path / 'broken_app.py'}:1: no config\n"
+    )
+    (tmp_path / "bad_syntax.py").write_text("x = 1\ndef (:\n")
+    apps = ("--app", "examples.tasks", "--app", "bad_syntax")
+    syntax = shardflow("worker", "--pool", "reports", *apps, env=app)
+    assert syntax.returncode == 2, syntax.stderr
+    assert syntax.stderr.startswith(
+        f"shardflow: --app bad_syntax: importing it raised SyntaxError at "
+        f"{tmp_path / 'bad_syntax.py'}:2: "
+    ), syntax.stderr
+    path = shardflow("worker", "--pool", "reports", "--app", "examples/tasks.py", env=app)
+    assert path.stderr == (
+        "shardflow: --app examples/tasks.py: a module's name, not a file's: --app examples.tasks\n"
+    )
     (tmp_path / "empty_app.py").write_text("def forgot_the_decorator(ctx): pass\n")
     empty = shardflow("worker", "--pool", "serial", "--app", "empty_app", env=app)
     assert empty.returncode == 2, empty.stderr

@@ -68,7 +68,7 @@ class Registry:
         `threads`, else asyncio's default executor)."""
         handler = self.handlers.get(name)
         if handler is None:
-            known = ", ".join(sorted(self.handlers)) or "none"
+            known = ", ".join(sorted(self.handlers)) or "none (was it started without --app?)"
             raise UnknownTask(f"unknown task {name!r} (this worker knows: {known})")
         if inspect.iscoroutinefunction(handler):
             return await handler(ctx)
