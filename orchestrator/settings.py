@@ -60,7 +60,7 @@ class Settings(BaseSettings):
     # backlog (orchestrator/bundling.py). Workers of a release before bundles park them: off
     # until every worker is upgraded.
     bundle_tasks: bool = True
-    # Plans each owner keeps parsed (orchestrator/plans.py; also at most 16 MiB of inputs).
+    # Plans each owner keeps parsed (orchestrator/plans.py; also at most 64 MiB of them).
     plan_cache_size: int = Field(default=16384, ge=1)
     # Send the Redis commands of one event-loop turn as one pipeline (orchestrator/
     # pipelining.py); false: one round trip each. Not used with a Redis Cluster.
