@@ -129,6 +129,30 @@ class TopologyError(RuntimeError):
     """A queue exists with other arguments than this configuration declares."""
 
 
+class AccessRefused(RuntimeError):
+    """RabbitMQ or Redis refused this user (a wrong password, a vhost or a name it may not
+    use): the configuration's fault, which waiting does not mend."""
+
+
+def _amqp_user(url: str) -> str:
+    """Who the AMQP URL logs in as, and where: never its password."""
+    parts = urlsplit(url)
+    vhost = unquote(parts.path[1:]) or "/"
+    return f"user {unquote(parts.username or 'guest')!r} on vhost {vhost!r}"
+
+
+# A login refused (aiormq tells the two apart by when the broker closed: they are one fault).
+AUTHENTICATION = (
+    aiormq.exceptions.AuthenticationError,
+    aiormq.exceptions.ProbableAuthenticationError,
+)
+# What a user needs of RabbitMQ, said where it is refused.
+PERMISSIONS = (
+    "shardflow declares its exchanges and queues, and needs configure, write and read on "
+    "'^{prefix}\\.' and write on 'amq.default' (README, SHARDFLOW_AMQP_URL)"
+)
+
+
 class Publisher(Requeues, Protocol):
     """What the transition logic needs from the transport (and the delivery policy's
     dead-letter and requeue); `Bus` is the real one."""
@@ -219,21 +243,27 @@ class Bus:
         connection = kind(
             make_url(self.settings.amqp_url), client_properties={"connection_name": self._name}
         )
+        who = _amqp_user(self.settings.amqp_url)
         try:
             # Bounded: a host that takes the connection and never answers (a firewall that
             # drops packets, a port of something else) would hold the command for good.
             await connection.connect(timeout=CONNECT_TIMEOUT_S)
         except BaseException as exc:
             await connection.close()
+            if isinstance(exc, AUTHENTICATION):
+                raise AccessRefused(
+                    f"RabbitMQ (SHARDFLOW_AMQP_URL) refused {who}: a wrong password, or no "
+                    f"such user ({exc})"
+                ) from None
             # RabbitMQ closes, instead of opening, a connection to a vhost that does not exist
             # or that the user may not use; aiormq keeps only the frame's name.
             if not isinstance(exc, aiormq.exceptions.InvalidFrameError):
                 raise
             if "Connection.Close" not in str(exc):
                 raise
-            vhost = unquote(urlsplit(self.settings.amqp_url).path[1:]) or "/"
-            raise ConnectionRefusedError(
-                f"it refused to open vhost {vhost!r}: does it exist, and may this user use it?"
+            raise AccessRefused(
+                f"RabbitMQ (SHARDFLOW_AMQP_URL) refused {who}: does the vhost exist, and may "
+                "this user use it?"
             ) from None
         self._connection = connection
         self._publisher = await self._connection.channel(
@@ -243,6 +273,11 @@ class Bus:
             return
         try:
             await self.declare(self._publisher)
+        except aiormq.exceptions.ChannelAccessRefused as exc:
+            permissions = PERMISSIONS.format(prefix=self.settings.prefix)
+            raise AccessRefused(
+                f"RabbitMQ (SHARDFLOW_AMQP_URL) refused {who}: {exc}; {permissions}"
+            ) from None
         except aio_pika.exceptions.ChannelPreconditionFailed as exc:
             raise TopologyError(
                 f"{exc}: a queue exists with other arguments (an older shardflow, or another "
@@ -656,6 +691,7 @@ class Bus:
             # Deleted once unused for a while: one left unconsumed by a start that failed
             # half-way would gather every control message until the connection closed.
             queue = await channel.declare_queue(
+                self.names.control_queue(),  # aio-pika's own name (`amq_...`) is no ours
                 exclusive=True,
                 auto_delete=True,
                 arguments={"x-expires": CONTROL_QUEUE_EXPIRES_MS},

@@ -7,10 +7,12 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from urllib.parse import unquote, urlsplit
 
 from aiormq.exceptions import ChannelNotFoundEntity
+from redis.exceptions import AuthenticationError as RedisAuthenticationError
 
-from orchestrator.bus import Bus
+from orchestrator.bus import AccessRefused, Bus
 from orchestrator.delivery import UNREACHABLE
 from orchestrator.redis_store import RedisStore
 from orchestrator.settings import Settings
@@ -34,8 +36,10 @@ async def connected(
         deadline = time.monotonic() + wait_s
         pause = 0.5
         while True:
+            service = "Redis"
             try:
-                await store.load_scripts()
+                await _scripts(store, settings.redis_url)
+                service = "RabbitMQ"
                 await bus.connect(declare=declare)
                 break
             except (*UNREACHABLE, ChannelNotFoundEntity) as exc:
@@ -43,7 +47,7 @@ async def connected(
                 # crashed and failed to restart", and restarts it soon: wait for it too.
                 if not _passing(exc) or time.monotonic() + pause > deadline:
                     raise
-                log.warning("%s: waiting for RabbitMQ and Redis: %s", name, exc)
+                log.warning("%s: waiting for %s: %s", name, service, exc)
                 await bus.close()
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 5.0)
@@ -51,6 +55,31 @@ async def connected(
     finally:
         await bus.close()
         await store.close()
+
+
+async def _scripts(store: RedisStore, url: str) -> None:
+    """Load the scripts: the first command, so the one a refused login fails (AccessRefused,
+    naming the user, never the password; redis-py's own words for a missing password are
+    about HELLO)."""
+    try:
+        await store.load_scripts()
+    except RedisAuthenticationError as exc:
+        raise redis_refusal(url, exc) from None
+
+
+def redis_refusal(url: str, exc: RedisAuthenticationError) -> AccessRefused:
+    """Redis refusing the URL's login, said naming the user, never the password."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return AccessRefused(
+            "Redis (SHARDFLOW_REDIS_URL) asks for a password, and the URL gives none "
+            "(redis://:PASSWORD@host/0, or redis://USER:PASSWORD@host/0)"
+        )
+    user = unquote(parts.username or "default")
+    return AccessRefused(
+        f"Redis (SHARDFLOW_REDIS_URL) refused user {user!r}: a wrong password, or no such "
+        f"user ({exc})"
+    )
 
 
 def _passing(exc: BaseException) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import uuid
 from dataclasses import dataclass
 
 # `$` also matches before a trailing newline in Python, so ids are checked with fullmatch; the
@@ -171,6 +172,11 @@ class Names:
     @property
     def control_exchange(self) -> str:
         return f"{self.prefix}.control"
+
+    def control_queue(self) -> str:
+        """A process's own queue on the control exchange: a new name each call, under the
+        prefix, so a user allowed only the prefix's names may declare it."""
+        return f"{self.prefix}.control.{uuid.uuid4().hex}"
 
     @property
     def dead_exchange(self) -> str:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import re
 from typing import Literal
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
-from redis.connection import parse_url
+from redis.asyncio import ConnectionPool
+from redis.exceptions import RedisError
 
 from orchestrator.program import PARALLEL, SERIAL, check_pool_name
 
@@ -17,6 +18,24 @@ MAX_SHARDS = 1024
 # Named pools SHARDFLOW_POOLS may list.
 MAX_POOLS = 256
 _PREFIX = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+
+
+RESERVED = (
+    "a '/', '?', '#' or '@' in its user or password must be percent-encoded "
+    "(urllib.parse.quote(password, safe=''))"
+)
+
+
+def _split(url: str) -> SplitResult:
+    """The URL's parts, or ValueError naming the fault, never a part of it."""
+    parts = urlsplit(url.strip())
+    if "@" in parts.path + parts.query + parts.fragment:  # the host came after a cut password
+        raise ValueError(RESERVED)
+    try:
+        parts.port  # noqa: B018 (read to check it: 99999 or abc raise here, not at connect)
+    except ValueError:
+        raise ValueError(f"its port must be a number from 0 to 65535 ({RESERVED})") from None
+    return parts
 
 
 class Settings(BaseSettings):
@@ -85,28 +104,37 @@ class Settings(BaseSettings):
     # any name (a misspelled one waits for a worker that never comes, leaving its queues).
     pools: str = ""
 
+    # No message below quotes a part of a URL: a password with a reserved character left as
+    # it is splits there, and its pieces would read as the port, the path or the query.
+
     @field_validator("amqp_url")
     @classmethod
     def _amqp_url(cls, value: str) -> str:
-        parts = urlsplit(value)
+        parts = _split(value)
         if parts.scheme not in ("amqp", "amqps") or not parts.hostname:
             raise ValueError("must be an amqp:// or amqps:// URL with a host")
-        try:
-            parts.port  # noqa: B018 (read to check it: 99999 or abc raise here, not at connect)
-        except ValueError:
-            raise ValueError("its port must be a number from 0 to 65535") from None
+        if parts.fragment:
+            raise ValueError("has a '#' part, which no option reads (a '#' in a password?)")
         return value
 
     @field_validator("redis_url")
     @classmethod
     def _redis_url(cls, value: str) -> str:
+        parts = _split(value)
         # redis-py ignores a database that is not a number (`/abc`) and uses 0: refuse it.
-        parts = urlsplit(value)
         if parts.scheme in ("redis", "rediss") and not re.fullmatch(r"/?|/\d{1,5}", parts.path):
-            raise ValueError(f"the database {parts.path[1:]!r} is not a number")
+            raise ValueError("its path must be a database number, e.g. /0")
         try:
-            parse_url(value)
-        except ValueError as exc:
+            # Builds a connection without connecting: an option of no connection (a TLS one on
+            # redis://, a typo) raised only at the first command, as a traceback.
+            ConnectionPool.from_url(value).make_connection()
+        except TypeError as exc:
+            option = re.search(r"argument '(\w{1,40})'", str(exc))
+            name = repr(option.group(1)) if option else "an option"
+            raise ValueError(
+                f"{name} is no option of a {parts.scheme}:// URL (TLS ones need rediss://)"
+            ) from None
+        except (ValueError, RedisError) as exc:  # they quote an option's name, or its value
             raise ValueError(str(exc)) from None
         return value
 

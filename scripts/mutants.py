@@ -1672,6 +1672,50 @@ end""",
             "tests/test_dead_letters.py::test_a_header_of_thousands_of_digits_is_no_queue_and_no_crash",
         ),
     ),
+    # A refused login was retried as an outage for the whole startup wait, then exit 4.
+    "amqp-login-retried": (
+        "orchestrator/bus.py",
+        "            if isinstance(exc, AUTHENTICATION):",
+        "            if False:",
+        (
+            "tests/test_access.py::test_a_wrong_password_is_one_line_and_exit_2_at_once_for_commands_and_services",
+        ),
+    ),
+    # A name the user may not declare: a 78-line traceback and exit 1.
+    "amqp-access-traceback": (
+        "orchestrator/bus.py",
+        "        except aiormq.exceptions.ChannelAccessRefused as exc:",
+        "        except aiormq.exceptions.ChannelNotFoundEntity as exc:",
+        ("tests/test_access.py::test_a_user_who_may_not_declare_is_told_what_it_needs",),
+    ),
+    # A worker's control queue under aio-pika's name, outside the prefix a user may declare.
+    "control-queue-unprefixed": (
+        "orchestrator/bus.py",
+        "                self.names.control_queue(),  # aio-pika's own name (`amq_...`) is no ours",
+        "                None,",
+        ("tests/test_access.py::test_the_permissions_the_readme_gives_run_a_program_end_to_end",),
+    ),
+    # A Redis login refused was waited for, and worded as HELLO.
+    "redis-login-retried": (
+        "orchestrator/connections.py",
+        "    except RedisAuthenticationError as exc:\n        raise redis_refusal(",
+        "    except KeyError as exc:\n        raise AccessRefused(",
+        ("tests/test_access.py::test_a_redis_password_missing_or_wrong_is_one_line_and_exit_2",),
+    ),
+    # A password left unencoded split its URL: its pieces were quoted, or read as a port.
+    "url-password-pieces": (
+        "orchestrator/settings.py",
+        '    if "@" in parts.path + parts.query + parts.fragment:',
+        "    if False:",
+        ("tests/test_cli.py::test_a_password_left_unencoded_is_refused_without_a_piece_of_it",),
+    ),
+    # An option of no Redis connection passed, and failed as a traceback at the first command.
+    "redis-url-options-unchecked": (
+        "orchestrator/settings.py",
+        "            ConnectionPool.from_url(value).make_connection()",
+        "            ConnectionPool.from_url(value)",
+        ("tests/test_cli.py::test_bad_flags_and_settings_are_refused_in_one_line_with_exit_2",),
+    ),
     # A refusal of an unknown pool named a bag's pool where its member named its own.
     "pool-path-of-the-bag": (
         "orchestrator/program.py",

@@ -20,14 +20,15 @@ from typing import Any, NoReturn, TypeVar
 
 import uvloop
 from pydantic import ValidationError
+from redis.exceptions import AuthenticationError as RedisAuthenticationError
 from redis.exceptions import InvalidResponse as RedisInvalidResponse
 from redis.exceptions import ReadOnlyError as RedisReadOnlyError
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import ResponseError as RedisResponseError
 
 from orchestrator import logs
-from orchestrator.bus import MAX_DEAD_HELD, Bus, TopologyError
-from orchestrator.connections import UNREACHABLE, connected
+from orchestrator.bus import MAX_DEAD_HELD, AccessRefused, Bus, TopologyError
+from orchestrator.connections import UNREACHABLE, connected, redis_refusal
 from orchestrator.delivery import (
     describe,
     first_error,
@@ -492,8 +493,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
         code = _fail(str(exc), exc.code)
     except ProgramError as exc:
         code = _fail(str(exc), EXIT_USAGE)
-    except TopologyError as exc:
+    except (TopologyError, AccessRefused) as exc:  # the configuration's: waiting cannot mend it
         code = _fail(str(exc), EXIT_USAGE)
+    except RedisAuthenticationError as exc:  # a command of Redis alone (list, status, ...)
+        code = _fail(str(redis_refusal(settings.redis_url, exc)), EXIT_USAGE)
     except UNREACHABLE as exc:
         code = _fail(f"cannot connect to {_service(exc)}: {exc}", EXIT_UNAVAILABLE)
     except RedisClusterException as exc:  # a fault of the cluster's configuration

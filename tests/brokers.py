@@ -35,9 +35,11 @@ def wait_for_port(port: int, seconds: float) -> None:
 class PrivateRedis:
     """redis-server with AOF (appendfsync always), so a kill -9 loses nothing acknowledged."""
 
-    def __init__(self) -> None:
+    def __init__(self, *args: str) -> None:
+        """`args`: more redis-server options (`--requirepass`, `pw`)."""
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="sf-redis-"))
+        self.args = args
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -47,7 +49,8 @@ class PrivateRedis:
     def start(self) -> None:
         self.process = subprocess.Popen(
             ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--dir",
-             str(self.dir), "--appendonly", "yes", "--appendfsync", "always", "--save", ""],
+             str(self.dir), "--appendonly", "yes", "--appendfsync", "always", "--save", "",
+             *self.args],
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
         wait_for_port(self.port, 20)

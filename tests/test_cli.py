@@ -397,13 +397,19 @@ def test_an_app_that_fails_at_import_and_a_full_stdout_are_one_line(tmp_path: Pa
         (
             ["list"],
             {"SHARDFLOW_REDIS_URL": "redis://127.0.0.1:6379/abc"},
-            "shardflow: settings: SHARDFLOW_REDIS_URL: the database 'abc' is not a number",
+            "shardflow: settings: SHARDFLOW_REDIS_URL: its path must be a database number",
         ),
         (["shards"], {"SHARDFLOW_AMQP_URL": "http://x/"}, "shardflow: settings: SHARDFLOW_AMQP"),
         (
             ["shards"],
             {"SHARDFLOW_AMQP_URL": "amqp://guest:guest@127.0.0.1:99999/"},
             "shardflow: settings: SHARDFLOW_AMQP_URL: its port must be a number from 0 to 65535",
+        ),
+        (
+            ["list"],
+            {"SHARDFLOW_REDIS_URL": "redis://127.0.0.1:6379/0?ssl_cert_reqs=none"},
+            "SHARDFLOW_REDIS_URL: 'ssl_cert_reqs' is no option of a redis:// URL (TLS ones need "
+            "rediss://)",
         ),
         (["list"], {"SHARDFLOW_GRACE_S": "inf"}, "shardflow: settings: SHARDFLOW_GRACE_S: Input"),
         (["list"], {"SHARDFLOW_FAIR_SHARE": "nan"}, "shardflow: settings: SHARDFLOW_FAIR_SHARE"),
@@ -418,15 +424,39 @@ def test_bad_flags_and_settings_are_refused_in_one_line_with_exit_2(
     assert "Traceback" not in result.stderr
 
 
-def test_a_vhost_or_database_that_cannot_be_used_is_one_line_and_exit_4(
-    settings: Settings,
+@pytest.mark.parametrize("cut", ["/", "#", "?"])
+@pytest.mark.parametrize("head", ["Xy9", "1234"])
+def test_a_password_left_unencoded_is_refused_without_a_piece_of_it(
+    settings: Settings, cut: str, head: str
 ) -> None:
+    """A generated password with a '/', '#' or '?' splits its URL there: its pieces were
+    quoted as the port or the database, or (digits first) read as a port, the user as the
+    host, and the tail logged by aio-pika as the URL's query at every retry."""
+    password = f"{head}{cut}Q+zS3cr="
+    urls = {
+        "SHARDFLOW_REDIS_URL": f"redis://:{password}@127.0.0.1:6379/0",
+        "SHARDFLOW_AMQP_URL": f"amqp://guest:{password}@127.0.0.1:5672/",
+    }
+    for variable, url in urls.items():
+        result = shardflow("shards", env={**environment(settings), variable: url}, timeout=20)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith(
+            f"shardflow: settings: {variable}: a '/', '?', '#' or '@' in its user or password "
+            "must be percent-encoded"
+        ) or result.stderr.startswith(f"shardflow: settings: {variable}: its port must be a"), (
+            result.stderr
+        )
+        assert "Q+zS3cr" not in result.stderr and head not in result.stderr, result.stderr
+
+
+def test_a_vhost_or_database_that_cannot_be_used_is_one_line(settings: Settings) -> None:
     vhost = settings.amqp_url.rsplit("/", 1)[0] + "/no-such-vhost-here"
     amqp = shardflow("shards", env={**environment(settings), "SHARDFLOW_AMQP_URL": vhost})
+    user = urlsplit(settings.amqp_url).username
     assert (amqp.returncode, amqp.stderr) == (
-        4,
-        "shardflow: cannot connect to RabbitMQ (SHARDFLOW_AMQP_URL): it refused to open vhost "
-        "'no-such-vhost-here': does it exist, and may this user use it?\n",
+        2,
+        f"shardflow: RabbitMQ (SHARDFLOW_AMQP_URL) refused user {user!r} on vhost "
+        "'no-such-vhost-here': does the vhost exist, and may this user use it?\n",
     )
     redis = settings.redis_url.rsplit("/", 1)[0] + "/99999"
     db = shardflow("status", "x", env={**environment(settings), "SHARDFLOW_REDIS_URL": redis})
