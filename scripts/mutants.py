@@ -1672,6 +1672,13 @@ end""",
             "tests/test_dead_letters.py::test_a_header_of_thousands_of_digits_is_no_queue_and_no_crash",
         ),
     ),
+    # A retry that outlived its program was parked as "no such program", for good.
+    "late-retry-parked": (
+        "worker/pool.py",
+        "        if first.attempt == 0 and (first.limit is None or first.limit.waits == 0):",
+        "        if True:",
+        ("tests/test_retention.py::test_a_retry_that_outlives_its_program_is_no_dead_letter",),
+    ),
     # A refused login was retried as an outage for the whole startup wait, then exit 4.
     "amqp-login-retried": (
         "orchestrator/bus.py",

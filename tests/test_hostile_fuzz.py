@@ -40,7 +40,9 @@ strategies decide it by these rules):
   the same queue. One that does not decode (empty, over MAX_BUNDLE or MAX_BUNDLE_BODY, a member
   that is no report, not JSON): dead whole, with the decoder's fault.
 - task for a program never submitted: dead, "<wf>: no such program", before any handler runs
-  (one that sleeps an hour on the serial queue must not hold the cluster's serial lane).
+  (one that sleeps an hour on the serial queue must not hold the cluster's serial lane); but a
+  retry (`attempt` > 0) or a wait for a slot (`limit.waits` > 0), which come back through the
+  delay ladder and may outlive their program: acked, not run.
 - task for a recorded program at a path that is not its live cursor: acked, not run (stale).
 - ingress request refused (bad JSON, request, program, id, input, size, or an id taken by another
   program or input): dead with the refusal; its answer goes to `reply_to`, and one sent to a shard,
@@ -1046,6 +1048,9 @@ def expect_task(h: Hostile, w: World) -> Outcome:
 
 def _expect_one(h: Hostile, w: World, message: TaskMessage, body: bytes) -> Outcome:
     known = w.known(message.wf)
+    waited = message.attempt > 0 or (message.limit is not None and message.limit.waits > 0)
+    if known is None and waited:  # may outlive their program, as timers do
+        return []
     if known is None:
         return [Expect(h.label, h.queue, body, reason=f"{message.wf}: no such program")]
     assert known.ended or message.path not in known.cursors, f"a forged live task: {h!r}"

@@ -208,6 +208,28 @@ async def test_a_timer_that_outlives_its_program_is_no_dead_letter(
         assert await bus.peek_dead(10) == []
 
 
+async def test_a_retry_that_outlives_its_program_is_no_dead_letter(
+    short: tuple[Router, Dev], store: RedisStore
+) -> None:
+    """A retry waits in the delay ladder (up to 27 h): a program cancelled meanwhile that
+    expired (or was purged) before it fell due left it parked as "no such program", for good."""
+    router, dev = short
+    program = {"steps": [{"task": "boom", "pool": "parallel",
+                          "retry": {"max_attempts": 2, "backoff_s": 4.0}}]}  # fmt: skip
+    wf = (await router.submit(program, None)).workflow_id
+    for _ in range(200):  # the first attempt failed: its retry waits
+        if (await router.status(wf) or {}).get("attempts"):
+            break
+        await asyncio.sleep(0.05)
+    await router.cancel(wf)
+    await asyncio.sleep(2.5)  # expired (2 s) before the retry falls due (4 s)
+    assert await _keys(store, wf) == {}
+    await asyncio.sleep(2.5)
+    async with connected(router.settings, "retention-dead") as (_, bus):
+        assert await bus.peek_dead(10) == []
+    assert sum(worker.counts["gone"] for worker in dev.workers) == 1
+
+
 async def test_a_late_mark_writes_nothing_for_a_program_gone_and_expires_with_an_ended_one(
     store: RedisStore,
 ) -> None:

@@ -384,7 +384,7 @@ class Worker(Service):
         # In a parallel branch, the branch's own cursor says where it is.
         state = await self.store.at(tasks[0].wf, tasks[0].path)
         if not state:  # never run a handler for a program nobody submitted
-            raise Poison(f"{tasks[0].wf}: no such program")
+            return self._gone(tasks)
         if (
             state.get("status") != live_status(tasks[0].path)
             or state.get("cursor") != tasks[0].path
@@ -400,13 +400,27 @@ class Worker(Service):
             )
         return tasks
 
+    def _gone(self, tasks: list[TaskMessage]) -> list[TaskMessage]:
+        """Nothing to run for a program that does not exist: a task that waited in the delay
+        ladder (a retry, or a wait for a slot) outlived its program, which ended meanwhile and
+        expired or was purged (a retry may wait 27 h), and is dropped as a timer is; any other
+        is parked: never run a handler for a program nobody submitted."""
+        first = tasks[0]
+        if first.attempt == 0 and (first.limit is None or first.limit.waits == 0):
+            raise Poison(f"{first.wf}: no such program")
+        self.counts["gone"] += len(tasks)
+        log.info("%s: task for %r waited past its program's end, ignored", first.wf, first.path)
+        return []
+
     async def _begin(self, tasks: list[TaskMessage], *, redelivered: bool) -> list[TaskMessage]:
         """`_current` for tasks of a step that names compensations: noted as started, or, once
         the program compensates from that step, those started before (lua/begin.lua)."""
         first = tasks[0]
         indexes = [task.index or 0 for task in tasks]
         reply = await self.store.begin(first.wf, first.path, indexes, first.epoch, first.attempt)
-        if reply.verdict in ("missing", "invalid"):
+        if reply.verdict == "missing":
+            return self._gone(tasks)
+        if reply.verdict == "invalid":
             raise Poison(f"{first.wf}: {', '.join(reply.outputs) or 'no such program'}")
         if reply.verdict == "go":
             going = set(reply.outputs)
@@ -569,7 +583,11 @@ class Worker(Service):
             reports.append(Next(wf=task.wf, path=task.path, output=output, epoch=task.epoch))
             return reports
         completion = await self._record(task, outputs)
-        if completion.verdict in ("missing", "invalid"):
+        if completion.verdict == "missing":  # it was there when the handler began: purged since
+            self.counts["gone"] += len(outputs)
+            log.info("%s: task %r ended after its program was deleted", task.wf, task.path)
+            return reports
+        if completion.verdict == "invalid":
             raise Poison(f"{task.wf}: {', '.join(completion.outputs) or 'no such program'}")
         self.counts[completion.verdict] += len(outputs)
         metrics.recorded(completion.verdict, redelivered=redelivered)
