@@ -171,9 +171,11 @@ class Marks:
         whose keys are still there (redriven since; a retention lowered, or another process's
         longer; a clock behind) is noted again as of now, to be looked at one retention later.
         The oldest first, so several owners pruning at once do the same work, not more of it."""
-        if self._client is None or self._retention_ms <= 0:
+        if self._client is None:
             return 0
-        due = now_ms() - self._retention_ms - INDEX_GRACE_MS
+        # Kept for good (0) writes no entry, but those of a retention before stay to walk:
+        # their programs still expire by the TTL they ended with.
+        due = now_ms() - max(self._retention_ms, 0) - INDEX_GRACE_MS
         seen = dropped = 0
         while seen < budget:  # at most budget / page rounds: each takes at least one entry
             wfs: list[str] = await self._client.zrangebyscore(

@@ -1672,6 +1672,16 @@ end""",
             "tests/test_dead_letters.py::test_a_header_of_thousands_of_digits_is_no_queue_and_no_crash",
         ),
     ),
+    # Kept for good (retention 0): the ended index kept a retention before's entries for good.
+    "ended-prune-off-when-kept": (
+        "orchestrator/marks.py",
+        "        due = now_ms() - max(self._retention_ms, 0) - INDEX_GRACE_MS",
+        "        if self._retention_ms <= 0:\n            return 0\n"
+        "        due = now_ms() - max(self._retention_ms, 0) - INDEX_GRACE_MS",
+        (
+            "tests/test_list.py::test_the_ended_prune_still_walks_what_a_retention_before_left_once_kept_for_good",
+        ),
+    ),
     # A retry that outlived its program was parked as "no such program", for good.
     "late-retry-parked": (
         "worker/pool.py",

@@ -288,6 +288,28 @@ async def test_the_ended_prune_keeps_the_entry_of_an_id_being_submitted_again(
     assert await client.zrange(store.keys.index_ended, 0, -1) == []
 
 
+async def test_the_ended_prune_still_walks_what_a_retention_before_left_once_kept_for_good(
+    settings: Settings,
+) -> None:
+    """Switched to SHARDFLOW_RETENTION_S=0 (keep for good), no ended program writes an entry,
+    but those written under the retention before stayed in the ended index for good: the
+    prune returned at once. Their programs still expire by the TTL they ended with."""
+    forever = RedisStore.connect(settings.model_copy(update={"retention_s": 0}))
+    try:
+        client: Redis = forever.client  # type: ignore[assignment]
+        long_ago = time.time() * 1000 - 3 * INDEX_GRACE_MS
+        await client.zadd(forever.keys.index_ended, {"expired": long_ago, "expiring": long_ago})
+        await client.zadd(forever.keys.index_created, {"expired": long_ago, "expiring": long_ago})
+        await client.hset(forever.keys.state("expiring"), "status", "completed")
+        await client.pexpire(forever.keys.state("expiring"), 60_000)
+        assert await Marks(forever).prune_ended() == 1
+        assert await client.zrange(forever.keys.index_created, 0, -1) == ["expiring"]
+        assert await client.zrange(forever.keys.index_ended, 0, -1) == ["expiring"]  # later
+        assert await client.zscore(forever.keys.index_ended, "expiring") > long_ago
+    finally:
+        await forever.close()
+
+
 async def test_a_purge_forgets_the_entries_it_saw_not_those_of_an_id_submitted_again(
     settings: Settings, store: RedisStore
 ) -> None:
