@@ -623,7 +623,8 @@ class Bus:
         headers: dict[str, Any] | None = None,
     ) -> None:
         # One queue per delay: per-queue TTLs expire in order, per-message ones would not. The
-        # delay is rounded up to a fixed ladder, so the queues are few and bounded.
+        # delay is rounded up to a fixed ladder, so the queues are bounded (docs/architecture.md,
+        # "How many delay queues": up to 92 for each target).
         delay_ms = ladder_ms(delay_s)
         name = self.names.delay_queue(target, delay_ms)
 
