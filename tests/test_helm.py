@@ -1045,3 +1045,26 @@ def test_the_policy_scan_with_the_dashboard_monitor_and_no_probes_is_clean(
     assert "Deployment.default.demo-router" in probe_skips
     scanned = {c["resource"] for c in results["passed_checks"]} | {r for _, r in skipped}
     assert {"ConfigMap.default.demo-dashboard", "Service.default.demo-metrics"} <= scanned
+
+
+def test_extra_volumes_reach_every_pod_for_a_private_ca() -> None:
+    """amqps:// and rediss:// with a private CA name a file (`?cafile=`, `?ssl_ca_certs=`);
+    the root filesystem is read-only, and no value could mount one."""
+    documents = manifests(
+        "extraVolumes[0].name=ca",
+        "extraVolumes[0].secret.secretName=broker-ca",
+        "extraVolumeMounts[0].name=ca",
+        "extraVolumeMounts[0].mountPath=/etc/shardflow/ca",
+        "extraVolumeMounts[0].readOnly=true",
+    )
+    found = deployments(documents)
+    assert found
+    for name, deployment in found.items():
+        pod = deployment["spec"]["template"]["spec"]
+        assert {"name": "ca", "secret": {"secretName": "broker-ca"}} in pod["volumes"], name
+        for container in pod["containers"]:
+            assert {"name": "ca", "mountPath": "/etc/shardflow/ca", "readOnly": True} in (
+                container["volumeMounts"]
+            ), name
+    refused = render("extraVolumeMounts[0].name=ca")  # no mountPath
+    assert refused.returncode != 0 and "mountPath" in refused.stderr, refused.stderr

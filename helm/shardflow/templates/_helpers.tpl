@@ -162,11 +162,17 @@ spec:
       volumeMounts:
         - name: tmp
           mountPath: /tmp
+        {{- with $.Values.extraVolumeMounts }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
   volumes:
     # The only writable path: the root filesystem is read-only.
     - name: tmp
       emptyDir:
         sizeLimit: {{ $.Values.tmpSizeLimit }}
+    {{- with $.Values.extraVolumes }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
   {{- with ($spec.nodeSelector | default $.Values.nodeSelector) }}
   nodeSelector:
     {{- toYaml . | nindent 4 }}
