@@ -2217,8 +2217,8 @@ end""",
     # An AMQP port out of range passes the settings, and is a traceback at connect.
     "amqp-port-unchecked": (
         "orchestrator/settings.py",
-        "            parts.port  # noqa: B018",
-        "            parts.hostname  # noqa: B018",
+        "        parts.port  # noqa: B018",
+        "        parts.hostname  # noqa: B018",
         (BAD_FLAGS,),
     ),
     # A plain function's thread still running at the stop is not looked at: Python waits for

@@ -357,7 +357,7 @@ async def test_a_deadline_leaves_compensations_running() -> None:
         ),
         (
             [{"task": "a", "compensate": {"task": "u", "pool": "serial"}}],
-            "steps[0].compensate.pool: a bag or map runs its members side by side",
+            "steps[0].compensate.pool: a compensation never runs on a serial lane",
         ),
         (
             [{"task": "a", "compensate": {"task": "u", "retry": {"max_attempts": 0}}}],
