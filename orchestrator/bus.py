@@ -261,9 +261,12 @@ class Bus:
                 raise
             if "Connection.Close" not in str(exc):
                 raise
-            raise AccessRefused(
-                f"RabbitMQ (SHARDFLOW_AMQP_URL) refused {who}: does the vhost exist, and may "
-                "this user use it?"
+            # aiormq keeps no reply code: no such vhost, a user that may not use it, but also
+            # a connection limit reached or a vhost restarting, which pass. Waited for.
+            raise ConnectionRefusedError(
+                f"it closed the connection as it opened the vhost for {who}: does the vhost "
+                "exist, and may this user use it? (or a connection limit is reached, or the "
+                "vhost restarts: the broker's log says which)"
             ) from None
         self._connection = connection
         self._publisher = await self._connection.channel(

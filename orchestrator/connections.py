@@ -19,6 +19,10 @@ from orchestrator.settings import Settings
 
 log = logging.getLogger(__name__)
 
+# How long a starting service tries again a login or a name refused (at most its startup
+# wait): a command gives up at once.
+ACCESS_WAIT_S = 30.0
+
 
 @contextlib.asynccontextmanager
 async def connected(
@@ -34,6 +38,7 @@ async def connected(
     bus = Bus(settings, name=name)
     try:
         deadline = time.monotonic() + wait_s
+        refused_until = time.monotonic() + min(wait_s, ACCESS_WAIT_S)
         pause = 0.5
         while True:
             service = "Redis"
@@ -48,9 +53,15 @@ async def connected(
                 if not _passing(exc) or time.monotonic() + pause > deadline:
                     raise
                 log.warning("%s: waiting for %s: %s", name, service, exc)
-                await bus.close()
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, 5.0)
+            except AccessRefused as exc:
+                # A user or its permissions made a moment after this pod (an operator's), an
+                # LDAP backend away: a while, said as an error each time, then the one line.
+                if time.monotonic() + pause > refused_until:
+                    raise
+                log.error("%s: %s; trying again for a while", name, exc)
+            await bus.close()
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 5.0)
         yield store, bus
     finally:
         await bus.close()

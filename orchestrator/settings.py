@@ -6,9 +6,10 @@ import re
 from typing import Literal
 from urllib.parse import SplitResult, urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from redis.asyncio import ConnectionPool
+from redis.connection import parse_url
 from redis.exceptions import RedisError
 
 from orchestrator.program import PARALLEL, SERIAL, check_pool_name
@@ -21,16 +22,22 @@ _PREFIX = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 
 
 RESERVED = (
-    "a '/', '?', '#' or '@' in its user or password must be percent-encoded "
+    "a '/', '?', '#', '[', ']' or '%' in its user or password must be percent-encoded "
     "(urllib.parse.quote(password, safe=''))"
 )
 
 
 def _split(url: str) -> SplitResult:
     """The URL's parts, or ValueError naming the fault, never a part of it."""
-    parts = urlsplit(url.strip())
-    if "@" in parts.path + parts.query + parts.fragment:  # the host came after a cut password
-        raise ValueError(RESERVED)
+    try:
+        parts = urlsplit(url.strip())
+    except ValueError:  # a '[...]' in the user or password read as an IPv6 host, quoted
+        raise ValueError(RESERVED) from None
+    # The host came after a password cut at a '/', '?' or '#': the netloc kept no '@', and
+    # what follows has one. (After a netloc with its '@', an '@' in a vhost or option is fine.)
+    if parts.netloc and "@" not in parts.netloc and "@" in url:
+        raise ValueError(f"an '@' after its host: {RESERVED}, and an '@' in the vhost or an "
+                         "option as %40")  # fmt: skip
     try:
         parts.port  # noqa: B018 (read to check it: 99999 or abc raise here, not at connect)
     except ValueError:
@@ -42,11 +49,14 @@ class Settings(BaseSettings):
     """Everything a shardflow process needs to know; built once and passed down."""
 
     # No NaN or infinity: `SHARDFLOW_GRACE_S=inf` would never stop, a NaN passes no bound.
-    model_config = SettingsConfigDict(env_prefix="SHARDFLOW_", extra="ignore", allow_inf_nan=False)
+    # Never the value in an error: a URL holds a password.
+    model_config = SettingsConfigDict(
+        env_prefix="SHARDFLOW_", extra="ignore", allow_inf_nan=False, hide_input_in_errors=True
+    )
 
     amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    redis_cluster: bool = False  # before the URL: its check reads it
     redis_url: str = "redis://127.0.0.1:6379/0"
-    redis_cluster: bool = False
     shards: int = Field(default=4, ge=1, le=MAX_SHARDS)
     prefix: str = "sf"
     queue_type: Literal["classic", "quorum"] = "classic"
@@ -119,21 +129,26 @@ class Settings(BaseSettings):
 
     @field_validator("redis_url")
     @classmethod
-    def _redis_url(cls, value: str) -> str:
+    def _redis_url(cls, value: str, info: ValidationInfo) -> str:
         parts = _split(value)
         # redis-py ignores a database that is not a number (`/abc`) and uses 0: refuse it.
         if parts.scheme in ("redis", "rediss") and not re.fullmatch(r"/?|/\d{1,5}", parts.path):
             raise ValueError("its path must be a database number, e.g. /0")
+        if info.data.get("redis_cluster"):  # its client takes options of its own
+            try:
+                parse_url(value)
+            except ValueError as exc:  # it quotes an option's name
+                raise ValueError(str(exc)) from None
+            return value
         try:
             # Builds a connection without connecting: an option of no connection (a TLS one on
-            # redis://, a typo) raised only at the first command, as a traceback.
+            # redis://, a typo) failed only at the first command, as a traceback.
             ConnectionPool.from_url(value).make_connection()
         except TypeError as exc:
             option = re.search(r"argument '(\w{1,40})'", str(exc))
             name = repr(option.group(1)) if option else "an option"
-            raise ValueError(
-                f"{name} is no option of a {parts.scheme}:// URL (TLS ones need rediss://)"
-            ) from None
+            tls = " (TLS ones need rediss://)" if name.startswith("'ssl") else ""
+            raise ValueError(f"{name} is no option of Redis's{tls}") from None
         except (ValueError, RedisError) as exc:  # they quote an option's name, or its value
             raise ValueError(str(exc)) from None
         return value

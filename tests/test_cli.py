@@ -408,7 +408,7 @@ def test_an_app_that_fails_at_import_and_a_full_stdout_are_one_line(tmp_path: Pa
         (
             ["list"],
             {"SHARDFLOW_REDIS_URL": "redis://127.0.0.1:6379/0?ssl_cert_reqs=none"},
-            "SHARDFLOW_REDIS_URL: 'ssl_cert_reqs' is no option of a redis:// URL (TLS ones need "
+            "SHARDFLOW_REDIS_URL: 'ssl_cert_reqs' is no option of Redis's (TLS ones need "
             "rediss://)",
         ),
         (["list"], {"SHARDFLOW_GRACE_S": "inf"}, "shardflow: settings: SHARDFLOW_GRACE_S: Input"),
@@ -425,13 +425,14 @@ def test_bad_flags_and_settings_are_refused_in_one_line_with_exit_2(
 
 
 @pytest.mark.parametrize("cut", ["/", "#", "?"])
-@pytest.mark.parametrize("head", ["Xy9", "1234"])
+@pytest.mark.parametrize("head", ["Xy9", "1234", "[Xy9]"])
 def test_a_password_left_unencoded_is_refused_without_a_piece_of_it(
     settings: Settings, cut: str, head: str
 ) -> None:
     """A generated password with a '/', '#' or '?' splits its URL there: its pieces were
     quoted as the port or the database, or (digits first) read as a port, the user as the
-    host, and the tail logged by aio-pika as the URL's query at every retry."""
+    host, and the tail logged by aio-pika as the URL's query at every retry; one in '[...]'
+    was quoted as no IPv6 address. An '@' in a vhost, after a whole netloc, is no such cut."""
     password = f"{head}{cut}Q+zS3cr="
     urls = {
         "SHARDFLOW_REDIS_URL": f"redis://:{password}@127.0.0.1:6379/0",
@@ -440,13 +441,14 @@ def test_a_password_left_unencoded_is_refused_without_a_piece_of_it(
     for variable, url in urls.items():
         result = shardflow("shards", env={**environment(settings), variable: url}, timeout=20)
         assert result.returncode == 2, result.stderr
-        assert result.stderr.startswith(
-            f"shardflow: settings: {variable}: a '/', '?', '#' or '@' in its user or password "
-            "must be percent-encoded"
-        ) or result.stderr.startswith(f"shardflow: settings: {variable}: its port must be a"), (
+        assert result.stderr.startswith(f"shardflow: settings: {variable}: "), result.stderr
+        assert "in its user or password must be percent-encoded" in result.stderr
+        assert "Q+zS3cr" not in result.stderr and head.strip("[]") not in result.stderr, (
             result.stderr
         )
-        assert "Q+zS3cr" not in result.stderr and head not in result.stderr, result.stderr
+    vhost = settings.amqp_url.rsplit("/", 1)[0] + "/team@eu"  # refused by RabbitMQ, not here
+    result = shardflow("shards", env={**environment(settings), "SHARDFLOW_AMQP_URL": vhost})
+    assert "on vhost 'team@eu'" in result.stderr, result.stderr
 
 
 def test_a_vhost_or_database_that_cannot_be_used_is_one_line(settings: Settings) -> None:
@@ -454,9 +456,11 @@ def test_a_vhost_or_database_that_cannot_be_used_is_one_line(settings: Settings)
     amqp = shardflow("shards", env={**environment(settings), "SHARDFLOW_AMQP_URL": vhost})
     user = urlsplit(settings.amqp_url).username
     assert (amqp.returncode, amqp.stderr) == (
-        2,
-        f"shardflow: RabbitMQ (SHARDFLOW_AMQP_URL) refused user {user!r} on vhost "
-        "'no-such-vhost-here': does the vhost exist, and may this user use it?\n",
+        4,  # RabbitMQ says so of a connection limit or a vhost restarting too: waited for
+        "shardflow: cannot connect to RabbitMQ (SHARDFLOW_AMQP_URL): it closed the connection "
+        f"as it opened the vhost for user {user!r} on vhost 'no-such-vhost-here': does the "
+        "vhost exist, and may this user use it? (or a connection limit is reached, or the "
+        "vhost restarts: the broker's log says which)\n",
     )
     redis = settings.redis_url.rsplit("/", 1)[0] + "/99999"
     db = shardflow("status", "x", env={**environment(settings), "SHARDFLOW_REDIS_URL": redis})
@@ -813,3 +817,22 @@ def test_submit_wait_warns_of_nothing_while_its_program_runs(dev: dict[str, str]
     waited = shardflow("submit", "-", "--wait", "--timeout", "30", env=dev, stdin=program)
     assert waited.returncode == 0, waited.stderr
     assert "warning" not in waited.stderr, waited.stderr
+
+
+def test_settings_errors_never_carry_the_url_and_cluster_options_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """pydantic's own text of a settings error held the whole input (a URL, its password) for
+    a program that embeds shardflow; a Redis Cluster's own URL options were refused as no
+    connection's."""
+    from pydantic import ValidationError
+
+    for variable in ("SHARDFLOW_AMQP_URL", "SHARDFLOW_REDIS_URL", "SHARDFLOW_REDIS_CLUSTER"):
+        monkeypatch.delenv(variable, raising=False)
+    with pytest.raises(ValidationError) as caught:
+        Settings(amqp_url="amqp://u:[pw-secret]@host/")
+    assert "pw-secret" not in str(caught.value)
+    with pytest.raises(ValidationError):
+        Settings(redis_url="redis://127.0.0.1/0?read_from_replicas=true")
+    url = "redis://127.0.0.1/0?read_from_replicas=true"
+    assert Settings(redis_cluster=True, redis_url=url).redis_url == url

@@ -1066,5 +1066,11 @@ def test_extra_volumes_reach_every_pod_for_a_private_ca() -> None:
             assert {"name": "ca", "mountPath": "/etc/shardflow/ca", "readOnly": True} in (
                 container["volumeMounts"]
             ), name
+    test_pod = next(doc for doc in documents if doc["kind"] == "Pod")  # `helm test`'s
+    assert {"name": "ca", "secret": {"secretName": "broker-ca"}} in test_pod["spec"]["volumes"]
+    assert all(
+        {"name": "ca", "mountPath": "/etc/shardflow/ca", "readOnly": True} in c["volumeMounts"]
+        for c in test_pod["spec"]["containers"]
+    )
     refused = render("extraVolumeMounts[0].name=ca")  # no mountPath
     assert refused.returncode != 0 and "mountPath" in refused.stderr, refused.stderr
