@@ -1719,10 +1719,29 @@ end""",
         "    except KeyError as exc:\n        raise AccessRefused(",
         ("tests/test_access.py::test_a_redis_password_missing_or_wrong_is_one_line_and_exit_2",),
     ),
+    # A '[...]' in a password: urlsplit's own error quoted what the brackets held.
+    "urlsplit-error-quoted": (
+        "orchestrator/settings.py",
+        "    except ValueError:  # a '[...]' in the user or password read as an IPv6 host, quoted\n"
+        "        raise ValueError(RESERVED) from None",
+        "    except ValueError:  # a '[...]' in the user or password read as an IPv6 host, quoted\n"
+        "        raise",
+        ("tests/test_cli.py::test_a_password_left_unencoded_is_refused_without_a_piece_of_it",),
+    ),
+    # A service gave up at the first refused login: a user an operator makes a moment after
+    # the pod crash-looped it.
+    "access-refused-not-retried": (
+        "orchestrator/connections.py",
+        "                if time.monotonic() + pause > refused_until:",
+        "                if True:",
+        (
+            "tests/test_access.py::test_a_wrong_password_is_one_line_and_exit_2_at_once_for_commands_and_services",
+        ),
+    ),
     # A password left unencoded split its URL: its pieces were quoted, or read as a port.
     "url-password-pieces": (
         "orchestrator/settings.py",
-        '    if "@" in parts.path + parts.query + parts.fragment:',
+        '    if parts.netloc and "@" not in parts.netloc and "@" in url:',
         "    if False:",
         ("tests/test_cli.py::test_a_password_left_unencoded_is_refused_without_a_piece_of_it",),
     ),
