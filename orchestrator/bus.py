@@ -138,6 +138,8 @@ def _amqp_user(url: str) -> str:
     """Who the AMQP URL logs in as, and where: never its password."""
     parts = urlsplit(url)
     vhost = unquote(parts.path[1:]) or "/"
+    if parts.username and parts.password is None:  # a password typed where the user goes?
+        return f"the URL's user (it gives no password) on vhost {vhost!r}"
     return f"user {unquote(parts.username or 'guest')!r} on vhost {vhost!r}"
 
 
@@ -816,13 +818,13 @@ class Bus:
         self,
         again: Callable[[dict[str, Any], str | None], tuple[str, dict[str, Any]] | None],
         most: int,
-    ) -> tuple[int, int, int]:
+    ) -> tuple[int, int, int | None]:
         """Publish dead-lettered messages again, oldest first: those the queue held when
         this began, at most `most` of them. `again(headers, message_id)` names the queue each
         goes to and its headers (None: no queue known, kept). Each leaves the dead-letter
         queue once its copy is confirmed; those kept are handed back, in order, when the
         channel closes (at most MAX_DEAD_HELD held). (sent, kept, left: what the queue holds
-        once done, letters refused again meanwhile too)."""
+        once done, letters refused again meanwhile too; None when it could not be counted)."""
         channel = await self._consumer_channel()
         try:
             try:
@@ -853,7 +855,10 @@ class Bus:
                 sent += 1
         finally:
             await channel.close()  # the kept go back first, then they are counted
-        state = await self.queue_state(self.names.dead_queue)
+        try:  # the work is done: a count that fails is no reason to lose the others
+            state = await self.queue_state(self.names.dead_queue)
+        except Exception:
+            return sent, kept, None
         return sent, kept, 0 if state is None else state[0]
 
     async def consume_ingress(self, prefetch: int) -> Deliveries:

@@ -185,16 +185,25 @@ class Marks:
                 break
             async with self._client.pipeline(transaction=False) as pipe:
                 for wf in wfs:
-                    pipe.exists(self.keys.state(wf))
-                found = await pipe.execute()
-            gone = [wf for wf, there in zip(wfs, found, strict=True) if not there]
-            still = [wf for wf, there in zip(wfs, found, strict=True) if there]
+                    pipe.pttl(self.keys.state(wf))
+                ttls = await pipe.execute()
+            gone = [wf for wf, ttl in zip(wfs, ttls, strict=True) if ttl == -2]
             # Entries as old as `due` at most: an id submitted again since has a newer one.
             await self.forget(Entries(dict.fromkeys(gone, due), dict.fromkeys(gone, due)))
-            if still:  # XX: one a purge took out meanwhile is not put back
-                await self._client.zadd(
-                    self.keys.index_ended, dict.fromkeys(still, now_ms()), xx=True
-                )
+            # Still there: looked at again once its keys expire (noted so that it is due
+            # then); one with no expiry (live again, redriven), one retention on. Kept for
+            # good, such an entry would be read every minute, for good: it goes.
+            at = now_ms()
+            again = {
+                wf: at + max(ttl, 0) - self._retention_ms if ttl >= 0 else at
+                for wf, ttl in zip(wfs, ttls, strict=True)
+                if ttl >= 0 or (ttl == -1 and self._retention_ms > 0)
+            }
+            forever = [wf for wf, ttl in zip(wfs, ttls, strict=True) if ttl == -1]
+            if again:  # XX: one a purge took out meanwhile is not put back
+                await self._client.zadd(self.keys.index_ended, again, xx=True)
+            if forever and self._retention_ms <= 0:
+                await self._client.zrem(self.keys.index_ended, *forever)
             seen += len(wfs)
             dropped += len(gone)
         return dropped

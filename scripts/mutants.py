@@ -1395,7 +1395,7 @@ end""",
     # retention elsewhere) keeps its old note: looked at again at every sweep, never dropped.
     "ended-note-not-moved-on": (
         "orchestrator/marks.py",
-        "            if still:  # XX: one a purge took out meanwhile is not put back\n",
+        "            if again:  # XX: one a purge took out meanwhile is not put back\n",
         "            if False:\n",
         (ENDED_PRUNE,),
     ),
@@ -1678,6 +1678,33 @@ end""",
         "        due = now_ms() - max(self._retention_ms, 0) - INDEX_GRACE_MS",
         "        if self._retention_ms <= 0:\n            return 0\n"
         "        due = now_ms() - max(self._retention_ms, 0) - INDEX_GRACE_MS",
+        (
+            "tests/test_list.py::test_the_ended_prune_still_walks_what_a_retention_before_left_once_kept_for_good",
+        ),
+    ),
+    # A wait for a slot that outlived its program was parked, as a first try is.
+    "late-slot-wait-parked": (
+        "worker/pool.py",
+        "        if first.attempt == 0 and (first.limit is None or first.limit.waits == 0):",
+        "        if first.attempt == 0:",
+        (
+            "tests/test_hostile.py::test_a_wait_for_a_slot_that_outlived_its_program_is_dropped_a_first_try_parked",
+        ),
+    ),
+    # A worker given a Redis of no program of the prefix dropped every retry it took.
+    "gone-without-evidence": (
+        "worker/pool.py",
+        "        if not await self.store.shards_used():",
+        "        if False:",
+        (
+            "tests/test_hostile.py::test_a_retry_of_no_program_is_parked_by_a_worker_whose_redis_holds_none",
+        ),
+    ),
+    # Kept for good, an entry of a program with no expiry was read again every minute, for good.
+    "ended-prune-rereads-the-kept": (
+        "orchestrator/marks.py",
+        "            if forever and self._retention_ms <= 0:",
+        "            if False:",
         (
             "tests/test_list.py::test_the_ended_prune_still_walks_what_a_retention_before_left_once_kept_for_good",
         ),

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import functools
 import importlib
+import importlib.util
 import json
 import logging
 import math
@@ -642,23 +643,41 @@ def _registry(modules: list[str]) -> Registry:
 
 def _import_app(module: str) -> None:
     """Import an --app module, or CliError naming it, and where it failed if inside it."""
-    if module.endswith(".py") or "/" in module:
+    if "/" in module or (module.endswith(".py") and not _importable(module)):
+        if module.startswith("/"):
+            raise CliError(
+                f"--app {module}: a module's name, not a file's: put its folder on PYTHONPATH "
+                "and name the module"
+            )
         dotted = module.removesuffix(".py").replace("/", ".").strip(".")
         raise CliError(f"--app {module}: a module's name, not a file's: --app {dotted}")
     try:
         importlib.import_module(module)
     except ImportError as exc:
+        if exc.name is None or not (module + ".").startswith(exc.name + "."):
+            raise CliError(f"--app {module}: importing it raised {_where(exc)}: {exc}") from None
         raise CliError(f"--app {module}: {exc}") from None
     except Exception as exc:  # the module itself failed: a syntax error, an error at import
-        where = ""
-        frames = traceback.extract_tb(exc.__traceback__)
-        if frames:
-            where = f" at {frames[-1].filename}:{frames[-1].lineno}"
-        if isinstance(exc, SyntaxError) and exc.filename:
-            where = f" at {exc.filename}:{exc.lineno}"
-        raise CliError(
-            f"--app {module}: importing it raised {type(exc).__name__}{where}: {exc}"
-        ) from None
+        raise CliError(f"--app {module}: importing it raised {_where(exc)}: {exc}") from None
+
+
+def _importable(module: str) -> bool:
+    """Whether `module` names a module (`pkg.py` may be a package's submodule `py`)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # its package is none
+        return False
+
+
+def _where(exc: BaseException) -> str:
+    """The exception's type, and where it was raised (the innermost frame, or a syntax
+    error's own place)."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{type(exc).__name__} at {exc.filename}:{exc.lineno}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return type(exc).__name__
+    return f"{type(exc).__name__} at {frames[-1].filename}:{frames[-1].lineno}"
 
 
 async def _dev(settings: Settings, args: argparse.Namespace) -> int:

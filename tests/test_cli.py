@@ -325,7 +325,7 @@ def test_the_log_level_goes_before_or_after_the_command() -> None:
     assert parser.parse_args(["status", "x", "--log-level", "debug"]).log_level == "DEBUG"
     assert parser.parse_args(["--log-level", "error", "status", "x"]).log_level == "ERROR"
     unset = os.environ.get("SHARDFLOW_LOG_LEVEL")
-    assert parser.parse_args(["status", "x"]).log_level == (unset and unset.upper())
+    assert parser.parse_args(["status", "x"]).log_level == ((unset or None) and unset.upper())
 
 
 def test_a_short_command_logs_warnings_only_unless_told(settings: Settings) -> None:
@@ -356,6 +356,14 @@ def test_an_app_that_fails_at_import_and_a_full_stdout_are_one_line(tmp_path: Pa
         f"shardflow: --app bad_syntax: importing it raised SyntaxError at "
         f"{tmp_path / 'bad_syntax.py'}:2: "
     ), syntax.stderr
+    (tmp_path / "needs_dep.py").write_text("import nosuchdep_xyz\n")
+    dep = shardflow("worker", "--pool", "reports", "--app", "needs_dep", env=app)
+    assert dep.stderr == (
+        "shardflow: --app needs_dep: importing it raised ModuleNotFoundError at "
+        f"{tmp_path / 'needs_dep.py'}:1: No module named 'nosuchdep_xyz'\n"
+    )
+    bare = shardflow("worker", "--pool", "reports", "--app", "tasks.py", env=app)
+    assert bare.stderr == "shardflow: --app tasks.py: a module's name, not a file's: --app tasks\n"
     path = shardflow("worker", "--pool", "reports", "--app", "examples/tasks.py", env=app)
     assert path.stderr == (
         "shardflow: --app examples/tasks.py: a module's name, not a file's: --app examples.tasks\n"

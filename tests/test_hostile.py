@@ -357,6 +357,40 @@ async def test_no_handler_runs_for_an_unknown_program_or_a_step_its_program_left
     assert mark is not None and mark.startswith("moved-on 1 echo "), mark
 
 
+async def test_a_retry_of_no_program_is_parked_by_a_worker_whose_redis_holds_none(
+    cluster: Router, settings: Settings, trace: Any
+) -> None:
+    """A retry that outlived its program is dropped as gone; but a worker given another Redis
+    (or database) finds no program at all, and dropping its retries would lose them: they are
+    parked, to be sent back once it is mended."""
+    retry = {"wf": "elsewhere", "path": "0", "task": "echo", "args": {}, "owner": 0, "attempt": 1}
+    retry["input"] = trace.as_input()
+    await publish(settings, f"{settings.prefix}.tasks.parallel", json.dumps(retry).encode())
+    assert await dead_reasons(settings, 1) == [
+        "elsewhere: no such program, nor any of this prefix in this Redis"
+    ]
+    assert [e for e in trace.events() if e["event"] == "start"] == []
+
+
+async def test_a_wait_for_a_slot_that_outlived_its_program_is_dropped_a_first_try_parked(
+    cluster: Router, settings: Settings, trace: Any
+) -> None:
+    """A task that waited for a per-key slot comes back through the delay ladder, as a retry
+    does, and may outlive its program: dropped. A first try of no program is parked."""
+    await cluster.submit({"steps": [{"task": "echo"}]}, trace.as_input(), "here")  # a program
+    assert (await cluster.wait("here", timeout_s=30))["status"] == "completed"
+    limit = {"key": "k", "max": 1, "waits": 3}
+    waited = {"wf": "purged", "path": "0", "task": "echo", "args": {}, "owner": 0, "limit": limit}
+    first = {"wf": "never", "path": "0", "task": "echo", "args": {}, "owner": 0}
+    for task in (waited, first):
+        task["input"] = trace.as_input()
+        await publish(settings, f"{settings.prefix}.tasks.parallel", json.dumps(task).encode())
+    assert await dead_reasons(settings, 1) == ["never: no such program"]
+    await asyncio.sleep(0.5)
+    assert await dead_reasons(settings, 1) == ["never: no such program"]  # still the one
+    assert [e["wf"] for e in trace.events() if e["event"] == "start"] == ["here"]
+
+
 async def test_forged_messages_a_probe_found_looping_are_refused_on_their_first_delivery(
     cluster: Router, settings: Settings, trace: Any
 ) -> None:

@@ -298,14 +298,19 @@ async def test_the_ended_prune_still_walks_what_a_retention_before_left_once_kep
     try:
         client: Redis = forever.client  # type: ignore[assignment]
         long_ago = time.time() * 1000 - 3 * INDEX_GRACE_MS
-        await client.zadd(forever.keys.index_ended, {"expired": long_ago, "expiring": long_ago})
-        await client.zadd(forever.keys.index_created, {"expired": long_ago, "expiring": long_ago})
+        three = dict.fromkeys(("expired", "expiring", "redriven"), long_ago)
+        await client.zadd(forever.keys.index_ended, three)
+        await client.zadd(forever.keys.index_created, three)
         await client.hset(forever.keys.state("expiring"), "status", "completed")
         await client.pexpire(forever.keys.state("expiring"), 60_000)
+        await client.hset(forever.keys.state("redriven"), "status", "running")  # no expiry
         assert await Marks(forever).prune_ended() == 1
-        assert await client.zrange(forever.keys.index_created, 0, -1) == ["expiring"]
-        assert await client.zrange(forever.keys.index_ended, 0, -1) == ["expiring"]  # later
-        assert await client.zscore(forever.keys.index_ended, "expiring") > long_ago
+        assert await client.zrange(forever.keys.index_created, 0, -1) == ["expiring", "redriven"]
+        # The one expiring is looked at when it expires, not every minute till then; the one
+        # kept for good, never again (a retention of 0 writes no entry for it).
+        assert await client.zrange(forever.keys.index_ended, 0, -1) == ["expiring"]
+        due = await client.zscore(forever.keys.index_ended, "expiring")
+        assert time.time() * 1000 + 50_000 < due < time.time() * 1000 + 61_000
     finally:
         await forever.close()
 

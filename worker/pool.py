@@ -384,7 +384,7 @@ class Worker(Service):
         # In a parallel branch, the branch's own cursor says where it is.
         state = await self.store.at(tasks[0].wf, tasks[0].path)
         if not state:  # never run a handler for a program nobody submitted
-            return self._gone(tasks)
+            return await self._gone(tasks)
         if (
             state.get("status") != live_status(tasks[0].path)
             or state.get("cursor") != tasks[0].path
@@ -400,14 +400,18 @@ class Worker(Service):
             )
         return tasks
 
-    def _gone(self, tasks: list[TaskMessage]) -> list[TaskMessage]:
+    async def _gone(self, tasks: list[TaskMessage]) -> list[TaskMessage]:
         """Nothing to run for a program that does not exist: a task that waited in the delay
         ladder (a retry, or a wait for a slot) outlived its program, which ended meanwhile and
         expired or was purged (a retry may wait 27 h), and is dropped as a timer is; any other
-        is parked: never run a handler for a program nobody submitted."""
+        is parked: never run a handler for a program nobody submitted. So is one this Redis
+        knows no program of the prefix at all for (a worker given another Redis, or database):
+        parked, it can be sent back once the worker is mended."""
         first = tasks[0]
         if first.attempt == 0 and (first.limit is None or first.limit.waits == 0):
             raise Poison(f"{first.wf}: no such program")
+        if not await self.store.shards_used():
+            raise Poison(f"{first.wf}: no such program, nor any of this prefix in this Redis")
         self.counts["gone"] += len(tasks)
         log.info("%s: task for %r waited past its program's end, ignored", first.wf, first.path)
         return []
@@ -419,7 +423,7 @@ class Worker(Service):
         indexes = [task.index or 0 for task in tasks]
         reply = await self.store.begin(first.wf, first.path, indexes, first.epoch, first.attempt)
         if reply.verdict == "missing":
-            return self._gone(tasks)
+            return await self._gone(tasks)
         if reply.verdict == "invalid":
             raise Poison(f"{first.wf}: {', '.join(reply.outputs) or 'no such program'}")
         if reply.verdict == "go":
