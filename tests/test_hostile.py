@@ -145,6 +145,10 @@ async def test_an_ingress_request_delivered_twice_starts_one_program(
         message = aio_pika.Message(body, message_id="request-7")
         await publish(settings, f"{settings.prefix}.ingress", message.body, message=message)
     wf = derived_id("request-7", body)
+    for _ in range(300):  # recorded once the router took the request (wait needs it there)
+        if await ingress.status(wf) is not None:
+            break
+        await asyncio.sleep(0.05)
     assert (await ingress.wait(wf, timeout_s=30))["result"] == 2
     await asyncio.sleep(0.3)  # the second delivery has been handled too
     async with connected(settings, "test-count") as (store, _):

@@ -319,10 +319,12 @@ async def test_nothing_to_undo_ends_as_its_cause_and_can_be_redriven() -> None:
 
 
 async def test_a_deadline_leaves_compensations_running() -> None:
-    saga = Saga({**BOOKING, "deadline_s": 0.001})
+    # Long enough for its start to come before it (a start past it fails the program at once:
+    # with 1 ms, a slow machine's start came after it), then waited out.
+    saga = Saga({**BOOKING, "deadline_s": 0.5})
     charge = await _to_charge(saga)
     deadline = decode_shard_message(saga.bus.later.pop())
-    await asyncio.sleep(0.01)  # its 1 ms have passed
+    await asyncio.sleep(0.6)  # its 0.5 s have passed
     verdict = await saga.transitions.apply(deadline, redelivered=False, shard=saga.owner)
     assert verdict == "applied"
     assert (await saga.state())["status"] == "compensating"
