@@ -194,16 +194,15 @@ class Marks:
             # then); one with no expiry (live again, redriven), one retention on. Kept for
             # good, such an entry would be read every minute, for good: it goes.
             at = now_ms()
-            again = {
-                wf: at + max(ttl, 0) - self._retention_ms if ttl >= 0 else at
-                for wf, ttl in zip(wfs, ttls, strict=True)
-                if ttl >= 0 or (ttl == -1 and self._retention_ms > 0)
-            }
-            forever = [wf for wf, ttl in zip(wfs, ttls, strict=True) if ttl == -1]
+            ttl_of = dict(zip(wfs, ttls, strict=True))
+            again = {wf: at + ttl - self._retention_ms for wf, ttl in ttl_of.items() if ttl >= 0}
+            unexpiring = [wf for wf, ttl in ttl_of.items() if ttl == -1]
+            if self._retention_ms > 0:
+                again.update(dict.fromkeys(unexpiring, at))
+            elif unexpiring:
+                await self._client.zrem(self.keys.index_ended, *unexpiring)
             if again:  # XX: one a purge took out meanwhile is not put back
                 await self._client.zadd(self.keys.index_ended, again, xx=True)
-            if forever and self._retention_ms <= 0:
-                await self._client.zrem(self.keys.index_ended, *forever)
             seen += len(wfs)
             dropped += len(gone)
         return dropped

@@ -1703,8 +1703,8 @@ end""",
     # Kept for good, an entry of a program with no expiry was read again every minute, for good.
     "ended-prune-rereads-the-kept": (
         "orchestrator/marks.py",
-        "            if forever and self._retention_ms <= 0:",
-        "            if False:",
+        "            elif unexpiring:",
+        "            elif False:",
         (
             "tests/test_list.py::test_the_ended_prune_still_walks_what_a_retention_before_left_once_kept_for_good",
         ),
