@@ -105,6 +105,13 @@ DUPLICATES = Counter(
     "Duplicate or late messages acked and ignored, by the part that ignored them.",
     ["part"],
 )
+GONE = Counter(
+    "shardflow_gone_ignored_total",
+    "Messages (for a worker, tasks) acked and ignored because their program no longer exists "
+    "(ended, then expired or purged): a timer, a retry that waited past the end, a task that "
+    "ended after its program was deleted.",
+    ["part"],
+)
 REPUBLISHED = Counter(
     "shardflow_republished_total",
     "What a redelivered message produces, published again (a crash may have cut it short).",

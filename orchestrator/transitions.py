@@ -230,6 +230,7 @@ class Transitions:
 
     def _gone(self, message: Deadline | Wake | Signalled) -> str:
         self.counts["gone"] += 1
+        metrics.GONE.labels("orchestrator").inc()
         log.info("%s: %s for a program that is gone, ignored", message.wf, message.kind)
         return "gone"
 
@@ -256,7 +257,8 @@ class Transitions:
             return await self._deadline(message, plan)
         if isinstance(message, Signalled):
             verdict = await self._signalled(message, plan)
-            self.counts[verdict] += 1
+            if verdict != "gone":  # counted there
+                self.counts[verdict] += 1
             return verdict
         epoch: int | None = None  # a start belongs to whatever run the program is in...
         state: dict[str, str] = {}  # read by a start only (its run, and when it was created)
@@ -462,6 +464,8 @@ class Transitions:
         if deadline_s is None:
             raise Poison(f"{message.wf}: a deadline, but its program names none")
         state = await self.store.state(message.wf)
+        if not state:  # expired or purged since (its plan still cached)
+            return self._gone(message)
         status = state.get("status")
         if status in ("pending", "running") and int(state.get("epoch") or 0) == message.epoch:
             now = await self.clock.now()
@@ -491,6 +495,8 @@ class Transitions:
         """A signal was kept for the program: the step at the cursor takes it if it waits for
         that name ("taken"); else it stays kept for the step that will ("kept")."""
         state = await self.store.state(message.wf)
+        if not state:  # expired or purged since (its plan still cached)
+            return self._gone(message)
         if state.get("status") != "running":
             return "kept"
         epoch = int(state.get("epoch") or 0)

@@ -58,6 +58,11 @@ SECOND_REDRIVE = (
     "tests/test_redrive_e2e.py::test_a_second_redrive_before_the_rerun_step_moved_on_keeps_its_prev"
 )
 CONSUMING = "tests/test_consuming.py::"
+PURGED_TIMERS = (
+    "tests/test_owner_steps.py::"
+    "test_timers_of_a_purged_program_whose_plan_is_cached_are_gone_once_each"
+)
+RETRY_GONE = "tests/test_retention.py::test_a_retry_that_outlives_its_program_is_no_dead_letter"
 BUNDLE_WORKER = (
     "tests/test_bundling.py::test_a_worker_settles_each_task_of_a_bundle_as_if_it_came_alone"
 )
@@ -2282,6 +2287,29 @@ end""",
         "                stop.set_result(None)\n",
         "                pass\n",
         (DEAF_CANCELLED,),
+    ),
+    # A deadline or a signal for a program purged under its cached plan is taken for a live
+    # one: counted `missing` or `kept`, never `gone`, so no metric shows it.
+    "deadline-of-a-purged-program-not-gone": (
+        "orchestrator/transitions.py",
+        "        if not state:  # expired or purged since (its plan still cached)\n"
+        "            return self._gone(message)\n        status",
+        "        status",
+        (PURGED_TIMERS,),
+    ),
+    "signal-for-a-purged-program-kept": (
+        "orchestrator/transitions.py",
+        "        if not state:  # expired or purged since (its plan still cached)\n"
+        "            return self._gone(message)\n        if state",
+        "        if state",
+        (PURGED_TIMERS,),
+    ),
+    # A retry that waited past its program's end is dropped but not counted as a metric.
+    "gone-retry-uncounted": (
+        "worker/pool.py",
+        '        metrics.GONE.labels("worker").inc(len(tasks))\n',
+        "",
+        (RETRY_GONE,),
     ),
 }
 

@@ -7,11 +7,21 @@ import asyncio
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from orchestrator.delivery import Poison
 from orchestrator.keys import Keys
 from orchestrator.memory_store import MemoryStore
-from orchestrator.messages import Failed, Next, Start, Wake, decode_shard_message, decode_task
+from orchestrator.messages import (
+    Deadline,
+    Failed,
+    Next,
+    Signalled,
+    Start,
+    Wake,
+    decode_shard_message,
+    decode_task,
+)
 from orchestrator.plans import Plans
 from orchestrator.settings import Settings
 from orchestrator.transitions import Transitions
@@ -342,3 +352,24 @@ async def _late_untrack_keeps_a_redriven_program(settings: Settings, store: Any)
     assert [wf async for wf in store.live(owner)] == ["late"]
     await router.cancel("late")  # ended for real: no longer counted
     assert [wf async for wf in store.live(owner)] == []
+
+
+async def test_timers_of_a_purged_program_whose_plan_is_cached_are_gone_once_each() -> None:
+    """A deadline or a signal for a program deleted under it, its plan still in the owner's
+    cache, is ignored as `gone` (counted once, as a metric too), never kept or dead-lettered."""
+    store = MemoryStore(Keys("purged"))
+    bus = Recorder()
+    transitions = Transitions(store, bus, Plans(store, 8))
+    router = Router(Settings(prefix="purged"), store=store, bus=bus)
+    program = {"deadline_s": 60, "steps": [{"signal": "go"}]}
+    owner = (await router.submit(program, None, "purged")).shard
+    start = decode_shard_message(bus.shard.pop())
+    await transitions.apply(start, redelivered=False, shard=owner)
+    assert await store.cancel("purged", "cancelled", "by hand", None, False, False)
+    assert await store.purge("purged", "cancelled", 2**62) == "purged"
+    before = REGISTRY.get_sample_value("shardflow_gone_ignored_total", {"part": "orchestrator"})
+    for message in (Deadline(wf="purged", deadline_s=60), Signalled(wf="purged", name="go")):
+        assert await transitions.apply(message, redelivered=False, shard=owner) == "gone"
+    assert transitions.counts["gone"] == 2 and "kept" not in transitions.counts
+    after = REGISTRY.get_sample_value("shardflow_gone_ignored_total", {"part": "orchestrator"})
+    assert (after or 0) - (before or 0) == 2

@@ -8,6 +8,7 @@ import json
 from collections.abc import AsyncIterator
 
 import pytest
+from prometheus_client import REGISTRY
 
 from orchestrator.connections import connected
 from orchestrator.marks import Marks
@@ -193,11 +194,16 @@ async def test_a_timer_that_outlives_its_program_is_no_dead_letter(
     """A deadline (or a signal timeout's wake) may fall due long after its program ended and
     expired; each such timer was parked as "no such program", filling the dead letters."""
     router, _ = short
+    before = _gone("orchestrator")
     programs = [
         {"deadline_s": 3.0, "steps": [{"task": "add"}]},
         {"steps": [{"signal": "go", "timeout_s": 3.0}, {"task": "add"}]},
     ]
     submitted = [(await router.submit(program, None)).workflow_id for program in programs]
+    for _ in range(200):  # signalled once it waits: its wake is set (a signal kept sets none)
+        if "waiting_for" in (await router.explain(submitted[1]) or {}):
+            break
+        await asyncio.sleep(0.02)
     await router.signal(submitted[1], "go")
     for wf in submitted:
         assert (await router.wait(wf, timeout_s=10))["status"] == "completed"
@@ -206,6 +212,7 @@ async def test_a_timer_that_outlives_its_program_is_no_dead_letter(
     await asyncio.sleep(2.0)
     async with connected(router.settings, "retention-dead") as (_, bus):
         assert await bus.peek_dead(10) == []
+    assert _gone("orchestrator") - before == 2  # the deadline and the wake, as a metric
 
 
 async def test_a_retry_that_outlives_its_program_is_no_dead_letter(
@@ -214,6 +221,7 @@ async def test_a_retry_that_outlives_its_program_is_no_dead_letter(
     """A retry waits in the delay ladder (up to 27 h): a program cancelled meanwhile that
     expired (or was purged) before it fell due left it parked as "no such program", for good."""
     router, dev = short
+    before = _gone("worker")
     program = {"steps": [{"task": "boom", "pool": "parallel",
                           "retry": {"max_attempts": 2, "backoff_s": 6.0}}]}  # fmt: skip
     wf = (await router.submit(program, None)).workflow_id
@@ -228,6 +236,11 @@ async def test_a_retry_that_outlives_its_program_is_no_dead_letter(
     async with connected(router.settings, "retention-dead") as (_, bus):
         assert await bus.peek_dead(10) == []
     assert sum(worker.counts["gone"] for worker in dev.workers) == 1
+    assert _gone("worker") - before == 1
+
+
+def _gone(part: str) -> float:
+    return REGISTRY.get_sample_value("shardflow_gone_ignored_total", {"part": part}) or 0.0
 
 
 async def test_a_late_mark_writes_nothing_for_a_program_gone_and_expires_with_an_ended_one(

@@ -413,6 +413,7 @@ class Worker(Service):
         if not await self.store.shards_used():
             raise Poison(f"{first.wf}: no such program, nor any of this prefix in this Redis")
         self.counts["gone"] += len(tasks)
+        metrics.GONE.labels("worker").inc(len(tasks))
         log.info("%s: task for %r waited past its program's end, ignored", first.wf, first.path)
         return []
 
@@ -589,6 +590,7 @@ class Worker(Service):
         completion = await self._record(task, outputs)
         if completion.verdict == "missing":  # it was there when the handler began: purged since
             self.counts["gone"] += len(outputs)
+            metrics.GONE.labels("worker").inc(len(outputs))
             log.info("%s: task %r ended after its program was deleted", task.wf, task.path)
             return reports
         if completion.verdict == "invalid":
