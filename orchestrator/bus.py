@@ -24,6 +24,7 @@ from aio_pika.abc import (
 from aio_pika.connection import make_url
 
 from orchestrator import amqp_decode, metrics
+from orchestrator.amqp_faults import DownReason
 from orchestrator.bundling import Bundles
 from orchestrator.coalescing import CoalescingConnection
 from orchestrator.consuming import Deliveries
@@ -232,6 +233,7 @@ class Bus:
         self._consumer_channels: dict[Deliveries, AbstractRobustChannel] = {}
         self._task_arguments: dict[str, dict[str, Any]] = {}  # by task queue, once checked
         self._unconfirmed = asyncio.Semaphore(MAX_UNCONFIRMED)
+        self._down: DownReason | None = None  # why the connection is down, once connected
         self._probe: aiormq.abc.AbstractChannel | None = None  # for queue_state
         self._probing = asyncio.Lock()
 
@@ -271,6 +273,7 @@ class Bus:
                 "vhost restarts: the broker's log says which)"
             ) from None
         self._connection = connection
+        self._down = DownReason(connection)
         self._publisher = await self._connection.channel(
             publisher_confirms=True, on_return_raises=True
         )
@@ -306,10 +309,17 @@ class Bus:
         unblocked = getattr(transport.connection, "_Connection__connection_unblocked", None)
         return isinstance(unblocked, asyncio.Event) and not unblocked.is_set()
 
+    @property
+    def down_reason(self) -> str:
+        """While the connection is down: what closed it, or why its last reconnect failed
+        ("" when unknown, and while it is up)."""
+        return "" if self.is_connected or self._down is None else self._down.reason
+
     async def close(self) -> None:
         if self._connection is not None:
             await self._connection.close()
             self._connection = None
+        self._down = None
 
     async def declare(self, channel: AbstractRobustChannel) -> None:
         """Every exchange and queue, with the same arguments wherever it is declared."""

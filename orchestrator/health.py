@@ -70,10 +70,12 @@ class Health:
         consuming: Callable[[], bool],
         *,
         blocked: Callable[[], bool] = lambda: False,
+        rabbitmq_down: Callable[[], str] = lambda: "",
         stale_s: float = STALE_S,
     ) -> None:
         self._ping = ping
         self._rabbitmq_up = rabbitmq_up
+        self._rabbitmq_down = rabbitmq_down  # why it is not connected, when known
         self._consuming = consuming
         self._blocked = blocked  # by a resource alarm of RabbitMQ's
         self._blocked_since: float | None = None
@@ -83,6 +85,7 @@ class Health:
         # whole, so a reader sees an old value or a new one, never half of one.
         self._beat = started
         self._rabbitmq: bool | None = None  # not checked yet
+        self._rabbitmq_why = ""
         self._ready = False
         self._redis: tuple[float, str] = (started, "not checked yet")  # (when, fault or "")
 
@@ -97,6 +100,7 @@ class Health:
             now = time.monotonic()
             LOOP_LAG.set(max(0.0, now - before - BEAT_S))
             self._rabbitmq = bool(self._rabbitmq_up())
+            self._rabbitmq_why = "" if self._rabbitmq else self._rabbitmq_down()
             self._note_blocked(now)
             DEPENDENCY_UP.labels("rabbitmq").set(self._rabbitmq and self._blocked_since is None)
             self._ready = bool(self._consuming())
@@ -145,6 +149,8 @@ class Health:
             now = time.monotonic()
             if not self._rabbitmq:
                 state = "not checked yet" if self._rabbitmq is None else "not connected"
+                if why := self._rabbitmq_why:
+                    state += f" ({why})"
                 found.append(f"rabbitmq: {state}")
             elif (since := self._blocked_since) is not None:
                 found.append(
@@ -296,6 +302,7 @@ async def serving(
         lambda: bus.is_connected,
         lambda: service.consuming,
         blocked=lambda: bus.publishing_blocked,
+        rabbitmq_down=lambda: bus.down_reason,
     )
     try:
         server = serve(application(health), settings.metrics_addr, settings.metrics_port)

@@ -62,6 +62,11 @@ PURGED_TIMERS = (
     "tests/test_owner_steps.py::"
     "test_timers_of_a_purged_program_whose_plan_is_cached_are_gone_once_each"
 )
+ROTATED = (
+    "tests/test_access.py::"
+    "test_healthz_says_why_rabbitmq_is_not_connected_after_a_password_rotation"
+)
+CLOSED = "tests/test_health.py::test_a_closed_rabbitmq_connection_is_a_fault_until_it_is_back"
 RETRY_GONE = "tests/test_retention.py::test_a_retry_that_outlives_its_program_is_no_dead_letter"
 BUNDLE_WORKER = (
     "tests/test_bundling.py::test_a_worker_settles_each_task_of_a_bundle_as_if_it_came_alone"
@@ -2310,6 +2315,14 @@ end""",
         '        metrics.GONE.labels("worker").inc(len(tasks))\n',
         "",
         (RETRY_GONE,),
+    ),
+    # The reason of a loss or of a failed reconnect is dropped: /healthz says only `not
+    # connected`, and the reason is in the logs alone.
+    "connection-loss-unread": (
+        "orchestrator/amqp_faults.py",
+        "        if exc is not None:\n            self.reason = describe(exc)",
+        "        if exc is not None:\n            pass",
+        (CLOSED, ROTATED),
     ),
 }
 

@@ -6,13 +6,17 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from orchestrator.settings import Settings
-from tests.brokers import PrivateRabbit, PrivateRedis
+from tests.brokers import PrivateRabbit, PrivateRedis, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -109,6 +113,51 @@ def test_the_permissions_the_readme_gives_run_a_program_end_to_end(
         dev.send_signal(signal.SIGTERM)
         _, stderr = dev.communicate(timeout=30)
     assert dev.returncode == 0 and "ACCESS_REFUSED" not in stderr, stderr
+
+
+def test_healthz_says_why_rabbitmq_is_not_connected_after_a_password_rotation(
+    rabbit: PrivateRabbit, settings: Settings
+) -> None:
+    """The password changed under a running service and its connection closed: /healthz said
+    only `rabbitmq: not connected`; the refusal of every reconnect was in the logs alone."""
+    rabbit.ctl("add_user", "rotated", SECRET)
+    rabbit.ctl("set_permissions", "-p", "/", "rotated", r"^pf\.", r"^(pf\.|amq\.default$)",
+               r"^pf\.")  # fmt: skip
+    port = free_port()
+    env = {**_env(rabbit, settings, "rotated", SECRET), "SHARDFLOW_METRICS_PORT": str(port)}
+    service = subprocess.Popen(
+        [sys.executable, "-m", "shardflow", "orchestrator", "--shards", "0"], cwd=ROOT,
+        env={**os.environ, **env}, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert _healthz(port, lambda answer: answer[0] == 200, 60)[1] == []
+        rabbit.ctl("change_password", "rotated", "rotated-pw")
+        rabbit.ctl("close_all_connections", "rotation")
+        status, faults = _healthz(port, lambda answer: "ACCESS_REFUSED" in str(answer[1]), 60)
+        assert status == 503 and faults[0].startswith("rabbitmq: not connected ("), faults
+        assert "rotated-pw" not in str(faults) and SECRET not in str(faults)
+        rabbit.ctl("change_password", "rotated", SECRET)  # put back: it reconnects by itself
+        assert _healthz(port, lambda answer: answer[0] == 200, 60)[1] == []
+    finally:
+        service.send_signal(signal.SIGTERM)
+        service.communicate(timeout=30)
+
+
+def _healthz(port: int, wanted: Callable[[tuple[int, list[str]]], bool], seconds: float) -> Any:
+    """Poll /healthz until its (status, faults) is `wanted`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as got:
+                answer = (got.status, json.load(got).get("faults", []))
+        except urllib.error.HTTPError as refused:
+            answer = (refused.code, json.load(refused).get("faults", []))
+        except OSError:
+            answer = (0, ["not serving"])
+        if wanted(answer):
+            return answer
+        assert time.monotonic() < deadline, answer
+        time.sleep(0.1)
 
 
 def test_a_redis_password_missing_or_wrong_is_one_line_and_exit_2(settings: Settings) -> None:
