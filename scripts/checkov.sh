@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
 # Put checkov (the policy scanner the chart's tests run) at .tools/checkov/bin/checkov, in a
-# venv of its own: its many pinned dependencies stay out of shardflow's. Idempotent.
+# venv of its own: its many pinned dependencies stay out of shardflow's. Idempotent. The venv
+# lives in a per-user cache, named by version, and .tools/checkov links to it: a fresh clone on
+# the same machine (CI's) does not install it again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=3.3.30  # pinned: a new release brings new checks, so a bump is a reviewed change
-venv=.tools/checkov
-if [ -x "$venv/bin/checkov" ] && [ "$(cat "$venv/.version" 2>/dev/null)" = "$version" ]; then
-  exit 0
+cache=${XDG_CACHE_HOME:-$HOME/.cache}/shardflow
+venv=$cache/checkov-$version
+mkdir -p .tools
+if ! { [ -x "$venv/bin/checkov" ] && [ "$(cat "$venv/.version" 2>/dev/null)" = "$version" ]; }; then
+  python=${PYTHON:-python3}
+  echo "checkov: installing checkov $version into $venv" >&2
+  mkdir -p "$cache"
+  rm -rf "$venv"
+  "$python" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q "checkov==$version" >"$venv.log" 2>&1 \
+    || { tail -n 20 "$venv.log" >&2; exit 1; }
+  echo "$version" >"$venv/.version"
+  "$venv/bin/checkov" --version >&2
 fi
-python=${PYTHON:-python3}
-echo "checkov: installing checkov $version into $venv" >&2
-rm -rf "$venv"
-"$python" -m venv "$venv"
-"$venv/bin/python" -m pip install -q "checkov==$version" >"$venv.log" 2>&1 \
-  || { tail -n 20 "$venv.log" >&2; exit 1; }
-echo "$version" >"$venv/.version"
-"$venv/bin/checkov" --version >&2
+if [ "$(readlink .tools/checkov 2>/dev/null)" != "$venv" ]; then
+  rm -rf .tools/checkov
+  ln -s "$venv" .tools/checkov
+fi
