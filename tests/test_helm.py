@@ -454,6 +454,32 @@ def test_a_change_of_settings_or_secret_restarts_every_pod() -> None:
         assert before[name]["checksum/config"] != after_config[name]["checksum/config"], name
 
 
+def test_kedas_trigger_authentication_takes_a_private_ca_and_client_certificates() -> None:
+    """KEDA's RabbitMQ scaler reads the chart's `amqp-url`; with `amqps://` and a CA of one's
+    own it also needs `tls` and `ca` from a Secret, which the chart had no way to give it."""
+    refs = [
+        {"parameter": "tls", "name": "rabbitmq-tls", "key": "enabled"},
+        {"parameter": "ca", "name": "rabbitmq-tls", "key": "ca.crt"},
+    ]
+    documents = manifests(
+        "workers.parallel.autoscaling.enabled=true",
+        *(f"workers.parallel.autoscaling.extraSecretTargetRefs[{i}].{field}={ref[field]}"
+          for i, ref in enumerate(refs) for field in ref),
+    )  # fmt: skip
+    (auth,) = of_kind(documents, "TriggerAuthentication").values()
+    assert auth["spec"]["secretTargetRef"] == [
+        {"parameter": "host", "name": "demo-connection", "key": "amqp-url"},
+        *refs,
+    ]
+    # The host stays the chart's: another would scale on another broker's queues.
+    host = "workers.parallel.autoscaling.extraSecretTargetRefs[0]"
+    result = render("workers.parallel.autoscaling.enabled=true", f"{host}.parameter=host",
+                    f"{host}.name=other", f"{host}.key=url")  # fmt: skip
+    assert result.returncode != 0 and "parameter" in result.stderr, result.stderr
+    missing = render("workers.parallel.autoscaling.enabled=true", f"{host}.parameter=ca")
+    assert missing.returncode != 0 and "missing propert" in missing.stderr, missing.stderr
+
+
 def test_keda_and_the_service_monitor_are_optional() -> None:
     kinds = {d["kind"] for d in manifests()}
     assert not kinds & (CUSTOM_KINDS | {"Service"})
