@@ -11,6 +11,7 @@ from urllib.parse import unquote, urlsplit
 
 from aiormq.exceptions import ChannelNotFoundEntity
 from redis.exceptions import AuthenticationError as RedisAuthenticationError
+from redis.exceptions import RedisClusterException
 
 from orchestrator.bus import AccessRefused, Bus
 from orchestrator.delivery import UNREACHABLE
@@ -74,8 +75,19 @@ async def _scripts(store: RedisStore, url: str) -> None:
     about HELLO)."""
     try:
         await store.load_scripts()
-    except RedisAuthenticationError as exc:
-        raise redis_refusal(url, exc) from None
+    except (RedisAuthenticationError, RedisClusterException) as exc:
+        refused = refused_login(exc)
+        if refused is None:
+            raise
+        raise redis_refusal(url, refused) from None
+
+
+def refused_login(exc: BaseException) -> RedisAuthenticationError | None:
+    """The refused login `exc` is, or that a Redis Cluster's error wraps (redis-py raises
+    a cluster error from it when no node takes the login); None for any other fault."""
+    if isinstance(exc, RedisClusterException):
+        exc = exc.__cause__  # type: ignore[assignment]
+    return exc if isinstance(exc, RedisAuthenticationError) else None
 
 
 def redis_refusal(url: str, exc: RedisAuthenticationError) -> AccessRefused:

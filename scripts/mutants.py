@@ -67,6 +67,7 @@ ROTATED = (
     "test_healthz_says_why_rabbitmq_is_not_connected_after_a_password_rotation"
 )
 CLOSED = "tests/test_health.py::test_a_closed_rabbitmq_connection_is_a_fault_until_it_is_back"
+CLUSTER_LOGIN = "tests/test_access.py::test_a_redis_clusters_refused_login_is_exit_2_too"
 RETRY_GONE = "tests/test_retention.py::test_a_retry_that_outlives_its_program_is_no_dead_letter"
 BUNDLE_WORKER = (
     "tests/test_bundling.py::test_a_worker_settles_each_task_of_a_bundle_as_if_it_came_alone"
@@ -1752,8 +1753,8 @@ end""",
     # A Redis login refused was waited for, and worded as HELLO.
     "redis-login-retried": (
         "orchestrator/connections.py",
-        "    except RedisAuthenticationError as exc:\n        raise redis_refusal(",
-        "    except KeyError as exc:\n        raise AccessRefused(",
+        "        raise redis_refusal(url, refused) from None",
+        "        raise AccessRefused(url) from None",
         ("tests/test_access.py::test_a_redis_password_missing_or_wrong_is_one_line_and_exit_2",),
     ),
     # A '[...]' in a password: urlsplit's own error quoted what the brackets held.
@@ -2323,6 +2324,13 @@ end""",
         "        if exc is not None:\n            self.reason = describe(exc)",
         "        if exc is not None:\n            pass",
         (CLOSED, ROTATED),
+    ),
+    # A Redis Cluster's refused login is taken for an outage: exit 4, waited for.
+    "cluster-login-refusal-unwrapped": (
+        "orchestrator/connections.py",
+        "        exc = exc.__cause__  # type: ignore[assignment]",
+        "        pass",
+        (CLUSTER_LOGIN,),
     ),
 }
 

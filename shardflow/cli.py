@@ -29,7 +29,7 @@ from redis.exceptions import ResponseError as RedisResponseError
 
 from orchestrator import logs
 from orchestrator.bus import MAX_DEAD_HELD, AccessRefused, Bus, TopologyError
-from orchestrator.connections import UNREACHABLE, connected, redis_refusal
+from orchestrator.connections import UNREACHABLE, connected, redis_refusal, refused_login
 from orchestrator.delivery import (
     describe,
     first_error,
@@ -501,7 +501,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
     except UNREACHABLE as exc:
         code = _fail(f"cannot connect to {_service(exc)}: {exc}", EXIT_UNAVAILABLE)
     except RedisClusterException as exc:  # a fault of the cluster's configuration
-        code = _fail(f"Redis Cluster (SHARDFLOW_REDIS_URL): {exc}", EXIT_UNAVAILABLE)
+        if (refused := refused_login(exc)) is not None:
+            code = _fail(str(redis_refusal(settings.redis_url, refused)), EXIT_USAGE)
+        else:
+            code = _fail(f"Redis Cluster (SHARDFLOW_REDIS_URL): {exc}", EXIT_UNAVAILABLE)
     except RedisInvalidResponse as exc:
         code = _fail(f"cannot connect to {_service(exc)}: not Redis? {exc}", EXIT_UNAVAILABLE)
     except RedisResponseError as exc:

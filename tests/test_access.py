@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from orchestrator.settings import Settings
-from tests.brokers import PrivateRabbit, PrivateRedis, free_port
+from tests.brokers import PrivateRabbit, PrivateRedis, PrivateRedisCluster, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -187,3 +187,38 @@ def test_a_redis_password_missing_or_wrong_is_one_line_and_exit_2(settings: Sett
         assert shardflow("list", env=good).returncode == 0
     finally:
         redis.close()
+
+
+def test_a_redis_clusters_refused_login_is_exit_2_too(settings: Settings) -> None:
+    """redis-py wraps a cluster's refused login in a cluster error: it was exit 4, as if no
+    node could be reached, and the service waited for it its whole startup wait."""
+    cluster = PrivateRedisCluster()
+    cluster.start()
+    try:
+        for port in cluster.ports:
+            subprocess.run(["redis-cli", "-p", str(port), "config", "set", "requirepass", SECRET],
+                           check=True, capture_output=True, timeout=30)  # fmt: skip
+        base = cluster.url.removeprefix("redis://")
+        cases = {
+            f"redis://{base}": "asks for a password, and the URL gives none",
+            f"redis://:wrong-pw@{base}": "refused user 'default': a wrong password, or no such",
+        }
+        for url, fault in cases.items():
+            env = {
+                "SHARDFLOW_REDIS_URL": url,
+                "SHARDFLOW_REDIS_CLUSTER": "true",
+                "SHARDFLOW_STARTUP_WAIT_S": "1",
+                "SHARDFLOW_AMQP_URL": settings.amqp_url,
+                "SHARDFLOW_PREFIX": settings.prefix,
+            }
+            for args in (("list",), ("orchestrator", "--shards", "0")):
+                result = shardflow(*args, env=env)
+                assert result.returncode == 2, result.stderr
+                last = result.stderr.splitlines()[-1]
+                assert last.startswith(f"shardflow: Redis (SHARDFLOW_REDIS_URL) {fault}"), last
+                assert "wrong-pw" not in result.stderr and SECRET not in result.stderr
+        good = {"SHARDFLOW_REDIS_URL": f"redis://:{SECRET}@{base}", "SHARDFLOW_PREFIX": "x",
+                "SHARDFLOW_REDIS_CLUSTER": "true"}  # fmt: skip
+        assert shardflow("list", env=good).returncode == 0
+    finally:
+        cluster.close()
