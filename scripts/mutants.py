@@ -68,6 +68,10 @@ ROTATED = (
 )
 CLOSED = "tests/test_health.py::test_a_closed_rabbitmq_connection_is_a_fault_until_it_is_back"
 CLUSTER_LOGIN = "tests/test_access.py::test_a_redis_clusters_refused_login_is_exit_2_too"
+MISHANDLED = (
+    "tests/test_handler_faults.py::"
+    "test_a_handler_raising_what_asyncio_mishandles_fails_and_retries_its_task"
+)
 RETRY_GONE = "tests/test_retention.py::test_a_retry_that_outlives_its_program_is_no_dead_letter"
 BUNDLE_WORKER = (
     "tests/test_bundling.py::test_a_worker_settles_each_task_of_a_bundle_as_if_it_came_alone"
@@ -2331,6 +2335,23 @@ end""",
         "        exc = exc.__cause__  # type: ignore[assignment]",
         "        pass",
         (CLUSTER_LOGIN,),
+    ),
+    # A CancelledError of the handler's own code is taken for its program's cancel: nothing
+    # is reported, and the program runs for good.
+    "self-cancel-taken-for-a-program-cancel": (
+        "worker/pool.py",
+        "        if stop in done:\n            raise _ProgramCancelled",
+        "        if stop in done or (handler in done and handler.cancelled()):\n"
+        "            raise _ProgramCancelled",
+        (MISHANDLED,),
+    ),
+    # A plain function's StopIteration reaches asyncio, which cannot set it on a future: the
+    # handler's await never ends.
+    "thread-stopiteration-passes": (
+        "worker/threads.py",
+        "        except (StopIteration, asyncio.CancelledError) as exc:",
+        "        except ZeroDivisionError as exc:",
+        (MISHANDLED,),
     ),
 }
 

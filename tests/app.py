@@ -275,3 +275,38 @@ async def pops(ctx: TaskContext) -> Any:
     if ctx.attempt == 0:
         raise RuntimeError("first attempt fails")
     return seen
+
+
+@task()
+async def self_cancelled(ctx: TaskContext) -> None:
+    """Awaits an inner task that something else cancels: its own code raises CancelledError."""
+    _record(ctx, "start")
+    inner = asyncio.ensure_future(asyncio.sleep(10))
+    asyncio.get_running_loop().call_later(0.05, inner.cancel)
+    await inner
+
+
+@task()
+def plain_fault(ctx: TaskContext) -> None:
+    """A plain function raising what asyncio mishandles from a thread: `stop` (next() of an
+    empty iterator) or `cancel`."""
+    _record(ctx, "start")
+    if ctx.args["raise"] == "stop":
+        next(iter([]))
+    raise asyncio.CancelledError("from a thread")
+
+
+@task()
+async def odd_text(ctx: TaskContext) -> Any:
+    """Returns, or raises with, a lone surrogate (a file name os.listdir decoded with
+    surrogateescape), or returns a value nested `depth` levels deep."""
+    _record(ctx, "start")
+    if ctx.args.get("depth"):
+        value: Any = 1
+        for _ in range(ctx.args["depth"]):
+            value = [value]
+        return value
+    text = "report-\udce9.csv"
+    if ctx.args.get("raise"):
+        raise ValueError(f"cannot parse {text}")
+    return {"files": [text]}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
@@ -133,3 +134,27 @@ async def test_a_handler_that_catches_its_programs_cancel_gives_its_slot_back(
     other = (await cluster.submit({"steps": [{"task": "echo"}]})).workflow_id
     assert (await cluster.wait(other, timeout_s=4))["status"] == "completed"
     assert (await cluster.status(wf))["status"] == "cancelled"
+
+
+@pytest.mark.parametrize(
+    ("task", "args", "fault"),
+    [
+        ("self_cancelled", {}, "CancelledError (raised by the handler's own code"),
+        ("plain_fault", {"raise": "stop"}, "RuntimeError: the handler raised StopIteration"),
+        ("plain_fault", {"raise": "cancel"}, "the handler raised CancelledError: from a thread"),
+    ],
+)
+async def test_a_handler_raising_what_asyncio_mishandles_fails_and_retries_its_task(
+    cluster: Router, trace: Trace, task: str, args: dict[str, Any], fault: str
+) -> None:
+    """A CancelledError of the handler's own (an inner task it awaited, cancelled elsewhere)
+    was taken for its program's cancel: nothing reported, the program running for good. A
+    plain function's StopIteration (next() of an empty iterator) cannot be set on a future:
+    the await never ended, holding the slot (the serial lane's, here) across restarts."""
+    retry = {"max_attempts": 2, "backoff_s": 0.05}
+    program = {"steps": [{"task": task, "args": args, "retry": retry}]}
+    wf = (await cluster.submit(program, trace.as_input())).workflow_id
+    status = await cluster.wait(wf, timeout_s=20)
+    assert status["status"] == "failed" and fault in status["error"], status
+    assert "failed 2 attempts" in status["error"], status["error"]
+    assert [e["event"] for e in trace.events()] == ["start", "start"]

@@ -730,8 +730,14 @@ class Worker(Service):
             metrics.TASKS_RUNNING.labels(self.pool).dec()
             if not running:
                 del self._running[task.wf]
-        if stop in done or (handler in done and handler.cancelled()):
+        if stop in done:
             raise _ProgramCancelled  # its program ended (cancel_program)
+        if handler in done and handler.cancelled():  # not by us: its own code raised it
+            said = _cancel_said(handler)
+            raise _TaskError(
+                f"CancelledError{': ' + said if said else ''} (raised by the handler's own code: "
+                "an inner task it awaited was cancelled, say; not a cancel of its program)"
+            )
         if handler not in done and watch is not None and watch in done:
             key = task.limit.key if task.limit else ""
             raise _TaskError(f"stopped: its slot of key {key!r} was lost (the lease ran out)")
@@ -766,6 +772,16 @@ async def _guarded(run: Coroutine[Any, Any, Any]) -> Any:
         raise
     except BaseException as exc:
         raise _TaskError(f"{type(exc).__name__}: {_said(exc)}") from None
+
+
+def _cancel_said(handler: asyncio.Task[Any]) -> str:
+    """The text of the CancelledError a handler's own code raised (an inner task it awaited
+    was cancelled elsewhere, say)."""
+    try:
+        handler.result()
+    except asyncio.CancelledError as exc:
+        return _said(exc)
+    return ""
 
 
 def _own(value: Any) -> Any:

@@ -82,6 +82,10 @@ class HandlerThreads:
             call.started = True
         try:
             return context.run(handler, ctx)
+        except (StopIteration, asyncio.CancelledError) as exc:
+            # asyncio cannot set a StopIteration on a future (the await never ended), and a
+            # CancelledError would read as the task's own cancel: each fails the task instead.
+            raise RuntimeError(f"the handler raised {type(exc).__name__}: {exc}") from None
         finally:
             with self._lock:
                 call.ended = True
