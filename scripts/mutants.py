@@ -72,6 +72,10 @@ MISHANDLED = (
     "tests/test_handler_faults.py::"
     "test_a_handler_raising_what_asyncio_mishandles_fails_and_retries_its_task"
 )
+UNCARRIED = (
+    "tests/test_handler_faults.py::"
+    "test_an_output_or_error_no_message_can_carry_fails_its_task_once_per_attempt"
+)
 RETRY_GONE = "tests/test_retention.py::test_a_retry_that_outlives_its_program_is_no_dead_letter"
 BUNDLE_WORKER = (
     "tests/test_bundling.py::test_a_worker_settles_each_task_of_a_bundle_as_if_it_came_alone"
@@ -2352,6 +2356,28 @@ end""",
         "        except (StopIteration, asyncio.CancelledError) as exc:",
         "        except ZeroDivisionError as exc:",
         (MISHANDLED,),
+    ),
+    # An output with a lone surrogate passes: its report fails to encode 20 times, running the
+    # handler each time, and the program runs for good.
+    "output-surrogate-unchecked": (
+        "worker/pool.py",
+        '    if deep or "\\\\ud" in text:',
+        "    if deep:",
+        (UNCARRIED,),
+    ),
+    # An output nested past what the owner reads passes: its report is parked.
+    "output-depth-unchecked": (
+        "worker/pool.py",
+        '    deep = text.count("[") + text.count("{") > MAX_DEPTH',
+        "    deep = False",
+        (UNCARRIED,),
+    ),
+    # An error's lone surrogate is kept: the failure report cannot be encoded.
+    "error-surrogate-kept": (
+        "worker/pool.py",
+        '        error = error.encode(errors="backslashreplace").decode()',
+        "        pass",
+        (UNCARRIED,),
     ),
 }
 

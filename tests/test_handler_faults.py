@@ -158,3 +158,42 @@ async def test_a_handler_raising_what_asyncio_mishandles_fails_and_retries_its_t
     assert status["status"] == "failed" and fault in status["error"], status
     assert "failed 2 attempts" in status["error"], status["error"]
     assert [e["event"] for e in trace.events()] == ["start", "start"]
+
+
+@pytest.mark.parametrize(
+    ("args", "fault"),
+    [
+        ({}, "output: not UTF-8 text: a lone surrogate '\\udce9'"),
+        ({"raise": True}, "ValueError: cannot parse report-\\udce9.csv"),
+        ({"depth": 65}, "output: nested deeper than 64 levels"),
+    ],
+)
+async def test_an_output_or_error_no_message_can_carry_fails_its_task_once_per_attempt(
+    cluster: Router, trace: Trace, args: dict[str, Any], fault: str
+) -> None:
+    """A lone surrogate (a file name os.listdir decoded) in an output or an error made the
+    report fail to encode: the handler ran 20 times, the message was parked and the program
+    ran for good. So did an output nested 200 levels (the owner parked its report)."""
+    retry = {"max_attempts": 2, "backoff_s": 0.05}
+    program = {"steps": [{"task": "odd_text", "args": args, "retry": retry, "pool": "parallel"}]}
+    wf = (await cluster.submit(program, trace.as_input())).workflow_id
+    status = await cluster.wait(wf, timeout_s=20)
+    assert status["status"] == "failed" and fault in status["error"], status
+    assert [e["event"] for e in trace.events()] == ["start", "start"]
+
+
+async def test_an_output_64_levels_deep_goes_on_and_a_bag_carries_it_a_level_deeper(
+    cluster: Router,
+) -> None:
+    """The deepest output a handler may return: the next step gets it, and a bag's outputs hold
+    it one level deeper (the owner's messages carry values deeper than a handler may give)."""
+    deep = {"task": "odd_text", "args": {"depth": 64}}
+    program = {"steps": [deep, {"bag": [deep, deep]}]}
+    wf = (await cluster.submit(program)).workflow_id
+    status = await cluster.wait(wf, timeout_s=20)
+    assert status["status"] == "completed", status
+    value: Any = status["result"]
+    for _ in range(65):
+        assert isinstance(value, list) and len(value) in (1, 2)
+        value = value[0]
+    assert value == 1

@@ -29,7 +29,7 @@ from orchestrator.delivery import (
     split,
     waits_for_services,
 )
-from orchestrator.documents import printable
+from orchestrator.documents import MAX_DEPTH, ProgramError, check_value, printable
 from orchestrator.lifecycle import Service, end_tasks, format_counts, raise_if_cancelled
 from orchestrator.marks import Marks
 from orchestrator.messages import (
@@ -748,6 +748,7 @@ class Worker(Service):
             text = json.dumps(output, allow_nan=False)  # NaN is not JSON: the owner refuses it
         except (TypeError, ValueError) as exc:
             raise _TaskError(f"output is not JSON: {exc}") from None
+        _check_output(output, text)
         if len(text) > self.settings.max_output_bytes:
             raise _TaskError(
                 f"output of {len(text)} bytes is over the limit of "
@@ -810,8 +811,27 @@ def _carried(task: TaskMessage, outputs: dict[int | None, str]) -> bool:
     return None in outputs and len(outputs[None]) <= INLINE_BYTES
 
 
+def _check_output(output: Any, text: str) -> None:
+    """Refuse an output no message may carry, as an input is refused: a lone surrogate (a file
+    name os.listdir decoded with surrogateescape) made its report fail to encode at every one
+    of 20 tries, running the handler each time; one nested deeper than MAX_DEPTH made the
+    owner park the report. Either way the program ran for good. Both looked for only where
+    the JSON text shows they may be (an escaped surrogate; that many brackets)."""
+    deep = text.count("[") + text.count("{") > MAX_DEPTH
+    if deep or "\\ud" in text:
+        try:
+            check_value(output, "output", None)
+        except ProgramError as exc:
+            raise _TaskError(str(exc)) from None
+
+
 def _cut(error: str) -> str:
-    """An error text short enough for the failure report (and Redis)."""
+    """An error text short enough for the failure report (and Redis), and one it can encode:
+    a lone surrogate in it (a file name, say) is written as its escape."""
+    try:
+        error.encode()
+    except UnicodeEncodeError:
+        error = error.encode(errors="backslashreplace").decode()
     return error if len(error) <= MAX_ERROR else error[: MAX_ERROR - 20] + " ... (cut)"
 
 
