@@ -76,6 +76,10 @@ UNCARRIED = (
     "tests/test_handler_faults.py::"
     "test_an_output_or_error_no_message_can_carry_fails_its_task_once_per_attempt"
 )
+TRACEBACK = (
+    "tests/test_handler_faults.py::"
+    "test_a_failed_handler_logs_its_traceback_and_a_groups_error_names_its_members"
+)
 RETRY_GONE = "tests/test_retention.py::test_a_retry_that_outlives_its_program_is_no_dead_letter"
 BUNDLE_WORKER = (
     "tests/test_bundling.py::test_a_worker_settles_each_task_of_a_bundle_as_if_it_came_alone"
@@ -2378,6 +2382,20 @@ end""",
         '        error = error.encode(errors="backslashreplace").decode()',
         "        pass",
         (UNCARRIED,),
+    ),
+    # A failed handler's traceback is nowhere, even at debug.
+    "handler-traceback-unlogged": (
+        "worker/pool.py",
+        "exc_info=None if plain else exc,",
+        "exc_info=None,",
+        (TRACEBACK,),
+    ),
+    # A TaskGroup's failure names only how many it holds.
+    "exception-group-unnamed": (
+        "worker/pool.py",
+        "    if isinstance(exc, BaseExceptionGroup) and depth < MAX_GROUP_DEPTH:",
+        "    if False:",
+        (TRACEBACK,),
     ),
 }
 

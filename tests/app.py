@@ -310,3 +310,14 @@ async def odd_text(ctx: TaskContext) -> Any:
     if ctx.args.get("raise"):
         raise ValueError(f"cannot parse {text}")
     return {"files": [text]}
+
+
+@task()
+async def grouped(ctx: TaskContext) -> None:
+    """A TaskGroup whose one task fails: its group's own text names only how many failed."""
+
+    async def lookup() -> None:
+        raise KeyError("customer 2 missing")
+
+    async with asyncio.TaskGroup() as group:
+        group.create_task(lookup())

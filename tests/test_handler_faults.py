@@ -197,3 +197,18 @@ async def test_an_output_64_levels_deep_goes_on_and_a_bag_carries_it_a_level_dee
         assert isinstance(value, list) and len(value) in (1, 2)
         value = value[0]
     assert value == 1
+
+
+async def test_a_failed_handler_logs_its_traceback_and_a_groups_error_names_its_members(
+    cluster: Router, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A handler's traceback appeared nowhere, even at debug; and a TaskGroup's failure said
+    only `unhandled errors in a TaskGroup (1 sub-exception)`, its KeyError nowhere."""
+    wf = (await cluster.submit({"steps": [{"task": "grouped"}]})).workflow_id
+    status = await cluster.wait(wf, timeout_s=20)
+    assert status["error"].endswith(
+        "ExceptionGroup: unhandled errors in a TaskGroup (1 sub-exception): "
+        "KeyError: 'customer 2 missing'"
+    ), status["error"]
+    [record] = [r for r in caplog.records if wf in r.getMessage() and "failed" in r.getMessage()]
+    assert record.exc_info is not None and "in lookup" in caplog.text

@@ -66,6 +66,9 @@ RECORD_WAIT_S = 600.0
 RECORD_PAUSE_S = 0.5
 RECORD_PAUSE_MAX_S = 5.0
 LOGGED_ERROR = 500  # characters of a task's error in its log line (the report keeps 16 KiB)
+# Of an exception group, the exceptions named in a task's error, and the groups nested in it.
+MAX_HELD = 5
+MAX_GROUP_DEPTH = 3
 # How often a worker reads whether its running tasks' programs were cancelled, besides the
 # broker's notice (`_watch_cancels`).
 CANCEL_CHECK_S = 10.0
@@ -675,10 +678,11 @@ class Worker(Service):
             plain = isinstance(exc, _TaskError | UnknownTask)
             error = _cut(_said(exc) if plain else f"{type(exc).__name__}: {_said(exc)}")
             # Said here too: in Redis alone, it went with the program's keys.
+            # With the handler's traceback: in the status and the report, its text alone.
             log.warning(
                 "%s: task %r of step %s%s failed (attempt %d): %s",
                 task.wf, task.task, task.path, "" if task.index is None else f" #{task.index}",
-                task.attempt, printable(error[:LOGGED_ERROR]),
+                task.attempt, printable(error[:LOGGED_ERROR]), exc_info=None if plain else exc,
             )  # fmt: skip
             return Failed(
                 wf=task.wf,
@@ -793,13 +797,19 @@ def _own(value: Any) -> Any:
     return copy.deepcopy(value) if isinstance(value, dict | list) else value
 
 
-def _said(exc: BaseException) -> str:
+def _said(exc: BaseException, depth: int = 0) -> str:
     """str(exc); a handler's own exception class may fail at it (a __str__ that parses a body
-    it did not get), which must fail the task, not its delivery."""
+    it did not get), which must fail the task, not its delivery. An exception group (a
+    TaskGroup's) says which it holds: its own text names only how many."""
     try:
-        return str(exc)
+        text = str(exc)
     except Exception as failure:
         return f"<str() raised {type(failure).__name__}>"
+    if isinstance(exc, BaseExceptionGroup) and depth < MAX_GROUP_DEPTH:
+        held = [f"{type(e).__name__}: {_said(e, depth + 1)}" for e in exc.exceptions[:MAX_HELD]]
+        more = len(exc.exceptions) - MAX_HELD
+        text += f": {'; '.join(held)}{f'; and {more} more' if more > 0 else ''}"
+    return text
 
 
 def _carried(task: TaskMessage, outputs: dict[int | None, str]) -> bool:
