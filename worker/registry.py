@@ -6,7 +6,7 @@ import asyncio
 import importlib
 import inspect
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from worker.context import TaskContext
 from worker.threads import HandlerThreads
@@ -16,12 +16,25 @@ F = TypeVar("F", bound=Handler)
 _MARK = "__shardflow_task__"
 
 
-def task(name: str | None = None) -> Callable[[F], F]:
-    """Mark a handler `async def h(ctx)` (or a plain function, run in a thread) as a task.
+@overload
+def task(name: F) -> F: ...
+
+
+@overload
+def task(name: str | None = None) -> Callable[[F], F]: ...
+
+
+def task(name: str | Handler | None = None) -> Any:
+    """Mark a handler `async def h(ctx)` (or a plain function, run in a thread) as a task:
+    `@task()`, `@task(name="...")`, or `@task` alone.
 
     The name defaults to the function's name. Marking registers nothing globally: a worker
     collects marked functions from the modules it is told to import (`--app`).
     """
+    if callable(name):  # `@task` without its parentheses: it was silently no task at all
+        return task()(name)
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"@task(name=...) takes a string, got {name!r}")
 
     def mark(function: F) -> F:
         if not callable(function):
@@ -57,7 +70,9 @@ class Registry:
     def add(self, name: str, handler: Handler) -> None:
         existing = self.handlers.get(name)
         if existing is not None and existing is not handler:
-            raise ValueError(f"task {name!r} is defined twice")
+            raise ValueError(
+                f"task {name!r} is defined twice: {_where(existing)} and {_where(handler)}"
+            )
         self.handlers[name] = handler
 
     def names(self) -> set[str]:
@@ -79,3 +94,9 @@ class Registry:
         if inspect.isawaitable(result):
             return await result
         return result
+
+
+def _where(handler: Handler) -> str:
+    """A handler's module and name, as a developer finds it."""
+    module = getattr(handler, "__module__", None) or "?"
+    return f"{module}.{getattr(handler, '__qualname__', repr(handler))}"
