@@ -2397,6 +2397,16 @@ end""",
         "    if False:",
         (TRACEBACK,),
     ),
+    # A lane task cut by its worker's stop is said to be a closed channel, and counted let go.
+    "lane-stop-said-closed": (
+        "worker/pool.py",
+        "                if closed:",
+        "                if gone.done():",
+        (
+            "tests/test_pools.py::"
+            "test_a_lane_task_cut_by_its_workers_stop_is_not_said_to_be_a_closed_channel",
+        ),
+    ),
 }
 
 

@@ -286,6 +286,36 @@ async def test_a_lane_task_stops_when_its_workers_connection_drops_so_two_never_
     (first_start, first_end), (second_start, _) = sorted(runs)
     assert first_end - first_start < 1.5, runs  # stopped, not run to its 2 s
     assert first_end <= second_start + 0.05, runs  # never two at once (one loop's clock)
+    assert a.counts["let go"] == 1 and b.counts["let go"] == 0
+
+
+async def test_a_lane_task_cut_by_its_workers_stop_is_not_said_to_be_a_closed_channel(
+    cluster: Router, settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every lane task its worker's stop cut short (SIGTERM's grace ran out) was logged as
+    `its delivery's channel closed` and counted `let go`: a rolling deploy read as network
+    trouble."""
+    started = asyncio.Event()
+
+    async def hold(ctx: TaskContext) -> str:
+        started.set()
+        await asyncio.sleep(30)
+        return "held"
+
+    lane = settings.model_copy(update={"grace_s": 0.2})
+    async with connected(lane, "lane-stop") as (store, bus):
+        [worker] = workers(lane, Registry({"hold": hold}), ["serial-y"], store=store, bus=bus)
+        together = Together([worker])
+        running = asyncio.create_task(together.run())
+        try:
+            program = {"steps": [{"task": "hold", "pool": "serial-y"}]}
+            await cluster.submit(program)
+            await asyncio.wait_for(started.wait(), 20)
+        finally:
+            together.shutdown()
+            await running
+    assert worker.counts["let go"] == 0, worker.counts
+    assert "channel closed" not in caplog.text
 
 
 async def _now(value: Any) -> Any:

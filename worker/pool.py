@@ -267,11 +267,12 @@ class Worker(Service):
         try:
             await asyncio.wait({running, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            closed = gone.done()  # else a stop's cancel (SIGTERM's grace ran out) got here
             gone.cancel()  # an observer: its callback on the channel goes with it
             if not running.done():
                 running.cancel()
                 await asyncio.gather(running, return_exceptions=True)
-                if gone.done():
+                if closed:
                     self.counts["let go"] += 1
                     log.warning(
                         "%s: stopped a lane's task: its delivery's channel closed, and the "
