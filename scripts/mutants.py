@@ -2299,7 +2299,7 @@ end""",
         (STUCK_THREAD_EXIT,),
     ),
     # A handler of a cancelled program is waited for as long as it runs on: one that catches
-    # its cancel holds its slot (a lane's, here) until it returns.
+    # its cancel holds its slot until it returns (a lane's next task waits for it on purpose).
     "cancelled-programs-handler-awaited": (
         "worker/pool.py",
         "                stop.set_result(None)\n",
@@ -2406,6 +2406,21 @@ end""",
             "tests/test_pools.py::"
             "test_a_lane_task_cut_by_its_workers_stop_is_not_said_to_be_a_closed_channel",
         ),
+    ),
+    # A lane's next task runs beside a handler that ran on past its timeout (a plain
+    # function's thread, an async def that catches its cancel): two of the lane's at once.
+    "lane-not-held-for-a-handler-left-running": (
+        "worker/pool.py",
+        "        if is_lane(self.pool) and (self._left or self.threads.left_behind):",
+        "        if False:",
+        (HANDLER_FAULTS + "test_a_lane_waits_for_a_handler_that_runs_on_past_its_timeout",),
+    ),
+    # A thread's call is not kept once given up: the lane waits for nothing.
+    "thread-left-not-kept": (
+        "worker/threads.py",
+        "                    self._running_on.add(running)\n",
+        "",
+        (HANDLER_FAULTS + "test_a_lane_waits_for_a_handler_that_runs_on_past_its_timeout",),
     ),
 }
 

@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -321,3 +322,12 @@ async def grouped(ctx: TaskContext) -> None:
 
     async with asyncio.TaskGroup() as group:
         group.create_task(lookup())
+
+
+@task()
+def plain_sleep(ctx: TaskContext) -> str:
+    """A plain function that sleeps `for_s` (its thread runs on past a timeout)."""
+    _record(ctx, "start")
+    time.sleep(ctx.args["for_s"])
+    _record(ctx, "end")
+    return "slept"

@@ -15,6 +15,7 @@ from prometheus_client import REGISTRY
 from router.client import Router
 from shardflow.cli import end_the_rest
 from tests.app import Trace
+from tests.polling import until
 from worker import pool
 from worker.threads import HandlerThreads
 
@@ -43,15 +44,15 @@ async def test_a_handler_that_catches_its_cancel_still_times_out_its_task(
     monkeypatch.setattr(pool, "HANDLER_END_S", 0.3)
 
     def sample(name: str) -> float | None:
-        return REGISTRY.get_sample_value(f"shardflow_{name}", {"pool": "serial"})
+        return REGISTRY.get_sample_value(f"shardflow_{name}", {"pool": "parallel"})
 
     assert sample("handlers_left_running") == 0
-    program = {"steps": [{"task": "deaf", "args": {"for_s": 4}, "timeout_s": 0.2}]}
-    wf = (await cluster.submit(program, trace.as_input())).workflow_id
+    deaf = {"task": "deaf", "args": {"for_s": 4}, "timeout_s": 0.2, "pool": "parallel"}
+    wf = (await cluster.submit({"steps": [deaf]}, trace.as_input())).workflow_id
     status = await cluster.wait(wf, timeout_s=3)
     assert status["status"] == "failed" and "timed out after 0.2s" in status["error"], status
     assert sample("handlers_left_running") == 1
-    assert sample("tasks_running") == 0 and sample("worker_slots") == 1, sample("worker_slots")
+    assert sample("tasks_running") == 0, sample("tasks_running")
 
 
 async def test_a_retry_sees_what_the_first_attempt_was_given(cluster: Router) -> None:
@@ -123,7 +124,8 @@ async def test_a_handler_that_catches_its_programs_cancel_gives_its_slot_back(
     """With no timeout_s, its worker waited for it as long as it ran on (for good, for one
     that never returns), holding its slot."""
     monkeypatch.setattr(pool, "HANDLER_END_S", 0.3)
-    program = {"steps": [{"task": "deaf", "args": {"for_s": 6}}, {"task": "echo"}]}
+    deaf = {"task": "deaf", "args": {"for_s": 6}, "pool": "parallel"}
+    program = {"steps": [deaf, {"task": "echo"}]}
     wf = (await cluster.submit(program, trace.as_input())).workflow_id
     for _ in range(100):
         if trace.events():
@@ -131,8 +133,13 @@ async def test_a_handler_that_catches_its_programs_cancel_gives_its_slot_back(
         await asyncio.sleep(0.05)
     await cluster.cancel(wf)
     # The worker's slot comes back while the handler still runs (its 6 s).
-    other = (await cluster.submit({"steps": [{"task": "echo"}]})).workflow_id
-    assert (await cluster.wait(other, timeout_s=4))["status"] == "completed"
+    running = {"pool": "parallel"}
+    await until(
+        lambda: _now(REGISTRY.get_sample_value("shardflow_tasks_running", running)),
+        lambda value: value == 0,
+        timeout_s=3,
+    )
+    assert [e["event"] for e in trace.events()] == ["start"]  # it runs on
     assert (await cluster.status(wf))["status"] == "cancelled"
 
 
@@ -212,3 +219,27 @@ async def test_a_failed_handler_logs_its_traceback_and_a_groups_error_names_its_
     ), status["error"]
     [record] = [r for r in caplog.records if wf in r.getMessage() and "failed" in r.getMessage()]
     assert record.exc_info is not None and "in lookup" in caplog.text
+
+
+@pytest.mark.parametrize("handler", ["plain_sleep", "deaf"])
+async def test_a_lane_waits_for_a_handler_that_runs_on_past_its_timeout(
+    cluster: Router, trace: Trace, monkeypatch: pytest.MonkeyPatch, handler: str
+) -> None:
+    """A plain function that timed out runs on in its thread (an `async def` that catches its
+    cancel, on after 5 s): the lane's next task started beside it, two of the lane's at once,
+    which the lane promises never happens."""
+    monkeypatch.setattr(pool, "HANDLER_END_S", 0.3)
+    first = {"steps": [{"task": handler, "args": {"for_s": 1.5}, "timeout_s": 0.2}]}
+    second = {"steps": [{"task": "plain_sleep", "args": {"for_s": 0}}]}
+    ids = [(await cluster.submit(first, trace.as_input())).workflow_id]
+    await until(lambda: _now(trace.events()), bool)  # it holds the lane: the second waits
+    ids.append((await cluster.submit(second, trace.as_input())).workflow_id)
+    statuses = [await cluster.wait(wf, timeout_s=20) for wf in ids]
+    assert [s["status"] for s in statuses] == ["failed", "completed"], statuses
+    assert "timed out after 0.2s" in statuses[0]["error"]
+    events = [(e["wf"], e["event"]) for e in trace.events()]
+    assert events == [(ids[0], "start"), (ids[0], "end"), (ids[1], "start"), (ids[1], "end")]
+
+
+async def _now(value: Any) -> Any:
+    return value

@@ -735,6 +735,8 @@ class Worker(Service):
             metrics.TASKS_RUNNING.labels(self.pool).dec()
             if not running:
                 del self._running[task.wf]
+        if is_lane(self.pool) and (self._left or self.threads.left_behind):
+            await self._hold_lane(task)
         if stop in done:
             raise _ProgramCancelled  # its program ended (cancel_program)
         if handler in done and handler.cancelled():  # not by us: its own code raised it
@@ -760,6 +762,19 @@ class Worker(Service):
                 f"{self.settings.max_output_bytes} (SHARDFLOW_MAX_OUTPUT_BYTES)"
             )
         return text
+
+    async def _hold_lane(self, task: TaskMessage) -> None:
+        """A lane's handler runs on past its task's end (a plain function's thread after a
+        timeout or a cancel, an `async def` that catches its cancel): the task's report and
+        the lane's next task wait until it returns, or two of the lane's would run at once."""
+        log.warning(
+            "%s: %s %s: the lane waits for its handler of %r, which runs on past its task's end",
+            self.name, task.wf, task.path, task.task,
+        )  # fmt: skip
+        if self._left:
+            await asyncio.wait(set(self._left))
+        await self.threads.settled()
+        log.info("%s: %s %s: its handler returned; the lane goes on", self.name, task.wf, task.path)
 
 
 def _retrieved(call: asyncio.Future[Any]) -> None:

@@ -16,7 +16,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ class HandlerThreads:
         self._executor = ThreadPoolExecutor(self.size, thread_name_prefix=name)
         self._lock = threading.Lock()
         self.left_behind = 0  # handlers running on in a thread whose task ended
+        self._running_on: set[Future[Any]] = set()  # their calls, until each returns
         _pools.add(self)
 
     async def run(self, handler: Callable[[Any], Any], ctx: Any) -> Any:
@@ -55,16 +56,16 @@ class HandlerThreads:
         asyncio.to_thread); cancelling the wait leaves the thread to run on, counted."""
         call = _Call()
         context = contextvars.copy_context()
-        loop = asyncio.get_running_loop()
+        running = self._executor.submit(self._call, call, context, handler, ctx)
+        running.add_done_callback(self._forget)
         try:
-            return await loop.run_in_executor(
-                self._executor, self._call, call, context, handler, ctx
-            )
+            return await asyncio.wrap_future(running)
         except asyncio.CancelledError:
             with self._lock:
                 if call.started and not call.ended:
                     call.given_up = True
                     self.left_behind += 1
+                    self._running_on.add(running)
                 left = self.left_behind
             if call.given_up:
                 log.warning(
@@ -91,6 +92,20 @@ class HandlerThreads:
                 call.ended = True
                 if call.given_up:
                     self.left_behind -= 1
+
+    def _forget(self, running: Future[Any]) -> None:
+        with self._lock:  # in the thread that ran it; a call never given up is not there
+            self._running_on.discard(running)
+
+    async def settled(self) -> None:
+        """Return once every handler left running in a thread has returned (a serial lane
+        waits for it: its next task must not run beside it)."""
+        while True:
+            with self._lock:
+                pending = list(self._running_on)
+            if not pending:
+                return
+            await asyncio.wait([asyncio.wrap_future(future) for future in pending])
 
     def shutdown(self) -> None:
         """Take no more calls; threads still inside a handler end when it returns."""
