@@ -6,7 +6,7 @@ import difflib
 import re
 from collections.abc import Iterator
 from functools import cached_property
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 from pydantic import (
     AfterValidator,
@@ -18,6 +18,7 @@ from pydantic import (
     TypeAdapter,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from orchestrator.conditions import (
@@ -129,6 +130,23 @@ CompensationPool = Annotated[
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, data: Any) -> Any:
+        """`true` is no number: pydantic took it for 1 (`"max_attempts": true`, one attempt)
+        where the published schema says integer or number."""
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                if isinstance(data.get(name), bool) and _numeric(field.annotation):
+                    raise ValueError(f"{name}: a boolean where a number goes")
+        return data
+
+
+def _numeric(annotation: Any) -> bool:
+    """An int or float field, optional or not."""
+    kinds = get_args(annotation) or (annotation,)
+    return any(kind in (int, float) for kind in kinds)
 
 
 class Retry(_Model):

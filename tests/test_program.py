@@ -469,3 +469,22 @@ def _at(document: Any, path: str) -> Any:
         if document is None:
             return None
     return document
+
+
+@pytest.mark.parametrize(
+    ("step", "fault"),
+    [
+        ({"sleep_s": True}, "steps[0]: sleep_s: a boolean where a number goes"),
+        ({"task": "a", "retry": {"max_attempts": True}}, "steps[0].retry: max_attempts: a bool"),
+        ({"until": "false", "max_iterations": True, "steps": [{"task": "a"}]}, "max_iterations"),
+        ({"bag": [{"task": "a"}], "chunk": False}, "steps[0]: chunk: a boolean where a number"),
+        ({"task": "a", "timeout_s": True}, "steps[0]: timeout_s: a boolean where a number goes"),
+    ],
+)
+def test_a_boolean_is_no_number(step: dict[str, Any], fault: str) -> None:
+    """pydantic took `true` for 1 where the published schema says integer or number: a
+    `"max_attempts": true` meant one attempt, silently."""
+    with pytest.raises(ProgramError) as refused:
+        parse_program(json.dumps({"steps": [step]}))
+    assert fault in str(refused.value), str(refused.value)
+    assert parse_program(json.dumps({"steps": [{"sleep_s": "5"}]}))  # a number as a string
