@@ -2429,6 +2429,16 @@ end""",
         "                if False:",
         ("tests/test_program.py::test_a_boolean_is_no_number",),
     ),
+    # An undoable task's output too large for its compensation is said only when too late.
+    "undoable-output-unwarned": (
+        "worker/pool.py",
+        "        if task.undoable and len(text) > MAX_ITEM_BYTES:",
+        "        if False:",
+        (
+            "tests/test_saga_e2e.py::"
+            "test_an_undoable_output_over_what_its_compensation_receives_is_warned_of",
+        ),
+    ),
 }
 
 

@@ -235,3 +235,23 @@ async def test_a_task_running_when_its_program_is_cancelled_ends_and_is_undone(
     seq = {(e["path"], e["event"]): e["seq"] for e in _events(trace, wf)}
     assert seq[("0", "end")] < seq[("saga:0", "start")], seq
     assert ("1", "start") not in seq
+
+
+async def test_an_undoable_output_over_what_its_compensation_receives_is_warned_of(
+    cluster: Router, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Such an output is accepted, and should the program compensate it ends
+    compensation_failed with nothing undone: said only then, too late. The worker says so
+    when the task returns it."""
+    undo = {"task": "undo"}
+    program = {
+        "steps": [
+            {"task": "blob", "args": {"n": 70_000}, "compensate": undo},
+            {"task": "boom"},
+        ]
+    }
+    wf = (await cluster.submit(program)).workflow_id
+    status = await cluster.wait(wf, timeout_s=20)
+    assert status["status"] == "compensation_failed", status
+    assert "70002 bytes, over the 65536 a compensation receives" in json.dumps(status), status
+    assert f"{wf}: task 'blob' of step 0 returned 70002 bytes, over the 65536" in caplog.text

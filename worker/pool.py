@@ -31,6 +31,7 @@ from orchestrator.delivery import (
 )
 from orchestrator.documents import MAX_DEPTH, ProgramError, check_value, printable
 from orchestrator.lifecycle import Service, end_tasks, format_counts, raise_if_cancelled
+from orchestrator.machine import MAX_ITEM_BYTES
 from orchestrator.marks import Marks
 from orchestrator.messages import (
     CARRY,
@@ -756,6 +757,12 @@ class Worker(Service):
         except (TypeError, ValueError) as exc:
             raise _TaskError(f"output is not JSON: {exc}") from None
         _check_output(output, text)
+        if task.undoable and len(text) > MAX_ITEM_BYTES:  # said now, not when it is too late
+            log.warning(
+                "%s: task %r of step %s returned %d bytes, over the %d its compensation "
+                "receives: should the program compensate, it ends compensation_failed",
+                task.wf, task.task, task.path, len(text), MAX_ITEM_BYTES,
+            )  # fmt: skip
         if len(text) > self.settings.max_output_bytes:
             raise _TaskError(
                 f"output of {len(text)} bytes is over the limit of "
