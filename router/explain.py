@@ -365,11 +365,14 @@ async def _branches(
             "since_ms": updated,
             "wakes_ms": None if where is None else _wakes_ms(where.step, updated),
             "branches": [],
+            "lane": None,
         }
         if where is not None:
             step = where.step
             if isinstance(step, Task | Map):
                 entry["task"] = step.task
+            if isinstance(step, Task) and status == "running" and is_lane(pool_of(step)):
+                entry["lane"] = await _lane(store, wf, pool_of(step))  # a single task's lane
             elif isinstance(step, Signal):
                 entry["signal"] = step.signal
             elif isinstance(step, Bag) and step.branches() and depth < MAX_BRANCH_DEPTH:
@@ -744,7 +747,13 @@ def _branch_label(branch: dict[str, Any]) -> str:
     if branch["status"] != "running":
         return f"branch {branch['index']} ({branch['status']})"
     kind = branch["kind"]
-    if branch["task"] is not None:
+    lane = branch.get("lane") or {}
+    if branch["task"] is not None and lane.get("held") and not lane.get("this_program"):
+        what = (
+            f"task {branch['task']!r}, waiting for its lane, held by program "
+            f"{lane['workflow_id']} (step {lane['path']}, task {_quoted(lane['task'])})"
+        )
+    elif branch["task"] is not None:
         what = f"{'a map of ' if kind == 'map' else ''}task {branch['task']!r}"
     elif branch["signal"] is not None:
         what = f"a wait for signal {branch['signal']!r}"

@@ -2439,6 +2439,13 @@ end""",
             "test_an_undoable_output_over_what_its_compensation_receives_is_warned_of",
         ),
     ),
+    # A branch's task waiting for the lane is not said to: explain names an idle pool only.
+    "branch-lane-unexplained": (
+        "router/explain.py",
+        '                entry["lane"] = await _lane(store, wf, pool_of(step))',
+        '                entry["lane"] = None',
+        ("tests/test_explain.py::test_the_serial_lane_and_a_bag_half_done",),
+    ),
 }
 
 

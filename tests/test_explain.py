@@ -79,11 +79,19 @@ async def test_the_serial_lane_and_a_bag_half_done(cluster: Router) -> None:
     queued = (await cluster.submit({"steps": [{"task": "add"}]})).workflow_id
     bag = {"bag": [{"task": "add"}, {**slow, "retry": {"max_attempts": 3}}, {"task": "add"}]}
     half = (await cluster.submit({"steps": [bag]})).workflow_id
+    # A branch's single task goes to the lane too: it said only that the parallel pool waited.
+    branched = {"bag": [{"steps": [{"task": "add"}]}, {"task": "add"}]}
+    in_branch = (await cluster.submit({"steps": [branched]})).workflow_id
     behind = await until(lambda: cluster.explain(queued), lambda r: r["status"] == "running")
     assert behind["waiting_for"] == (
         f"the serial lane, held by program {holder} (step 0, task 'echo')"
     )
     assert behind["lane"]["this_program"] is False
+    report = await until(lambda: cluster.explain(in_branch), lambda r: r["step"]["done"] == 1)
+    assert report["waiting_for"] == (
+        "its branches of step 0: branch 0 at step 0/branch:0/0 (task 'add', waiting for its "
+        f"lane, held by program {holder} (step 0, task 'echo'))"
+    )
     report = await until(lambda: cluster.explain(half), lambda r: r["step"]["done"] == 2)
     assert [(t["index"], t["done"]) for t in report["step"]["tasks"]] == [
         (0, True),
@@ -92,7 +100,7 @@ async def test_the_serial_lane_and_a_bag_half_done(cluster: Router) -> None:
     ]
     assert report["waiting_for"] == "member 1 task 'echo' (attempt 1 of 3) on the parallel pool"
     assert "Bag members done: 2 of 3 (0, 2); not done: 1." in explain_text(report)
-    for wf in (holder, queued, half):
+    for wf in (holder, queued, half, in_branch):
         await cluster.cancel(wf)
     ended = await cluster.explain(half)
     assert ended is not None and ended["waiting_for"] == "nothing: it ended cancelled"
