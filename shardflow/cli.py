@@ -654,13 +654,18 @@ def _import_app(module: str) -> None:
             )
         dotted = module.removesuffix(".py").replace("/", ".").strip(".")
         raise CliError(f"--app {module}: a module's name, not a file's: --app {dotted}")
+    if ":" in module:  # uvicorn's and Celery's `module:app`: every @task() of it is found
+        raise CliError(
+            f"--app {module}: a module's name, without ':' (its @task() functions are found "
+            f"in it): --app {module.partition(':')[0]}"
+        )
     try:
         importlib.import_module(module)
     except ImportError as exc:
         if exc.name is None or not (module + ".").startswith(exc.name + "."):
             raise CliError(f"--app {module}: importing it raised {_where(exc)}: {exc}") from None
         raise CliError(f"--app {module}: {exc}") from None
-    except Exception as exc:  # the module itself failed: a syntax error, an error at import
+    except (Exception, SystemExit) as exc:  # the module failed: a syntax error, a sys.exit()
         raise CliError(f"--app {module}: importing it raised {_where(exc)}: {exc}") from None
 
 

@@ -362,6 +362,17 @@ def test_an_app_that_fails_at_import_and_a_full_stdout_are_one_line(tmp_path: Pa
         "shardflow: --app needs_dep: importing it raised ModuleNotFoundError at "
         f"{tmp_path / 'needs_dep.py'}:1: No module named 'nosuchdep_xyz'\n"
     )
+    (tmp_path / "exits_app.py").write_text("import sys\nsys.exit('config missing')\n")
+    exits = shardflow("worker", "--pool", "reports", "--app", "exits_app", env=app)
+    assert exits.returncode == 2 and exits.stderr == (  # was `config missing` alone, exit 1
+        f"shardflow: --app exits_app: importing it raised SystemExit at "
+        f"{tmp_path / 'exits_app.py'}:2: config missing\n"
+    ), exits.stderr
+    colon = shardflow("worker", "--pool", "reports", "--app", "examples.tasks:app", env=app)
+    assert colon.returncode == 2 and colon.stderr == (
+        "shardflow: --app examples.tasks:app: a module's name, without ':' (its @task() "
+        "functions are found in it): --app examples.tasks\n"
+    ), colon.stderr
     bare = shardflow("worker", "--pool", "reports", "--app", "tasks.py", env=app)
     assert bare.stderr == "shardflow: --app tasks.py: a module's name, not a file's: --app tasks\n"
     path = shardflow("worker", "--pool", "reports", "--app", "examples/tasks.py", env=app)
