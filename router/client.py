@@ -203,7 +203,8 @@ class Router:
             self._plans.pop(workflow_id)  # purged or expired: its id may be submitted again
             raise LookupError(f"no program {workflow_id!r}")
         if kept.verdict == "ended":
-            raise ValueError(f"program {workflow_id!r} has ended ({kept.status}): not signalled")
+            ended = "is compensating" if kept.status == "compensating" else "has ended"
+            raise ValueError(f"program {workflow_id!r} {ended} ({kept.status}): not signalled")
         if kept.verdict == "full":
             raise ValueError(
                 f"program {workflow_id!r} has {kept.status} {name!r} signals waiting already: "
