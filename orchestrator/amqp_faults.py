@@ -11,24 +11,20 @@ from typing import Any
 
 from aio_pika.abc import AbstractRobustConnection
 
-MAX_REASON = 300  # characters kept: an exception's text is the broker's or the kernel's
+from orchestrator.delivery import fault
+
+# Characters of the reason kept: an exception's text is the broker's or the kernel's (aiormq's
+# hold its reply or the address, never the URL's password).
+MAX_DOWN_REASON = 300
 
 
 class DownReason:
-    """The last reason `connection` went down or failed to come back (read it only while the
-    connection is down: it is not cleared when the connection is back)."""
+    """The last reason `connection` went down or failed to come back; read it only while the
+    connection is down (a close with no exception, ours, clears it)."""
 
     def __init__(self, connection: AbstractRobustConnection) -> None:
         self.reason = ""
         connection.close_callbacks.add(self._lost)
 
     def _lost(self, _sender: Any, exc: BaseException | None = None) -> None:
-        if exc is not None:
-            self.reason = describe(exc)
-
-
-def describe(exc: BaseException) -> str:
-    """An exception as one short line: its type and text (never a URL: aiormq's texts hold
-    the broker's reply or the kernel's, and the address)."""
-    text = str(exc) or repr(exc)
-    return f"{type(exc).__name__}: {text}"[:MAX_REASON]
+        self.reason = "" if exc is None else fault(exc)[:MAX_DOWN_REASON]

@@ -69,7 +69,7 @@ def load(text: str | bytes, what: str, max_bytes: int) -> Any:
     try:
         data = text.encode() if isinstance(text, str) else text
     except UnicodeEncodeError as exc:
-        raise ProgramError([f"{what}: not UTF-8 text: {_unicode_fault(exc)}"]) from None
+        raise ProgramError([f"{what}: not UTF-8 text: {unicode_fault(exc)}"]) from None
     if len(data) > max_bytes:
         raise ProgramError([f"{what}: {len(data)} bytes, more than the limit of {max_bytes}"])
     try:
@@ -92,12 +92,12 @@ def load(text: str | bytes, what: str, max_bytes: int) -> Any:
 
 def check_value(value: Any, what: str, max_bytes: int | None) -> None:
     """Refuse what JSON text cannot carry, or what is too deep or too large."""
-    if _deeper_than(value, MAX_DEPTH):
+    if deeper_than(value, MAX_DEPTH):
         raise ProgramError([f"{what}: nested deeper than {MAX_DEPTH} levels"])
     try:
         size = len(json.dumps(value, ensure_ascii=False, allow_nan=False).encode())
     except UnicodeEncodeError as exc:  # a lone surrogate, e.g. from a "\udcff" escape
-        raise ProgramError([f"{what}: not UTF-8 text: {_unicode_fault(exc)}"]) from None
+        raise ProgramError([f"{what}: not UTF-8 text: {unicode_fault(exc)}"]) from None
     except ValueError:
         raise ProgramError([f"{what}: NaN and infinities are not JSON"]) from None
     except TypeError as exc:  # a set, bytes, an object...
@@ -106,8 +106,9 @@ def check_value(value: Any, what: str, max_bytes: int | None) -> None:
         raise ProgramError([f"{what}: {size} bytes, more than the limit of {max_bytes}"])
 
 
-def _deeper_than(value: Any, limit: int) -> bool:
-    # Iterative, and stops at the limit: safe on any depth, even on a cycle.
+def deeper_than(value: Any, limit: int) -> bool:
+    """Whether `value` nests arrays and objects more than `limit` levels deep. Iterative, and
+    stops at the limit: safe on any depth, even on a cycle."""
     stack = [(value, 1)] if isinstance(value, dict | list | tuple) else []
     while stack:
         item, depth = stack.pop()
@@ -165,5 +166,6 @@ def key_name(key: str) -> str:
     return key if key.isprintable() and len(key) <= MAX_KEY_SHOWN else short(key)
 
 
-def _unicode_fault(exc: UnicodeEncodeError) -> str:
+def unicode_fault(exc: UnicodeEncodeError) -> str:
+    """What a UTF-8 encode refused: the lone surrogate, quoted."""
     return f"a lone surrogate {exc.object[exc.start : exc.end]!r}"

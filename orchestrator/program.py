@@ -6,7 +6,8 @@ import difflib
 import re
 from collections.abc import Iterator
 from functools import cached_property
-from typing import Annotated, Any, get_args
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 
 from pydantic import (
     AfterValidator,
@@ -144,9 +145,14 @@ class _Model(BaseModel):
 
 
 def _numeric(annotation: Any) -> bool:
-    """An int or float field, optional or not."""
-    kinds = get_args(annotation) or (annotation,)
-    return any(kind in (int, float) for kind in kinds)
+    """An int or float field, optional or not, annotated or not."""
+    if get_origin(annotation) is Annotated:
+        return _numeric(get_args(annotation)[0])
+    if annotation in (int, float):
+        return True
+    return get_origin(annotation) in (Union, UnionType) and any(
+        _numeric(kind) for kind in get_args(annotation)
+    )
 
 
 class Retry(_Model):

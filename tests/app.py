@@ -310,7 +310,7 @@ async def odd_text(ctx: TaskContext) -> Any:
     text = "report-\udce9.csv"
     if ctx.args.get("raise"):
         raise ValueError(f"cannot parse {text}")
-    return {"files": [text]}
+    return {"files": [text], "pad": "x" * ctx.args.get("pad", 0)}
 
 
 @task()
@@ -326,8 +326,11 @@ async def grouped(ctx: TaskContext) -> None:
 
 @task()
 def plain_sleep(ctx: TaskContext) -> str:
-    """A plain function that sleeps `for_s` (its thread runs on past a timeout)."""
+    """A plain function that sleeps `for_s` (its thread runs on past a timeout), then raises
+    if told to (`fail`)."""
     _record(ctx, "start")
     time.sleep(ctx.args["for_s"])
     _record(ctx, "end")
+    if ctx.args.get("fail"):
+        raise RuntimeError("failed after its sleep")
     return "slept"

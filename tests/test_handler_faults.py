@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import threading
 from typing import Any
 
@@ -171,6 +172,7 @@ async def test_a_handler_raising_what_asyncio_mishandles_fails_and_retries_its_t
     ("args", "fault"),
     [
         ({}, "output: not UTF-8 text: a lone surrogate '\\udce9'"),
+        ({"pad": 70_000}, "output: not UTF-8 text: a lone surrogate '\\udce9'"),  # in a thread
         ({"raise": True}, "ValueError: cannot parse report-\\udce9.csv"),
         ({"depth": 65}, "output: nested deeper than 64 levels"),
     ],
@@ -223,13 +225,17 @@ async def test_a_failed_handler_logs_its_traceback_and_a_groups_error_names_its_
 
 @pytest.mark.parametrize("handler", ["plain_sleep", "deaf"])
 async def test_a_lane_waits_for_a_handler_that_runs_on_past_its_timeout(
-    cluster: Router, trace: Trace, monkeypatch: pytest.MonkeyPatch, handler: str
+    cluster: Router,
+    trace: Trace,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    handler: str,
 ) -> None:
     """A plain function that timed out runs on in its thread (an `async def` that catches its
     cancel, on after 5 s): the lane's next task started beside it, two of the lane's at once,
     which the lane promises never happens."""
     monkeypatch.setattr(pool, "HANDLER_END_S", 0.3)
-    first = {"steps": [{"task": handler, "args": {"for_s": 1.5}, "timeout_s": 0.2}]}
+    first = {"steps": [{"task": handler, "args": {"for_s": 1.5, "fail": 1}, "timeout_s": 0.2}]}
     second = {"steps": [{"task": "plain_sleep", "args": {"for_s": 0}}]}
     ids = [(await cluster.submit(first, trace.as_input())).workflow_id]
     await until(lambda: _now(trace.events()), bool)  # it holds the lane: the second waits
@@ -239,6 +245,8 @@ async def test_a_lane_waits_for_a_handler_that_runs_on_past_its_timeout(
     assert "timed out after 0.2s" in statuses[0]["error"]
     events = [(e["wf"], e["event"]) for e in trace.events()]
     assert events == [(ids[0], "start"), (ids[0], "end"), (ids[1], "start"), (ids[1], "end")]
+    gc.collect()  # an outcome never retrieved is said when its future is collected
+    assert "never retrieved" not in caplog.text  # the late failure was the task's, reported
 
 
 async def _now(value: Any) -> Any:

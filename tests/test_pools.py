@@ -359,3 +359,38 @@ async def test_a_lane_worker_keeps_no_watch_on_its_channel_after_each_task(
 
 async def _quick(ctx: TaskContext) -> str:
     return "done"
+
+
+async def test_a_lane_hold_cut_by_a_closed_channel_still_runs_no_task_beside_its_handler(
+    cluster: Router, settings: Settings
+) -> None:
+    """A lane holds while a timed-out plain function runs on in its thread; its channel closing
+    meanwhile cut the hold, and the redelivered task ran beside that thread."""
+    runs: list[list[float]] = []
+
+    def hold(ctx: TaskContext) -> str:
+        run = [time.monotonic(), math.inf]
+        runs.append(run)
+        time.sleep(8 if len(runs) == 1 else 0.05)  # the first outlasts the reconnect
+        run[1] = time.monotonic()
+        return "held"
+
+    name = f"lane-cut-{uuid.uuid4().hex[:8]}"
+    async with connected(settings, name) as (store, bus):
+        [worker] = workers(settings, Registry({"hold": hold}), ["serial-w"], store=store, bus=bus)
+        together = Together([worker])
+        running = asyncio.create_task(together.run())
+        try:
+            program = {"steps": [{"task": "hold", "pool": "serial-w", "timeout_s": 0.2}]}
+            wf = (await cluster.submit(program)).workflow_id
+            await until(lambda: _now(worker.threads.left_behind), lambda left: left == 1)
+            pid = await asyncio.to_thread(_connection_pid, name)
+            await asyncio.to_thread(_rabbitmqctl, "close_connection", pid, "a test cuts the hold")
+            status = await cluster.wait(wf, timeout_s=30)
+        finally:
+            together.shutdown()
+            await running
+    assert status["status"] == "completed", status
+    assert len(runs) == 2, runs  # the first, cut short; the redelivered one
+    (_, first_end), (second_start, _) = sorted(runs)
+    assert first_end <= second_start, runs  # never two at once

@@ -488,3 +488,26 @@ def test_a_boolean_is_no_number(step: dict[str, Any], fault: str) -> None:
         parse_program(json.dumps({"steps": [step]}))
     assert fault in str(refused.value), str(refused.value)
     assert parse_program(json.dumps({"steps": [{"sleep_s": "5"}]}))  # a number as a string
+
+
+def test_every_field_the_schema_calls_a_number_refuses_a_boolean() -> None:
+    """Tied to the published schema, so a field added later is covered too."""
+    from orchestrator import program
+
+    def numeric(schema: dict[str, Any]) -> bool:
+        kinds = [schema, *schema.get("anyOf", [])]
+        return any(kind.get("type") in ("integer", "number") for kind in kinds)
+
+    models, found = list(program._Model.__subclasses__()), 0
+    while models:
+        model = models.pop()
+        models.extend(model.__subclasses__())
+        schema = model.model_json_schema()
+        if "$ref" in schema:  # a recursive model: its own entry among the definitions
+            schema = schema["$defs"][schema["$ref"].rsplit("/", 1)[1]]
+        properties = schema["properties"]
+        for name, field in model.model_fields.items():
+            kind = properties[field.alias or name]
+            assert numeric(kind) == program._numeric(field.annotation), (model, name)
+            found += numeric(kind)
+    assert found >= 17

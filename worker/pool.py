@@ -29,7 +29,7 @@ from orchestrator.delivery import (
     split,
     waits_for_services,
 )
-from orchestrator.documents import MAX_DEPTH, ProgramError, check_value, printable
+from orchestrator.documents import MAX_DEPTH, deeper_than, printable, unicode_fault
 from orchestrator.lifecycle import Service, end_tasks, format_counts, raise_if_cancelled
 from orchestrator.machine import MAX_ITEM_BYTES
 from orchestrator.marks import Marks
@@ -67,6 +67,10 @@ RECORD_WAIT_S = 600.0
 RECORD_PAUSE_S = 0.5
 RECORD_PAUSE_MAX_S = 5.0
 LOGGED_ERROR = 500  # characters of a task's error in its log line (the report keeps 16 KiB)
+# An output's JSON text longer than this is checked in a thread (_check_output): about 4 ms
+# of a walk at this size, 60 ms at SHARDFLOW_MAX_OUTPUT_BYTES's default, that would hold the
+# event loop and every other slot's work.
+CHECKED_ON_LOOP = 64 * 1024
 # Of an exception group, the exceptions named in a task's error, and the groups nested in it.
 MAX_HELD = 5
 MAX_GROUP_DEPTH = 3
@@ -126,6 +130,7 @@ class Worker(Service):
         # Handlers a cancel of a compensating program keeps: compensations and undoable tasks.
         self._kept: set[asyncio.Task[Any]] = set()
         self._left: set[asyncio.Task[Any]] = set()  # handlers that ran on past their cancel
+        self._warned: set[str] = set()  # tasks said to return more than a compensation takes
         # Each running handler's: done when its program ended (cancel_program).
         self._stops: dict[asyncio.Task[Any], asyncio.Future[None]] = {}
         self._control: Deliveries | None = None  # the control consumer started last
@@ -417,10 +422,13 @@ class Worker(Service):
             raise Poison(f"{first.wf}: no such program")
         if not await self.store.shards_used():
             raise Poison(f"{first.wf}: no such program, nor any of this prefix in this Redis")
-        self.counts["gone"] += len(tasks)
-        metrics.GONE.labels("worker").inc(len(tasks))
+        self._count_gone(len(tasks))
         log.info("%s: task for %r waited past its program's end, ignored", first.wf, first.path)
         return []
+
+    def _count_gone(self, tasks: int) -> None:
+        self.counts["gone"] += tasks
+        metrics.GONE.labels("worker").inc(tasks)
 
     async def _begin(self, tasks: list[TaskMessage], *, redelivered: bool) -> list[TaskMessage]:
         """`_current` for tasks of a step that names compensations: noted as started, or, once
@@ -594,8 +602,7 @@ class Worker(Service):
             return reports
         completion = await self._record(task, outputs)
         if completion.verdict == "missing":  # it was there when the handler began: purged since
-            self.counts["gone"] += len(outputs)
-            metrics.GONE.labels("worker").inc(len(outputs))
+            self._count_gone(len(outputs))
             log.info("%s: task %r ended after its program was deleted", task.wf, task.path)
             return reports
         if completion.verdict == "invalid":
@@ -704,6 +711,8 @@ class Worker(Service):
         self, task: TaskMessage, ctx: TaskContext, lost: asyncio.Event | None = None
     ) -> str:
         # The handler runs in a task of its own, so a cancelled program can stop just it.
+        if self._lane_busy():  # a hold cut short (its channel closed): not beside it
+            await self._hold_lane(task)
         handler = asyncio.create_task(_guarded(self.registry.run(task.task, ctx, self.threads)))
         running = self._running.setdefault(task.wf, set())
         running.add(handler)
@@ -736,7 +745,7 @@ class Worker(Service):
             metrics.TASKS_RUNNING.labels(self.pool).dec()
             if not running:
                 del self._running[task.wf]
-        if is_lane(self.pool) and (self._left or self.threads.left_behind):
+        if self._lane_busy():
             await self._hold_lane(task)
         if stop in done:
             raise _ProgramCancelled  # its program ended (cancel_program)
@@ -756,11 +765,16 @@ class Worker(Service):
             text = json.dumps(output, allow_nan=False)  # NaN is not JSON: the owner refuses it
         except (TypeError, ValueError) as exc:
             raise _TaskError(f"output is not JSON: {exc}") from None
-        _check_output(output, text)
-        if task.undoable and len(text) > MAX_ITEM_BYTES:  # said now, not when it is too late
+        if len(text) > CHECKED_ON_LOOP:  # a walk of up to 1 MiB: off the event loop
+            await asyncio.to_thread(_check_output, output, text)
+        else:
+            _check_output(output, text)
+        if task.undoable and len(text) > MAX_ITEM_BYTES and task.task not in self._warned:
+            self._warned.add(task.task)  # once a task name: a registered one, so bounded
             log.warning(
                 "%s: task %r of step %s returned %d bytes, over the %d its compensation "
-                "receives: should the program compensate, it ends compensation_failed",
+                "receives: should the program compensate, it ends compensation_failed (said "
+                "once a task)",
                 task.wf, task.task, task.path, len(text), MAX_ITEM_BYTES,
             )  # fmt: skip
         if len(text) > self.settings.max_output_bytes:
@@ -770,13 +784,17 @@ class Worker(Service):
             )
         return text
 
+    def _lane_busy(self) -> bool:
+        """Whether a lane's handler runs on past its task's end."""
+        return is_lane(self.pool) and bool(self._left or self.threads.left_behind)
+
     async def _hold_lane(self, task: TaskMessage) -> None:
         """A lane's handler runs on past its task's end (a plain function's thread after a
         timeout or a cancel, an `async def` that catches its cancel): the task's report and
         the lane's next task wait until it returns, or two of the lane's would run at once."""
         log.warning(
-            "%s: %s %s: the lane waits for its handler of %r, which runs on past its task's end",
-            self.name, task.wf, task.path, task.task,
+            "%s: %s %s: the lane waits for a handler that runs on past its task's end "
+            "(task %r's, or an earlier one's)", self.name, task.wf, task.path, task.task,
         )  # fmt: skip
         if self._left:
             await asyncio.wait(set(self._left))
@@ -848,14 +866,16 @@ def _check_output(output: Any, text: str) -> None:
     """Refuse an output no message may carry, as an input is refused: a lone surrogate (a file
     name os.listdir decoded with surrogateescape) made its report fail to encode at every one
     of 20 tries, running the handler each time; one nested deeper than MAX_DEPTH made the
-    owner park the report. Either way the program ran for good. Both looked for only where
-    the JSON text shows they may be (an escaped surrogate; that many brackets)."""
-    deep = text.count("[") + text.count("{") > MAX_DEPTH
-    if deep or "\\ud" in text:
+    owner park the report. Either way the program ran for good. Each looked for only where
+    the JSON text shows it may be (that many brackets; an escaped surrogate, which every
+    character beyond the BMP is too)."""
+    if text.count("[") + text.count("{") > MAX_DEPTH and deeper_than(output, MAX_DEPTH):
+        raise _TaskError(f"output: nested deeper than {MAX_DEPTH} levels")
+    if "\\ud" in text:
         try:
-            check_value(output, "output", None)
-        except ProgramError as exc:
-            raise _TaskError(str(exc)) from None
+            json.dumps(output, ensure_ascii=False).encode()
+        except UnicodeEncodeError as exc:
+            raise _TaskError(f"output: not UTF-8 text: {unicode_fault(exc)}") from None
 
 
 def _cut(error: str) -> str:

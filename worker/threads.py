@@ -16,6 +16,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -83,10 +84,14 @@ class HandlerThreads:
             call.started = True
         try:
             return context.run(handler, ctx)
-        except (StopIteration, asyncio.CancelledError) as exc:
+        except (StopIteration, asyncio.CancelledError, futures.CancelledError) as exc:
             # asyncio cannot set a StopIteration on a future (the await never ended), and a
-            # CancelledError would read as the task's own cancel: each fails the task instead.
-            raise RuntimeError(f"the handler raised {type(exc).__name__}: {exc}") from None
+            # CancelledError would read as the task's own cancel: each fails the task instead,
+            # its traceback chained (the handler's frames are logged).
+            said = str(exc)
+            raise RuntimeError(
+                f"the handler raised {type(exc).__name__}{': ' + said if said else ''}"
+            ) from exc
         finally:
             with self._lock:
                 call.ended = True
@@ -105,7 +110,15 @@ class HandlerThreads:
                 pending = list(self._running_on)
             if not pending:
                 return
-            await asyncio.wait([asyncio.wrap_future(future) for future in pending])
+            waits = [asyncio.wrap_future(future) for future in pending]
+            try:
+                await asyncio.wait(waits)
+            finally:
+                for wait in waits:  # their outcomes were the tasks' (reported then): dropped
+                    if wait.done() and not wait.cancelled():
+                        wait.exception()
+                    else:
+                        wait.cancel()
 
     def shutdown(self) -> None:
         """Take no more calls; threads still inside a handler end when it returns."""
