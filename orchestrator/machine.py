@@ -22,6 +22,7 @@ from orchestrator.conditions import (
     quote,
 )
 from orchestrator.limits import keys_of
+from orchestrator.messages import MAX_ITEM_BYTES
 from orchestrator.program import (
     Bag,
     Branch,
@@ -37,8 +38,8 @@ from orchestrator.program import (
 
 Step = Task | Bag | Map | Sleep | Signal | Untiloop | Choice
 LeafStep = Task | Bag | Map | Sleep | Signal
-# A map's items travel inside its task messages: each item, and all of them, stay this small.
-MAX_ITEM_BYTES = 65536
+# A map's items travel inside its task messages: each item (MAX_ITEM_BYTES), and all of them,
+# stay this small.
 MAX_ITEMS_BYTES = 8 * 1024 * 1024
 # The output of a step that others read (`steps.<id>`) is recorded apart, up to this size;
 # an argument computed by `args_from` is held to MAX_ITEM_BYTES, as a map's item.

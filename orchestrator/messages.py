@@ -40,6 +40,9 @@ Path = Annotated[
 # in Redis under the program (lua/stash.lua, or where complete.lua recorded it) and read there.
 # lua/complete.lua has the same number.
 INLINE_BYTES = 65536
+# An item carried in a task message (a map's element, what a compensation undoes) is at
+# most this large: it never travels by reference.
+MAX_ITEM_BYTES = 65536
 # A task message's header: its owner records a single task's output with the advance that the
 # task's `next` makes (lua/advance.lua), so the worker carries the output there instead of
 # recording it first (one Redis call less a step). A header, not a field: workers from before

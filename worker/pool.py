@@ -31,7 +31,6 @@ from orchestrator.delivery import (
 )
 from orchestrator.documents import MAX_DEPTH, deeper_than, printable, unicode_fault
 from orchestrator.lifecycle import Service, end_tasks, format_counts, raise_if_cancelled
-from orchestrator.machine import MAX_ITEM_BYTES
 from orchestrator.marks import Marks
 from orchestrator.messages import (
     CARRY,
@@ -39,6 +38,7 @@ from orchestrator.messages import (
     INLINE_BYTES,
     MAX_BUNDLE,
     MAX_ERROR,
+    MAX_ITEM_BYTES,
     Cancelled,
     Failed,
     Next,
