@@ -165,26 +165,7 @@ def test_a_redis_password_missing_or_wrong_is_one_line_and_exit_2(settings: Sett
     redis.start()
     try:
         base = f"127.0.0.1:{redis.port}/0"
-        cases = {
-            f"redis://{base}": "asks for a password, and the URL gives none",
-            f"redis://:wrong-pw@{base}": "refused user 'default': a wrong password, or no such",
-            f"redis://bob:{SECRET}@{base}": "refused user 'bob': a wrong password, or no such",
-        }
-        for url, fault in cases.items():
-            env = {
-                "SHARDFLOW_REDIS_URL": url,
-                "SHARDFLOW_STARTUP_WAIT_S": "1",
-                "SHARDFLOW_AMQP_URL": settings.amqp_url,
-                "SHARDFLOW_PREFIX": settings.prefix,
-            }
-            for args in (("list",), ("orchestrator", "--shards", "0")):
-                result = shardflow(*args, env=env)
-                assert result.returncode == 2, result.stderr
-                last = result.stderr.splitlines()[-1]
-                assert last.startswith(f"shardflow: Redis (SHARDFLOW_REDIS_URL) {fault}"), last
-                assert "wrong-pw" not in result.stderr and SECRET not in result.stderr
-        good = {"SHARDFLOW_REDIS_URL": f"redis://:{SECRET}@{base}", "SHARDFLOW_PREFIX": "x"}
-        assert shardflow("list", env=good).returncode == 0
+        _refusals_said(settings, base, {}, bob=True)
     finally:
         redis.close()
 
@@ -199,26 +180,34 @@ def test_a_redis_clusters_refused_login_is_exit_2_too(settings: Settings) -> Non
             subprocess.run(["redis-cli", "-p", str(port), "config", "set", "requirepass", SECRET],
                            check=True, capture_output=True, timeout=30)  # fmt: skip
         base = cluster.url.removeprefix("redis://")
-        cases = {
-            f"redis://{base}": "asks for a password, and the URL gives none",
-            f"redis://:wrong-pw@{base}": "refused user 'default': a wrong password, or no such",
-        }
-        for url, fault in cases.items():
-            env = {
-                "SHARDFLOW_REDIS_URL": url,
-                "SHARDFLOW_REDIS_CLUSTER": "true",
-                "SHARDFLOW_STARTUP_WAIT_S": "1",
-                "SHARDFLOW_AMQP_URL": settings.amqp_url,
-                "SHARDFLOW_PREFIX": settings.prefix,
-            }
-            for args in (("list",), ("orchestrator", "--shards", "0")):
-                result = shardflow(*args, env=env)
-                assert result.returncode == 2, result.stderr
-                last = result.stderr.splitlines()[-1]
-                assert last.startswith(f"shardflow: Redis (SHARDFLOW_REDIS_URL) {fault}"), last
-                assert "wrong-pw" not in result.stderr and SECRET not in result.stderr
-        good = {"SHARDFLOW_REDIS_URL": f"redis://:{SECRET}@{base}", "SHARDFLOW_PREFIX": "x",
-                "SHARDFLOW_REDIS_CLUSTER": "true"}  # fmt: skip
-        assert shardflow("list", env=good).returncode == 0
+        _refusals_said(settings, base, {"SHARDFLOW_REDIS_CLUSTER": "true"}, bob=False)
     finally:
         cluster.close()
+
+
+def _refusals_said(settings: Settings, base: str, env: dict[str, str], *, bob: bool) -> None:
+    """A command and a service, given a Redis URL (host:port/db `base`) with no password, a
+    wrong one, or (`bob`) a user Redis does not know: exit 2 and one line naming the fault,
+    never the password; the right password is taken."""
+    cases = {
+        f"redis://{base}": "asks for a password, and the URL gives none",
+        f"redis://:wrong-pw@{base}": "refused user 'default': a wrong password, or no such",
+    }
+    if bob:
+        cases[f"redis://bob:{SECRET}@{base}"] = "refused user 'bob': a wrong password, or no such"
+    for url, fault in cases.items():
+        each = {
+            **env,
+            "SHARDFLOW_REDIS_URL": url,
+            "SHARDFLOW_STARTUP_WAIT_S": "1",
+            "SHARDFLOW_AMQP_URL": settings.amqp_url,
+            "SHARDFLOW_PREFIX": settings.prefix,
+        }
+        for args in (("list",), ("orchestrator", "--shards", "0")):
+            result = shardflow(*args, env=each)
+            assert result.returncode == 2, result.stderr
+            last = result.stderr.splitlines()[-1]
+            assert last.startswith(f"shardflow: Redis (SHARDFLOW_REDIS_URL) {fault}"), last
+            assert "wrong-pw" not in result.stderr and SECRET not in result.stderr
+    good = {**env, "SHARDFLOW_REDIS_URL": f"redis://:{SECRET}@{base}", "SHARDFLOW_PREFIX": "x"}
+    assert shardflow("list", env=good).returncode == 0
