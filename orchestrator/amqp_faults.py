@@ -12,6 +12,7 @@ from typing import Any
 from aio_pika.abc import AbstractRobustConnection
 
 from orchestrator.delivery import fault
+from orchestrator.documents import printable
 
 # Characters of the reason kept: an exception's text is the broker's or the kernel's (aiormq's
 # hold its reply or the address, never the URL's password).
@@ -27,4 +28,7 @@ class DownReason:
         connection.close_callbacks.add(self._lost)
 
     def _lost(self, _sender: Any, exc: BaseException | None = None) -> None:
-        self.reason = "" if exc is None else fault(exc)[:MAX_DOWN_REASON]
+        if exc is None:
+            self.reason = ""
+        else:  # an exception of no text (ConnectionResetError()) is named by its repr
+            self.reason = (fault(exc) if str(exc) else printable(repr(exc)))[:MAX_DOWN_REASON]

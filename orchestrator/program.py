@@ -139,7 +139,7 @@ class _Model(BaseModel):
         where the published schema says integer or number."""
         if isinstance(data, dict):
             for name, field in cls.model_fields.items():
-                if isinstance(data.get(name), bool) and _numeric(field.annotation):
+                if isinstance(data.get(field.alias or name), bool) and _numeric(field.annotation):
                     raise ValueError(f"{name}: a boolean where a number goes")
         return data
 

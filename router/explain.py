@@ -371,8 +371,8 @@ async def _branches(
             step = where.step
             if isinstance(step, Task | Map):
                 entry["task"] = step.task
-            if isinstance(step, Task) and status == "running" and is_lane(pool_of(step)):
-                entry["lane"] = await _lane(store, wf, pool_of(step))  # a single task's lane
+                if isinstance(step, Task) and is_lane(pool_of(step)):  # a single task's lane
+                    entry["lane"] = await _lane(store, wf, pool_of(step))
             elif isinstance(step, Signal):
                 entry["signal"] = step.signal
             elif isinstance(step, Bag) and step.branches() and depth < MAX_BRANCH_DEPTH:

@@ -16,7 +16,7 @@ usable() { "$venv/bin/python" -c '' 2>/dev/null && [ -x "$venv/bin/checkov" ] \
   && [ "$(cat "$venv/.version" 2>/dev/null)" = "$version" ]; }
 mkdir -p "$cache" .tools
 exec 9>"$cache/checkov.lock"
-flock 9
+if command -v flock >/dev/null; then flock 9; fi  # util-linux's; macOS has none
 if ! usable; then
   echo "checkov: installing checkov $version into $venv" >&2
   rm -rf "$venv"

@@ -666,7 +666,8 @@ def _import_app(module: str) -> None:
             raise CliError(f"--app {module}: importing it raised {_where(exc)}: {exc}") from None
         raise CliError(f"--app {module}: {exc}") from None
     except (Exception, SystemExit) as exc:  # the module failed: a syntax error, a sys.exit()
-        raise CliError(f"--app {module}: importing it raised {_where(exc)}: {exc}") from None
+        said = f": {exc}" if str(exc) else ""
+        raise CliError(f"--app {module}: importing it raised {_where(exc)}{said}") from None
 
 
 def _importable(module: str) -> bool:

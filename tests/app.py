@@ -306,7 +306,7 @@ async def odd_text(ctx: TaskContext) -> Any:
         value: Any = 1
         for _ in range(ctx.args["depth"]):
             value = [value]
-        return value
+        return [value, "x" * ctx.args["pad"]] if ctx.args.get("pad") else value
     text = "report-\udce9.csv"
     if ctx.args.get("raise"):
         raise ValueError(f"cannot parse {text}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import threading
 from typing import Any
 
@@ -172,7 +173,8 @@ async def test_a_handler_raising_what_asyncio_mishandles_fails_and_retries_its_t
     ("args", "fault"),
     [
         ({}, "output: not UTF-8 text: a lone surrogate '\\udce9'"),
-        ({"pad": 70_000}, "output: not UTF-8 text: a lone surrogate '\\udce9'"),  # in a thread
+        ({"pad": 70_000}, "output: not UTF-8 text: a lone surrogate '\\udce9'"),
+        ({"depth": 65, "pad": 70_000}, "output: nested deeper than 64 levels"),  # in a thread
         ({"raise": True}, "ValueError: cannot parse report-\\udce9.csv"),
         ({"depth": 65}, "output: nested deeper than 64 levels"),
     ],
@@ -251,3 +253,13 @@ async def test_a_lane_waits_for_a_handler_that_runs_on_past_its_timeout(
 
 async def _now(value: Any) -> Any:
     return value
+
+
+def test_the_output_text_check_refuses_a_lone_surrogate_and_nothing_else() -> None:
+    """A pair held as two characters is written as the escape of a character beyond the BMP,
+    which is what travels: it was refused as a lone surrogate."""
+    for fine in ("\ud83c\udf89", "🎉", "\\ud800", "a\\\ud83d\ude00"):
+        pool._check_text(json.dumps({"s": fine, fine: 1}))
+    for lone in ("\udce9", "a\ud83c", "\udf89\ud83c", "\\\ud800"):
+        with pytest.raises(pool._TaskError, match="output: not UTF-8 text: a lone surrogate"):
+            pool._check_text(json.dumps([lone]))

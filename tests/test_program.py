@@ -509,5 +509,8 @@ def test_every_field_the_schema_calls_a_number_refuses_a_boolean() -> None:
         for name, field in model.model_fields.items():
             kind = properties[field.alias or name]
             assert numeric(kind) == program._numeric(field.annotation), (model, name)
-            found += numeric(kind)
+            if numeric(kind):
+                found += 1
+                with pytest.raises(ValidationError, match="a boolean where a number goes"):
+                    model.model_validate({field.alias or name: True})
     assert found >= 17

@@ -9,9 +9,11 @@ import functools
 import json
 import logging
 import math
+import re
 import time
 from collections import Counter, deque
 from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pydantic import ValidationError
@@ -29,7 +31,7 @@ from orchestrator.delivery import (
     split,
     waits_for_services,
 )
-from orchestrator.documents import MAX_DEPTH, deeper_than, printable, unicode_fault
+from orchestrator.documents import MAX_DEPTH, deeper_than, printable
 from orchestrator.lifecycle import Service, end_tasks, format_counts, raise_if_cancelled
 from orchestrator.marks import Marks
 from orchestrator.messages import (
@@ -67,9 +69,13 @@ RECORD_WAIT_S = 600.0
 RECORD_PAUSE_S = 0.5
 RECORD_PAUSE_MAX_S = 5.0
 LOGGED_ERROR = 500  # characters of a task's error in its log line (the report keeps 16 KiB)
-# An output's JSON text longer than this is checked in a thread (_check_output): about 4 ms
-# of a walk at this size, 60 ms at SHARDFLOW_MAX_OUTPUT_BYTES's default, that would hold the
-# event loop and every other slot's work.
+# In an output's JSON text: an escaped backslash (skipped whole), an escaped surrogate pair, or
+# a lone escaped surrogate (LONE_ESCAPE characters: the one match of that length).
+_ESCAPES = re.compile(r"\\\\|\\ud[89ab][0-9a-f]{2}\\ud[c-f][0-9a-f]{2}|\\ud[89a-f][0-9a-f]{2}")
+LONE_ESCAPE = 6
+# An output's JSON text longer than this has its depth walked on the worker's own thread
+# (_check_depth): about 4 ms at this size, 40-70 ms at SHARDFLOW_MAX_OUTPUT_BYTES's default,
+# that would hold the event loop and every other slot's work.
 CHECKED_ON_LOOP = 64 * 1024
 # Of an exception group, the exceptions named in a task's error, and the groups nested in it.
 MAX_HELD = 5
@@ -131,6 +137,9 @@ class Worker(Service):
         self._kept: set[asyncio.Task[Any]] = set()
         self._left: set[asyncio.Task[Any]] = set()  # handlers that ran on past their cancel
         self._warned: set[str] = set()  # tasks said to return more than a compensation takes
+        # Its own thread for large outputs' checks: asyncio's default one is user code's too,
+        # where a handler's call that timed out holds a thread for as long as it runs.
+        self._checks = ThreadPoolExecutor(1, thread_name_prefix=f"{pool}-output-check")
         # Each running handler's: done when its program ended (cancel_program).
         self._stops: dict[asyncio.Task[Any], asyncio.Future[None]] = {}
         self._control: Deliveries | None = None  # the control consumer started last
@@ -143,6 +152,7 @@ class Worker(Service):
             await super().run()
         finally:
             self.threads.shutdown()
+            self._checks.shutdown(wait=False, cancel_futures=True)
             left.set_function(lambda: 0)  # keeps no reference to this pool
 
     def summary(self) -> str:
@@ -337,6 +347,10 @@ class Worker(Service):
         """Run one task message's tasks and publish their reports."""
         # Its lines (parked, stale, requeued) name it, not a bundle's task before it.
         logs.scope(workflow_id=task.wf, step=task.path, task=task.task)
+        # A lane's hold cut short (its channel closed) left a handler running: this task waits
+        # for it before anything (is its program still here? a slot?), never beside it.
+        if self._lane_busy():
+            await self._hold_lane(task, before=True)
         again = redelivered(delivery)
         # Its owner records a single task's output with its advance (messages.CARRY).
         carry = (delivery.headers or {}).get(CARRY) == 1
@@ -711,8 +725,6 @@ class Worker(Service):
         self, task: TaskMessage, ctx: TaskContext, lost: asyncio.Event | None = None
     ) -> str:
         # The handler runs in a task of its own, so a cancelled program can stop just it.
-        if self._lane_busy():  # a hold cut short (its channel closed): not beside it
-            await self._hold_lane(task)
         handler = asyncio.create_task(_guarded(self.registry.run(task.task, ctx, self.threads)))
         running = self._running.setdefault(task.wf, set())
         running.add(handler)
@@ -746,7 +758,7 @@ class Worker(Service):
             if not running:
                 del self._running[task.wf]
         if self._lane_busy():
-            await self._hold_lane(task)
+            await self._hold_lane(task, before=False)
         if stop in done:
             raise _ProgramCancelled  # its program ended (cancel_program)
         if handler in done and handler.cancelled():  # not by us: its own code raised it
@@ -765,10 +777,11 @@ class Worker(Service):
             text = json.dumps(output, allow_nan=False)  # NaN is not JSON: the owner refuses it
         except (TypeError, ValueError) as exc:
             raise _TaskError(f"output is not JSON: {exc}") from None
-        if len(text) > CHECKED_ON_LOOP:  # a walk of up to 1 MiB: off the event loop
-            await asyncio.to_thread(_check_output, output, text)
-        else:
-            _check_output(output, text)
+        _check_text(text)
+        if len(text) > CHECKED_ON_LOOP and _may_be_deep(text):  # a walk: off the event loop
+            await asyncio.get_running_loop().run_in_executor(self._checks, _check_depth, output)
+        elif _may_be_deep(text):
+            _check_depth(output)
         if task.undoable and len(text) > MAX_ITEM_BYTES and task.task not in self._warned:
             self._warned.add(task.task)  # once a task name: a registered one, so bounded
             log.warning(
@@ -788,18 +801,20 @@ class Worker(Service):
         """Whether a lane's handler runs on past its task's end."""
         return is_lane(self.pool) and bool(self._left or self.threads.left_behind)
 
-    async def _hold_lane(self, task: TaskMessage) -> None:
+    async def _hold_lane(self, task: TaskMessage, *, before: bool) -> None:
         """A lane's handler runs on past its task's end (a plain function's thread after a
         timeout or a cancel, an `async def` that catches its cancel): the task's report and
-        the lane's next task wait until it returns, or two of the lane's would run at once."""
+        the lane's next task wait until it returns, or two of the lane's would run at once.
+        `before`: this task has not started, and the handler is an earlier task's."""
+        whose = "an earlier task's, before this one starts" if before else f"task {task.task}'s"
         log.warning(
-            "%s: %s %s: the lane waits for a handler that runs on past its task's end "
-            "(task %r's, or an earlier one's)", self.name, task.wf, task.path, task.task,
+            "%s: %s %s: the lane waits for a handler that runs on past its task's end (%s)",
+            self.name, task.wf, task.path, whose,
         )  # fmt: skip
         if self._left:
             await asyncio.wait(set(self._left))
         await self.threads.settled()
-        log.info("%s: %s %s: its handler returned; the lane goes on", self.name, task.wf, task.path)
+        log.info("%s: %s %s: the handler returned; the lane goes on", self.name, task.wf, task.path)
 
 
 def _retrieved(call: asyncio.Future[Any]) -> None:
@@ -862,20 +877,27 @@ def _carried(task: TaskMessage, outputs: dict[int | None, str]) -> bool:
     return None in outputs and len(outputs[None]) <= INLINE_BYTES
 
 
-def _check_output(output: Any, text: str) -> None:
-    """Refuse an output no message may carry, as an input is refused: a lone surrogate (a file
-    name os.listdir decoded with surrogateescape) made its report fail to encode at every one
-    of 20 tries, running the handler each time; one nested deeper than MAX_DEPTH made the
-    owner park the report. Either way the program ran for good. Each looked for only where
-    the JSON text shows it may be (that many brackets; an escaped surrogate, which every
-    character beyond the BMP is too)."""
-    if text.count("[") + text.count("{") > MAX_DEPTH and deeper_than(output, MAX_DEPTH):
+def _check_text(text: str) -> None:
+    """Refuse an output whose JSON text holds a lone surrogate (a file name os.listdir decoded
+    with surrogateescape): its report failed to encode at every one of 20 tries, running the
+    handler each time, and the program ran for good. The text is what travels, decoded again
+    where it is carried: an escaped pair is a character, not a fault."""
+    if "\\ud" in text:  # every character beyond the BMP escapes so too: the scan is exact
+        for escape in _ESCAPES.finditer(text):
+            if len(escape.group()) == LONE_ESCAPE:
+                raise _TaskError(f"output: not UTF-8 text: a lone surrogate '{escape.group()}'")
+
+
+def _may_be_deep(text: str) -> bool:
+    """Whether the text has brackets enough for nesting deeper than MAX_DEPTH."""
+    return text.count("[") + text.count("{") > MAX_DEPTH
+
+
+def _check_depth(output: Any) -> None:
+    """Refuse an output nested deeper than MAX_DEPTH (the bound of inputs): the owner parked a
+    report holding one about 200 deep, and the program ran for good."""
+    if deeper_than(output, MAX_DEPTH):
         raise _TaskError(f"output: nested deeper than {MAX_DEPTH} levels")
-    if "\\ud" in text:
-        try:
-            json.dumps(output, ensure_ascii=False).encode()
-        except UnicodeEncodeError as exc:
-            raise _TaskError(f"output: not UTF-8 text: {unicode_fault(exc)}") from None
 
 
 def _cut(error: str) -> str:
