@@ -361,11 +361,13 @@ async def _quick(ctx: TaskContext) -> str:
     return "done"
 
 
+@pytest.mark.parametrize("cancelled", [False, True])
 async def test_a_lane_hold_cut_by_a_closed_channel_still_runs_no_task_beside_its_handler(
-    cluster: Router, settings: Settings
+    cluster: Router, settings: Settings, caplog: pytest.LogCaptureFixture, cancelled: bool
 ) -> None:
     """A lane holds while a timed-out plain function runs on in its thread; its channel closing
-    meanwhile cut the hold, and the redelivered task ran beside that thread."""
+    meanwhile cut the hold, and the redelivered task ran beside that thread. A cancel of its
+    program while the redelivered task waits for the thread keeps it from running at all."""
     runs: list[list[float]] = []
 
     def hold(ctx: TaskContext) -> str:
@@ -386,10 +388,18 @@ async def test_a_lane_hold_cut_by_a_closed_channel_still_runs_no_task_beside_its
             await until(lambda: _now(worker.threads.left_behind), lambda left: left == 1)
             pid = await asyncio.to_thread(_connection_pid, name)
             await asyncio.to_thread(_rabbitmqctl, "close_connection", pid, "a test cuts the hold")
+            if cancelled:
+                waits = "an earlier task's, before this one starts"
+                await until(lambda: _now(caplog.text), lambda text: waits in text)
+                await cluster.cancel(wf)
             status = await cluster.wait(wf, timeout_s=30)
+            await until(lambda: _now(worker.threads.left_behind), lambda left: left == 0)
         finally:
             together.shutdown()
             await running
+    if cancelled:  # its program ended while it waited: it never ran
+        assert status["status"] == "cancelled" and len(runs) == 1, (status, runs)
+        return
     assert status["status"] == "completed", status
     assert len(runs) == 2, runs  # the first, cut short; the redelivered one
     (_, first_end), (second_start, _) = sorted(runs)
