@@ -18,6 +18,7 @@ from orchestrator.settings import Settings
 from router.client import Router
 from router.retention import purge
 from shardflow.dev import Dev
+from tests.polling import until
 from worker.pool import Worker
 from worker.registry import Registry
 
@@ -196,20 +197,20 @@ async def test_a_timer_that_outlives_its_program_is_no_dead_letter(
     router, _ = short
     before = _gone("orchestrator")
     programs = [
-        {"deadline_s": 3.0, "steps": [{"task": "add"}]},
-        {"steps": [{"signal": "go", "timeout_s": 3.0}, {"task": "add"}]},
+        {"deadline_s": 5.0, "steps": [{"task": "add"}]},
+        {"steps": [{"signal": "go", "timeout_s": 5.0}, {"task": "add"}]},
     ]
+    due = asyncio.get_running_loop().time() + 5.0  # both timers, about
     submitted = [(await router.submit(program, None)).workflow_id for program in programs]
-    for _ in range(200):  # signalled once it waits: its wake is set (a signal kept sets none)
-        if "waiting_for" in (await router.explain(submitted[1]) or {}):
-            break
-        await asyncio.sleep(0.02)
+    # Signalled once it waits: its wake is set then (a signal kept before sets none).
+    await until(lambda: router.explain(submitted[1]), lambda r: "a signal" in r["waiting_for"])
     await router.signal(submitted[1], "go")
     for wf in submitted:
         assert (await router.wait(wf, timeout_s=10))["status"] == "completed"
-    await asyncio.sleep(2.5)  # both expired (2 s): their timers fall due about now
+    await asyncio.sleep(2.5)  # both expired (2 s) before their timers fall due
+    assert asyncio.get_running_loop().time() < due, "too slow to test what it means to"
     assert all([await _keys(store, wf) == {} for wf in submitted])
-    await asyncio.sleep(2.0)
+    await asyncio.sleep(due + 1.5 - asyncio.get_running_loop().time())
     async with connected(router.settings, "retention-dead") as (_, bus):
         assert await bus.peek_dead(10) == []
     assert _gone("orchestrator") - before == 2  # the deadline and the wake, as a metric
