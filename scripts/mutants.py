@@ -2206,13 +2206,16 @@ end""",
         "        self.size = 6\n",
         (HANDLER_THREADS,),
     ),
-    # A handler left running in its thread is not counted: a worker filling with stuck
-    # handlers says nothing.
+    # A handler left running in its thread is neither counted nor kept: a worker filling with
+    # stuck handlers says nothing, and a lane waits for nothing (two of its tasks at once).
     "left-behind-uncounted": (
         "worker/threads.py",
-        "                    self.left_behind += 1\n",
+        "                    self._running_on.add(running)\n",
         "                    pass\n",
-        (LEFT_BEHIND,),
+        (
+            LEFT_BEHIND,
+            HANDLER_FAULTS + "test_a_lane_waits_for_a_handler_that_runs_on_past_its_timeout",
+        ),
     ),
     # A handler's exception text taken as it is: a __str__ that raises fails the delivery, so
     # the handler ran 20 times and its program stayed running.
@@ -2413,13 +2416,6 @@ end""",
         "worker/pool.py",
         "        return is_lane(self.pool) and bool(self._left or self.threads.left_behind)",
         "        return False",
-        (HANDLER_FAULTS + "test_a_lane_waits_for_a_handler_that_runs_on_past_its_timeout",),
-    ),
-    # A thread's call is not kept once given up: the lane waits for nothing.
-    "thread-left-not-kept": (
-        "worker/threads.py",
-        "                    self._running_on.add(running)\n",
-        "",
         (HANDLER_FAULTS + "test_a_lane_waits_for_a_handler_that_runs_on_past_its_timeout",),
     ),
     # `true` passes as 1 where the schema says a number: one attempt, silently.

@@ -777,11 +777,17 @@ class Worker(Service):
             text = json.dumps(output, allow_nan=False)  # NaN is not JSON: the owner refuses it
         except (TypeError, ValueError) as exc:
             raise _TaskError(f"output is not JSON: {exc}") from None
+        if len(text) > self.settings.max_output_bytes:  # first: it bounds the checks' work
+            raise _TaskError(
+                f"output of {len(text)} bytes is over the limit of "
+                f"{self.settings.max_output_bytes} (SHARDFLOW_MAX_OUTPUT_BYTES)"
+            )
         _check_text(text)
-        if len(text) > CHECKED_ON_LOOP and _may_be_deep(text):  # a walk: off the event loop
-            await asyncio.get_running_loop().run_in_executor(self._checks, _check_depth, output)
-        elif _may_be_deep(text):
-            _check_depth(output)
+        if _may_be_deep(text):  # a walk, off the event loop when long
+            if len(text) > CHECKED_ON_LOOP:
+                await asyncio.get_running_loop().run_in_executor(self._checks, _check_depth, output)
+            else:
+                _check_depth(output)
         if task.undoable and len(text) > MAX_ITEM_BYTES and task.task not in self._warned:
             self._warned.add(task.task)  # once a task name: a registered one, so bounded
             log.warning(
@@ -790,11 +796,6 @@ class Worker(Service):
                 "once a task)",
                 task.wf, task.task, task.path, len(text), MAX_ITEM_BYTES,
             )  # fmt: skip
-        if len(text) > self.settings.max_output_bytes:
-            raise _TaskError(
-                f"output of {len(text)} bytes is over the limit of "
-                f"{self.settings.max_output_bytes} (SHARDFLOW_MAX_OUTPUT_BYTES)"
-            )
         return text
 
     def _lane_busy(self) -> bool:

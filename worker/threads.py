@@ -26,10 +26,10 @@ log = logging.getLogger(__name__)
 class _Call:
     """One handler's call: whether its thread started it, ended it, was given up on."""
 
-    __slots__ = ("ended", "given_up", "started")
+    __slots__ = ("ended", "started")
 
     def __init__(self) -> None:
-        self.started = self.ended = self.given_up = False
+        self.started = self.ended = False
 
 
 _pools: weakref.WeakSet[HandlerThreads] = weakref.WeakSet()
@@ -48,9 +48,15 @@ class HandlerThreads:
         self.size = 2 * concurrency
         self._executor = ThreadPoolExecutor(self.size, thread_name_prefix=name)
         self._lock = threading.Lock()
-        self.left_behind = 0  # handlers running on in a thread whose task ended
-        self._running_on: set[Future[Any]] = set()  # their calls, until each returns
+        # The calls of handlers running on in a thread whose task ended, until each returns.
+        self._running_on: set[Future[Any]] = set()
         _pools.add(self)
+
+    @property
+    def left_behind(self) -> int:
+        """Handlers running on in a thread whose task ended."""
+        with self._lock:
+            return len(self._running_on)
 
     async def run(self, handler: Callable[[Any], Any], ctx: Any) -> Any:
         """`handler(ctx)` in one of the threads, with the caller's context variables (as
@@ -63,12 +69,11 @@ class HandlerThreads:
             return await asyncio.wrap_future(running)
         except asyncio.CancelledError:
             with self._lock:
-                if call.started and not call.ended:
-                    call.given_up = True
-                    self.left_behind += 1
+                given_up = call.started and not call.ended
+                if given_up:
                     self._running_on.add(running)
-                left = self.left_behind
-            if call.given_up:
+                left = len(self._running_on)
+            if given_up:
                 log.warning(
                     "a plain-function handler runs on in its thread after its task ended; "
                     "%d such now, of %d threads (a stuck one holds its thread for good)",
@@ -95,12 +100,10 @@ class HandlerThreads:
         finally:
             with self._lock:
                 call.ended = True
-                if call.given_up:
-                    self.left_behind -= 1
 
     def _forget(self, running: Future[Any]) -> None:
-        with self._lock:  # in the thread that ran it; a call never given up is not there
-            self._running_on.discard(running)
+        with self._lock:  # in the thread that ran it, as it returns; one never given up is
+            self._running_on.discard(running)  # not there
 
     async def settled(self) -> None:
         """Return once every handler left running in a thread has returned (a serial lane
