@@ -371,6 +371,10 @@ LEFT_BEHIND = (
     "test_a_handler_left_running_after_its_task_ended_is_counted_and_said"
 )
 
+NOTICES = (
+    "tests/test_cancel_notices.py::"
+    "test_a_cancel_noticed_before_a_handler_starts_stops_it_and_a_redrive_runs"
+)
 HANDLER_FAULTS = "tests/test_handler_faults.py::"
 CLOCKS = "tests/test_clocks.py::"
 REQUEUE = "tests/test_cli.py::test_dead_requeue_sends_each_back_to_its_own_queue_and_keeps_the_rest"
@@ -2486,6 +2490,21 @@ end""",
         '_ESCAPES = re.compile(r"\\\\\\\\|',
         '_ESCAPES = re.compile(r"',
         (HANDLER_FAULTS + "test_the_output_text_check_refuses_a_lone_surrogate_and_nothing_else",),
+    ),
+    # A cancel's notice between a task's check and its handler's start is lost: the handler
+    # runs until the worker's own check, 10 s later.
+    "notice-before-start-lost": (
+        "worker/pool.py",
+        "        if self._ended_before(task):\n            raise _ProgramCancelled",
+        "        if False:\n            raise _ProgramCancelled",
+        (NOTICES,),
+    ),
+    # A notice kept for a run before a redrive stops the next run's task: it never reports.
+    "notice-outlives-its-run": (
+        "worker/pool.py",
+        "        if epoch != task.epoch:  # no notice",
+        "        if epoch == -1:  # no notice",
+        (NOTICES,),
     ),
 }
 

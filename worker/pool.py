@@ -12,7 +12,7 @@ import math
 import re
 import time
 from collections import Counter, deque
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -133,6 +133,11 @@ class Worker(Service):
         self.marks = Marks(store)  # who holds the serial lane, for `explain`
         self.lease_ms = round(settings.key_lease_s * 1000)
         self._running: dict[str, set[asyncio.Task[Any]]] = {}
+        # Programs this worker holds a task message of (running or not yet started), and of
+        # those, each that a notice found ended (its status and run) before its handler
+        # started: a notice between a task's check and its handler's start would be lost.
+        self._in_hand: Counter[str] = Counter()
+        self._ended: dict[str, tuple[str, int]] = {}
         # Handlers a cancel of a compensating program keeps: compensations and undoable tasks.
         self._kept: set[asyncio.Task[Any]] = set()
         self._left: set[asyncio.Task[Any]] = set()  # handlers that ran on past their cancel
@@ -225,10 +230,13 @@ class Worker(Service):
         it; how many. Anyone on the vhost can publish that notice: only a program that really
         ended stops, and one that now runs its compensations stops every task but those and
         the tasks of the step it failed at that name compensations (they run to the end, to be
-        undone: lua/begin.lua)."""
-        if wf not in self._running:
+        undone: lua/begin.lua). Kept for its tasks in hand that have not started yet."""
+        if wf not in self._in_hand:
             return 0
-        status = (await self.store.state(wf)).get("status")
+        state = await self.store.state(wf)
+        status = state.get("status")
+        if wf in self._in_hand and (status in TERMINAL or status == "compensating"):
+            self._ended[wf] = (status or "", int(state.get("epoch") or 0))
         if status in TERMINAL:
             return self.cancel_program(wf)
         if status == "compensating":
@@ -351,6 +359,31 @@ class Worker(Service):
         # for it before anything (is its program still here? a slot?), never beside it.
         if self._lane_busy():
             await self._hold_lane(task, before=True)
+        with self._holding(task.wf):
+            await self._run_held(task, delivery, source)
+
+    @contextlib.contextmanager
+    def _holding(self, wf: str) -> Iterator[None]:
+        """While a message of `wf` is in hand, a notice of its end is kept (_ended_before)."""
+        self._in_hand[wf] += 1
+        try:
+            yield
+        finally:
+            self._in_hand[wf] -= 1
+            if not self._in_hand[wf]:
+                del self._in_hand[wf]
+                self._ended.pop(wf, None)
+
+    def _ended_before(self, task: TaskMessage) -> bool:
+        """Whether a notice found the task's program (this run of it) ended, or compensating
+        and the task not one that runs on then, before its handler started."""
+        status, epoch = self._ended.get(task.wf, ("", -1))
+        if epoch != task.epoch:  # no notice, or one of a run before a redrive
+            return False
+        return status != "compensating" or not (is_saga(task.path) or task.undoable)
+
+    async def _run_held(self, task: TaskMessage, delivery: Delivery, source: str) -> None:
+        """_run_message's work, its program's notices kept meanwhile."""
         again = redelivered(delivery)
         # Its owner records a single task's output with its advance (messages.CARRY).
         carry = (delivery.headers or {}).get(CARRY) == 1
@@ -724,6 +757,8 @@ class Worker(Service):
     async def _output(
         self, task: TaskMessage, ctx: TaskContext, lost: asyncio.Event | None = None
     ) -> str:
+        if self._ended_before(task):
+            raise _ProgramCancelled  # its notice came after its check, before this
         # The handler runs in a task of its own, so a cancelled program can stop just it.
         handler = asyncio.create_task(_guarded(self.registry.run(task.task, ctx, self.threads)))
         running = self._running.setdefault(task.wf, set())
