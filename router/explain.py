@@ -701,7 +701,7 @@ def _waiting_for(report: dict[str, Any], *, cursor: str, now: float) -> str:
     if not open_tasks:  # a bag whose open members are all branches
         labels = "; ".join(_branch_label(b) for b in open_branches[:10])
         more = f" and {len(open_branches) - 10} more" if len(open_branches) > 10 else ""
-        return f"its branches of step {step['path']}: {labels}{more}"
+        return f"its branches of step {step['path']}: {labels}{more}{_send(report, open_branches)}"
     retries = [t for t in open_tasks if t["retry_due_ms"] and t["retry_due_ms"] > now]
     if retries and len(retries) == len(open_tasks):
         t = min(retries, key=lambda t: t["retry_due_ms"])
@@ -740,6 +740,27 @@ def _waiting_for(report: dict[str, Any], *, cursor: str, now: float) -> str:
         more = f" and {len(open_branches) - 10} more" if len(open_branches) > 10 else ""
         return f"{tasks}; and its branches: {labels}{more}"
     return tasks
+
+
+def _send(report: dict[str, Any], branches: list[dict[str, Any]]) -> str:
+    """`; send it with `shardflow signal ...``: for the signals its branches (nested ones too)
+    wait for, as a signal step's line says."""
+    names: list[str] = []
+    stack = list(branches)
+    while stack and len(names) < 5:  # the report bounds its branches; this, the walk's length
+        branch = stack.pop(0)
+        if branch.get("status") != "running":
+            continue
+        if branch.get("signal") is not None and branch["signal"] not in names:
+            names.append(branch["signal"])
+        stack.extend(branch.get("branches") or ())
+    if not names:
+        return ""
+    wf = report["workflow_id"]
+    if len(names) == 1:
+        return f"; send it with `shardflow signal {wf} {names[0]} --data JSON`"
+    shown = ", ".join(repr(name) for name in names)
+    return f"; send them with `shardflow signal {wf} NAME --data JSON` (NAME: {shown})"
 
 
 def _branch_label(branch: dict[str, Any]) -> str:

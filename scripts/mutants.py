@@ -2499,6 +2499,17 @@ end""",
         "        if False:\n            raise _ProgramCancelled",
         (NOTICES,),
     ),
+    # Only the bag's own branches are looked at: a nested branch's signal is named by no
+    # command.
+    "nested-signals-unnamed": (
+        "router/explain.py",
+        '        stack.extend(branch.get("branches") or ())',
+        "        pass",
+        (
+            "tests/test_branches_e2e.py::"
+            "test_explain_names_the_signal_command_for_signals_of_nested_branches",
+        ),
+    ),
     # A notice kept for a run before a redrive stops the next run's task: it never reports.
     "notice-outlives-its-run": (
         "worker/pool.py",

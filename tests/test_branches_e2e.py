@@ -179,7 +179,8 @@ async def test_explain_shows_where_each_branch_of_an_open_bag_stands(cluster: Ro
     assert entry["signal"] == "go" and entry["wakes_ms"] > entry["since_ms"] > 0
     # Not "step 0 is done": its branch waits.
     assert report["waiting_for"] == (
-        "its branches of step 0: branch 1 at step 0/branch:1/1 (a wait for signal 'go')"
+        "its branches of step 0: branch 1 at step 0/branch:1/1 (a wait for signal 'go'); "
+        f"send it with `shardflow signal {wf} go --data JSON`"
     )
     # The failed attempt inside the branch names its task.
     assert [(a["step"], a["task"], a["retry_pending"]) for a in report["attempts"]] == [
@@ -196,6 +197,21 @@ async def test_explain_shows_where_each_branch_of_an_open_bag_stands(cluster: Ro
         "ok",
         {"m": 2},
     ]
+
+
+async def test_explain_names_the_signal_command_for_signals_of_nested_branches(
+    cluster: Router,
+) -> None:
+    inner = {"bag": [{"steps": [{"signal": "inner"}]}, {"task": "echo", "pool": "parallel"}]}
+    program = {"steps": [{"bag": [{"steps": [inner]}, {"steps": [{"signal": "outer"}]}]}]}
+    wf = (await cluster.submit(program)).workflow_id
+    command = f"`shardflow signal {wf} NAME --data JSON` (NAME: 'outer', 'inner')"
+    report = await until(lambda: cluster.explain(wf), lambda r: command in r["waiting_for"])
+    assert report["waiting_for"].startswith("its branches of step 0: branch 0 at step ")
+    await cluster.signal(wf, "inner", 1)
+    await cluster.signal(wf, "outer", 2)
+    status = await cluster.wait(wf, timeout_s=30)
+    assert status["status"] == "completed", status
 
 
 async def test_a_serial_task_in_a_branch_holds_the_lane_as_explain_tells(cluster: Router) -> None:
