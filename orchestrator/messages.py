@@ -160,6 +160,14 @@ ShardMessage = Annotated[
 ]
 
 
+class ItemFrom(_Message):
+    """Where a compensation's item is read instead of carried: the recorded output of the
+    top-level step it undoes (of its member `index` for a bag), when over MAX_ITEM_BYTES."""
+
+    step: int = Field(ge=0, lt=2**31)
+    index: int | None = Field(default=None, ge=0, lt=MAX_BAG)
+
+
 class Slot(_Message):
     """One more bag member carried by a task message (a bag's `chunk`)."""
 
@@ -168,6 +176,12 @@ class Slot(_Message):
     args: dict[str, Any] = Field(default_factory=dict)
     timeout_s: float | None = Field(default=None, gt=0, le=86400)
     item: Any = None
+    item_from: ItemFrom | None = None
+
+    @model_validator(mode="after")
+    def _item_one_way(self) -> Slot:
+        _one_way(self.item, self.item_from is not None, "item")
+        return self
 
 
 class KeyLimit(_Message):
@@ -191,8 +205,10 @@ class TaskMessage(_Message):
     size: int = Field(default=1, ge=1, le=MAX_BAG)
     task: TaskName
     args: dict[str, Any] = Field(default_factory=dict)
-    # A map member's item (its list computed by the owner when the step started).
+    # A map member's item (its list computed by the owner when the step started), or what a
+    # compensation undoes: carried, or read where `item_from` says (a large one).
     item: Any = None
+    item_from: ItemFrom | None = None
     input: Any = None
     prev: Any = None
     # Large values stay in Redis: the input under `input`, the prev under the task's path.
@@ -224,6 +240,7 @@ class TaskMessage(_Message):
             raise ValueError(f"index: a bag of {self.size} has members 0..{self.size - 1}")
         _one_way(self.input, self.input_ref, "input")
         _one_way(self.prev, self.prev_ref, "prev")
+        _one_way(self.item, self.item_from is not None, "item")
         return self
 
     def split(self) -> list[TaskMessage]:
@@ -257,9 +274,9 @@ _REPORTS = TypeAdapter(Annotated[list[Report], Field(min_length=1, max_length=MA
 
 
 def _unused_new_fields(message: _Message) -> dict[str, Any]:
-    """Fields added since 0.1 (`item`, `epoch`, `limit`, `limit.redelivered`, `undoable`),
-    left out while unused: parts from before them refuse unknown fields (extra="forbid"), and
-    must keep reading messages during a rolling upgrade."""
+    """Fields added since 0.1 (`item`, `item_from`, `epoch`, `limit`, `limit.redelivered`,
+    `undoable`), left out while unused: parts from before them refuse unknown fields
+    (extra="forbid"), and must keep reading messages during a rolling upgrade."""
     unused: dict[str, Any] = {}
     if getattr(message, "epoch", None) == 0:
         unused["epoch"] = True
@@ -271,8 +288,14 @@ def _unused_new_fields(message: _Message) -> dict[str, Any]:
         unused["limit"] = {"redelivered"}
     if isinstance(message, TaskMessage | Failed) and message.item is None:
         unused["item"] = True
+    if isinstance(message, TaskMessage) and message.item_from is None:
+        unused["item_from"] = True
     if isinstance(message, TaskMessage):
-        slots = {n: {"item"} for n, slot in enumerate(message.batch) if slot.item is None}
+        slots: dict[int, set[str]] = {}
+        for n, slot in enumerate(message.batch):
+            names = {name for name in ("item", "item_from") if getattr(slot, name) is None}
+            if names:
+                slots[n] = names
         if slots:
             unused["batch"] = slots
     return unused

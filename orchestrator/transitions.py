@@ -24,8 +24,10 @@ from orchestrator.marks import Marks
 from orchestrator.messages import (
     CARRYING,
     INLINE_BYTES,
+    MAX_ITEM_BYTES,
     Deadline,
     Failed,
+    ItemFrom,
     KeyLimit,
     Next,
     Signalled,
@@ -134,7 +136,8 @@ def task_messages(
                 size=size,
                 task=members[first].task,
                 args=args(first),
-                item=items[first] if items else None,
+                item=_carried(items, first),
+                item_from=_read_from(items, first),
                 input=None if plan.big_input else plan.input,
                 prev=None if prev_ref else leaf.prev,
                 input_ref=plan.big_input is not None,
@@ -149,7 +152,8 @@ def task_messages(
                         task=members[i].task,
                         args=args(i),
                         timeout_s=members[i].timeout_s,
-                        item=items[i] if items else None,
+                        item=_carried(items, i),
+                        item_from=_read_from(items, i),
                     )
                     for i in rest
                 ],
@@ -176,11 +180,28 @@ def _timed(plan: Plan, path: str) -> tuple[str, str] | None:
     return pool_of(step), kind
 
 
+def _carried(items: tuple[Any, ...], i: int) -> Any:
+    """Member `i`'s item when its message carries it."""
+    return None if not items or isinstance(items[i], ItemFrom) else items[i]
+
+
+def _read_from(items: tuple[Any, ...], i: int) -> ItemFrom | None:
+    """Where member `i`'s worker reads its item, when its message does not carry it."""
+    return items[i] if items and isinstance(items[i], ItemFrom) else None
+
+
 def _group_leaf(group: saga.Group) -> machine.Leaf:
     """A group of compensations as the leaf that runs it: a bag of their tasks (on their
-    pools, else parallel), each member's item the output (JSON) of what it undoes."""
+    pools, else parallel), each member's item the output (JSON) of what it undoes: carried,
+    or over MAX_ITEM_BYTES read by the worker where it was recorded (it stays there while
+    the program compensates)."""
     members: list[Member | Branch] = [_member(undo.compensate) for undo in group.undo]
-    items = tuple(json.loads(undo.output) for undo in group.undo)
+    items = tuple(
+        ItemFrom(step=group.step, index=undo.index)
+        if len(undo.output) > MAX_ITEM_BYTES
+        else json.loads(undo.output)
+        for undo in group.undo
+    )
     return machine.Leaf(group.path, Bag(bag=members), None, 0, items=items)
 
 
@@ -618,7 +639,7 @@ class Transitions:
                 raise machine.PathError(f"{message.path}: no map member {message.index}")
             # The item a retry sends again comes back in the report: held to the map's bound.
             size = len(json.dumps(message.item, ensure_ascii=False).encode())
-            if size > machine.MAX_ITEM_BYTES:
+            if size > MAX_ITEM_BYTES:
                 raise Poison(f"{message.wf}: an item of {size} bytes, over a map item's limit")
             member = step
         else:
@@ -800,15 +821,6 @@ class Transitions:
         status, field, payload = saga.COMPENSATION_FAILED, "saga_error", failure or ""
         if following is not None:
             status, field = "compensating", ""
-            large = [u for u in following.undo if len(u.output) > machine.MAX_ITEM_BYTES]
-            if large:  # a compensation receives what it undoes in its task message
-                member = "" if large[0].index is None else f"/bag:{large[0].index}"
-                payload = (
-                    f"compensation {following.path}: the output of step {following.step}"
-                    f"{member} is {len(large[0].output)} bytes, over the "
-                    f"{machine.MAX_ITEM_BYTES} a compensation receives"
-                )
-                status, field, following = saga.COMPENSATION_FAILED, "saga_error", None
         elif failure is None and expected:
             status, field = saga.COMPENSATED, ""
         elif failure is None:  # nothing completed that names a compensation

@@ -371,6 +371,13 @@ LEFT_BEHIND = (
     "test_a_handler_left_running_after_its_task_ended_is_counted_and_said"
 )
 
+LARGE_ITEMS = (
+    "tests/test_saga_e2e.py::"
+    "test_a_compensation_receives_an_output_over_64_kib_read_where_it_was_recorded"
+)
+LARGE_ITEMS_MODEL = (
+    "tests/test_saga.py::test_an_output_over_64_kib_is_named_where_it_is_read_not_carried"
+)
 NOTICES = (
     "tests/test_cancel_notices.py::"
     "test_a_cancel_noticed_before_a_handler_starts_stops_it_and_a_redrive_runs"
@@ -947,8 +954,8 @@ end""",
     # A group's members get one another's outputs (the items in reverse order).
     "compensation-items-swapped": (
         "orchestrator/transitions.py",
-        "    items = tuple(json.loads(undo.output) for undo in group.undo)",
-        "    items = tuple(json.loads(undo.output) for undo in reversed(group.undo))",
+        "        for undo in group.undo\n    )",
+        "        for undo in reversed(group.undo)\n    )",
         (SAGAS,),
     ),
     # An owner that handles a program's next message without waiting for the one before.
@@ -2430,15 +2437,37 @@ end""",
         "                if False:",
         ("tests/test_program.py::test_a_boolean_is_no_number",),
     ),
-    # An undoable task's output too large for its compensation is said only when too late.
-    "undoable-output-unwarned": (
+    # A compensation's large item is read from where its step's output was, but not handed
+    # to the handler: it undoes nothing it can name.
+    "item-read-dropped": (
         "worker/pool.py",
-        "        if task.undoable and len(text) > MAX_ITEM_BYTES and task.task not in "
-        "self._warned:",
-        "        if False:",
+        "            items[n] = json.loads(text)",
+        "            items[n] = None",
+        (LARGE_ITEMS,),
+    ),
+    # Every item is read by reference, however small: the owner names no small one so.
+    "small-items-read-from-redis": (
+        "orchestrator/transitions.py",
+        "        if len(undo.output) > MAX_ITEM_BYTES",
+        "        if True",
+        (LARGE_ITEMS_MODEL,),
+    ),
+    # Every item carried, however large: a compensation's message as large as the output.
+    "large-items-carried": (
+        "orchestrator/transitions.py",
+        "        if len(undo.output) > MAX_ITEM_BYTES",
+        "        if False",
+        (LARGE_ITEMS_MODEL,),
+    ),
+    # An item named where no output was recorded: the handler gets null, or the worker
+    # fails on the message until the delivery limit, with no reason.
+    "missing-item-unparked": (
+        "worker/pool.py",
+        "            if text is None:\n                member =",
+        "            if False:\n                member =",
         (
-            "tests/test_saga_e2e.py::"
-            "test_an_undoable_output_over_what_its_compensation_receives_is_warned_of",
+            "tests/test_hostile.py::"
+            "test_a_task_whose_item_is_read_from_an_output_never_recorded_is_parked",
         ),
     ),
     # A branch's task waiting for the lane is not said to: explain names an idle pool only.

@@ -27,6 +27,7 @@ from orchestrator.settings import Settings
 from router.client import Router
 from router.hashing import shard_for
 from router.ingress import derived_id
+from tests.polling import until
 from tests.test_ingress import ask, ingress  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.e2e
@@ -359,6 +360,21 @@ async def test_no_handler_runs_for_an_unknown_program_or_a_step_its_program_left
     # Nor does the lane say it runs them (it wrote the mark before checking, once).
     mark = await cluster.store.client.get(cluster.store.keys.lane("serial"))
     assert mark is not None and mark.startswith("moved-on 1 echo "), mark
+
+
+async def test_a_task_whose_item_is_read_from_an_output_never_recorded_is_parked(
+    cluster: Router, settings: Settings, trace: Any
+) -> None:
+    """`item_from` (a compensation's large item) names an output that is not there: parked
+    with the reason, its handler never run."""
+    wf = (await cluster.submit({"steps": [{"signal": "go"}]}, None, "waits")).workflow_id
+    await until(lambda: cluster.status(wf), lambda s: s["status"] == "running")
+    forged = {"wf": wf, "path": "0", "task": "echo", "owner": 0, "item_from": {"step": 3}}
+    forged["input"] = trace.as_input()
+    forged["owner"] = (await cluster.status(wf))["owner"]
+    await publish(settings, f"{settings.prefix}.tasks.serial", json.dumps(forged).encode())
+    assert await dead_reasons(settings, 1) == [f"{wf}: no output of step 3 for its item"]
+    assert trace.events() == []
 
 
 async def test_a_retry_of_no_program_is_parked_by_a_worker_whose_redis_holds_none(

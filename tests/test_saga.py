@@ -15,7 +15,9 @@ from orchestrator.keys import Keys
 from orchestrator.marks import attempt_field
 from orchestrator.memory_store import MemoryStore
 from orchestrator.messages import (
+    MAX_ITEM_BYTES,
     Failed,
+    ItemFrom,
     Next,
     Start,
     TaskMessage,
@@ -115,7 +117,14 @@ def _members(task: TaskMessage) -> list[TaskMessage]:
     """A chunked message as its members, one message each."""
     rest = [
         task.model_copy(
-            update={"index": s.index, "task": s.task, "args": s.args, "item": s.item, "batch": []}
+            update={
+                "index": s.index,
+                "task": s.task,
+                "args": s.args,
+                "item": s.item,
+                "item_from": s.item_from,
+                "batch": [],
+            }
         )
         for s in task.batch
     ]
@@ -178,6 +187,35 @@ async def test_a_failure_undoes_the_completed_steps_last_first_a_bags_side_by_si
     assert [g["state"] for g in status["compensations"]["groups"]] == ["done", "done"]
     with pytest.raises(RedriveError, match="compensated"):
         await saga.router.redrive(saga.wf)
+
+
+async def test_an_output_over_64_kib_is_named_where_it_is_read_not_carried() -> None:
+    """A compensation's message stays small: an item over MAX_ITEM_BYTES is read by its
+    worker where the step recorded it (`item_from`), a retry's too; a small one is carried."""
+    saga = Saga(BOOKING)
+    await saga.submit()
+    [flight] = saga.tasks()
+    await saga.complete(flight, "f" * MAX_ITEM_BYTES)  # two quotes over
+    members = {t.task: t for t in saga.tasks()}
+    await saga.complete(members["hotel"], {"hotel": "h" * MAX_ITEM_BYTES})
+    await saga.complete(members["car"], {"car": "C"})
+    await saga.complete(members["note"], None)
+    [charge] = saga.tasks()
+    await saga.fail(charge, "declined")
+    await saga.fail(saga.tasks()[0], "declined again")
+    assert all(len(body) < 4096 for body in saga.bus.tasks)
+    group = {t.task: t for t in saga.tasks()}
+    assert (group["unhotel"].item, group["unhotel"].item_from) == (None, ItemFrom(step=1, index=0))
+    assert (group["uncar"].item, group["uncar"].item_from) == ({"car": "C"}, None)
+    await saga.fail(group["unhotel"], "busy")
+    [again] = saga.tasks()
+    assert (again.attempt, again.item, again.item_from) == (1, None, ItemFrom(step=1, index=0))
+    for task in [again, group["uncar"]]:
+        await saga.complete(task, None)
+    [unflight] = saga.tasks()
+    assert (unflight.item, unflight.item_from) == (None, ItemFrom(step=0, index=None))
+    await saga.complete(unflight, None)
+    assert (await saga.state())["status"] == "compensated"
 
 
 async def test_duplicates_and_late_reports_change_nothing() -> None:

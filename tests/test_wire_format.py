@@ -142,7 +142,14 @@ def test_a_task_message_has_no_pool_field_so_every_worker_version_reads_it() -> 
 
 
 def test_a_large_value_is_referred_to_or_carried_never_both() -> None:
-    from orchestrator.messages import MAX_MESSAGE_BYTES, Failed, MessageError, decode_shard_message
+    from orchestrator.messages import (
+        MAX_MESSAGE_BYTES,
+        Failed,
+        ItemFrom,
+        MessageError,
+        Slot,
+        decode_shard_message,
+    )
 
     referred = TaskMessage(wf="w", path="1", task="t", owner=0, input_ref=True, prev_ref=True)
     assert decode_task(encode(referred)) == referred
@@ -153,6 +160,21 @@ def test_a_large_value_is_referred_to_or_carried_never_both() -> None:
     with pytest.raises(MessageError, match="output: carried and referred to at once"):
         decode_shard_message(stored)
     assert decode_shard_message(encode(Failed(wf="w", path="1", error="e", prev_ref=True)))
+    # A compensation's large item is read where its step's output was recorded.
+    read = TaskMessage(
+        wf="w", path="saga:1", index=0, size=2, task="t", owner=0,
+        item_from=ItemFrom(step=1, index=3),
+        batch=[Slot(index=1, task="u", item_from=ItemFrom(step=1)), Slot(index=1, task="v")],
+    )  # fmt: skip
+    assert decode_task(encode(read)) == read
+    assert json.loads(encode(read))["batch"][1].keys() == {"index", "task", "args", "timeout_s"}
+    both = b'{"wf": "w", "path": "0", "task": "t", "owner": 0, "item": 1, "item_from": {"step": 1}}'
+    with pytest.raises(MessageError, match="item: carried and referred to at once"):
+        decode_task(both)
+    with pytest.raises(MessageError, match=r"item_from\.step"):
+        decode_task(
+            b'{"wf": "w", "path": "saga:1", "task": "t", "owner": 0, "item_from": {"step": -1}}'
+        )
     with pytest.raises(MessageError, match="over 16777216"):
         decode_task(b" " * (MAX_MESSAGE_BYTES + 1))
 

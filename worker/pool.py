@@ -40,7 +40,6 @@ from orchestrator.messages import (
     INLINE_BYTES,
     MAX_BUNDLE,
     MAX_ERROR,
-    MAX_ITEM_BYTES,
     Cancelled,
     Failed,
     Next,
@@ -141,7 +140,6 @@ class Worker(Service):
         # Handlers a cancel of a compensating program keeps: compensations and undoable tasks.
         self._kept: set[asyncio.Task[Any]] = set()
         self._left: set[asyncio.Task[Any]] = set()  # handlers that ran on past their cancel
-        self._warned: set[str] = set()  # tasks said to return more than a compensation takes
         # Its own thread for large outputs' checks: asyncio's default one is user code's too,
         # where a handler's call that timed out holds a thread for as long as it runs.
         self._checks = ThreadPoolExecutor(1, thread_name_prefix=f"{pool}-output-check")
@@ -631,10 +629,16 @@ class Worker(Service):
             if not tasks:
                 return []
         values = await self._values(tasks[0])  # a message's tasks share input and prev
+        items = await self._items(tasks)
         if len(tasks) == 1:  # the common case, without gather's extra task
-            outcomes = [await self._attempt(tasks[0], *values, lost)]
+            outcomes = [await self._attempt(tasks[0], *values, items[0], lost)]
         else:
-            outcomes = await asyncio.gather(*(self._attempt(task, *values) for task in tasks))
+            outcomes = await asyncio.gather(
+                *(
+                    self._attempt(task, *values, item)
+                    for task, item in zip(tasks, items, strict=True)
+                )
+            )
         reports: list[Report] = [outcome for outcome in outcomes if isinstance(outcome, Failed)]
         outputs = {
             t.index: out for t, out in zip(tasks, outcomes, strict=True) if isinstance(out, str)
@@ -701,8 +705,28 @@ class Worker(Service):
         prev = found[task.path] if task.prev_ref else task.prev
         return input, prev
 
+    async def _items(self, tasks: list[TaskMessage]) -> list[Any]:
+        """Each task's item: carried, or read where its `item_from` says (one read for all)."""
+        items = [task.item for task in tasks]
+        read = [(n, task.item_from) for n, task in enumerate(tasks) if task.item_from]
+        if not read:
+            return items
+        leaves = [(str(where.step), where.index) for _, where in read]
+        found = await self.store.leaf_outputs(tasks[0].wf, leaves)
+        for (n, _), (step, index), text in zip(read, leaves, found, strict=True):
+            if text is None:
+                member = "" if index is None else f"/bag:{index}"
+                raise Poison(f"{tasks[0].wf}: no output of step {step}{member} for its item")
+            items[n] = json.loads(text)
+        return items
+
     async def _attempt(
-        self, task: TaskMessage, input: Any, prev: Any, lost: asyncio.Event | None = None
+        self,
+        task: TaskMessage,
+        input: Any,
+        prev: Any,
+        item: Any,
+        lost: asyncio.Event | None = None,
     ) -> str | Failed | None:
         """Run one handler: its output as JSON, its failure, or None when it was cancelled."""
         ctx = TaskContext(  # its own values: a change a handler makes reaches no other
@@ -714,7 +738,7 @@ class Worker(Service):
             iteration=task.iteration,
             index=task.index,
             attempt=task.attempt,
-            item=_own(task.item),
+            item=_own(item) if task.item_from is None else item,  # one read is its own
         )
         logs.bind(workflow_id=task.wf, step=task.path, task=task.task, attempt=task.attempt)
         started = time.monotonic()
@@ -823,14 +847,6 @@ class Worker(Service):
                 await asyncio.get_running_loop().run_in_executor(self._checks, _check_depth, output)
             else:
                 _check_depth(output)
-        if task.undoable and len(text) > MAX_ITEM_BYTES and task.task not in self._warned:
-            self._warned.add(task.task)  # once a task name: a registered one, so bounded
-            log.warning(
-                "%s: task %r of step %s returned %d bytes, over the %d its compensation "
-                "receives: should the program compensate, it ends compensation_failed (said "
-                "once a task)",
-                task.wf, task.task, task.path, len(text), MAX_ITEM_BYTES,
-            )  # fmt: skip
         return text
 
     def _lane_busy(self) -> bool:
