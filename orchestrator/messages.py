@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from orchestrator.delivery import Poison, first_error
 from orchestrator.documents import ProgramError, check_numbers
 from orchestrator.keys import WORKFLOW_ID
+from orchestrator.paths import is_saga, saga_step
 from orchestrator.program import (
     MAX_BAG,
     MAX_ITERATIONS,
@@ -241,13 +242,24 @@ class TaskMessage(_Message):
         _one_way(self.input, self.input_ref, "input")
         _one_way(self.prev, self.prev_ref, "prev")
         _one_way(self.item, self.item_from is not None, "item")
+        read = [self.item_from, *(slot.item_from for slot in self.batch)]
+        named = [(where.step, where.index) for where in read if where is not None]
+        if named and not (
+            is_saga(self.path) and {step for step, _ in named} == {saga_step(self.path)}
+        ):
+            raise ValueError(
+                "item_from: only a compensation reads its item, from the step it undoes"
+            )
+        if len(set(named)) != len(named):
+            raise ValueError("item_from: two members read one output")
         return self
 
     def split(self) -> list[TaskMessage]:
         """One message per task it carries, each as if it had come alone."""
         alone = self.model_copy(update={"batch": []}) if self.batch else self
+        # Its fields as they are (a dump would make item_from a dict).
         return [alone] + [
-            self.model_copy(update={**slot.model_dump(), "batch": []}) for slot in self.batch
+            self.model_copy(update={**dict(slot), "batch": []}) for slot in self.batch
         ]
 
 

@@ -25,6 +25,13 @@ def is_saga(path: str) -> bool:
     return _SAGA_LEAF.match(path) is not None
 
 
+def saga_step(path: str) -> int:
+    """The top-level step a compensation's leaf undoes (`saga:2` -> 2)."""
+    if not is_saga(path):
+        raise ValueError(f"{path!r}: not a compensation's leaf")
+    return int(path.removeprefix(f"{SAGA}:"))
+
+
 def scope_of(path: str) -> str:
     """The branch a leaf path runs in (its innermost `.../branch:K`), `saga` for a
     compensation, "" for the program's own cursor."""

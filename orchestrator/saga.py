@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.paths import SAGA, is_saga
+from orchestrator.paths import SAGA, saga_step
 from orchestrator.program import Compensate, Program
 
 PREFIX = f"{SAGA}:"
@@ -69,16 +69,9 @@ def plan(program: Program, outputs: Sequence[str | None]) -> list[Group]:
     return groups
 
 
-def step_of(path: str) -> int:
-    """The top-level step a compensation's leaf undoes (`saga:2` -> 2)."""
-    if not is_saga(path):
-        raise ValueError(f"{path!r}: not a compensation's leaf")
-    return int(path.removeprefix(PREFIX))
-
-
 def group_at(groups: Sequence[Group], path: str) -> Group | None:
     """The group whose leaf is `path`; None when the plan has none there."""
-    step = step_of(path)
+    step = saga_step(path)
     return next((group for group in groups if group.step == step), None)
 
 
@@ -86,7 +79,7 @@ def following(groups: Sequence[Group], path: str) -> Group | None:
     """The group after the one at `path` ("": the first); None when it was the last."""
     if not path:
         return groups[0] if groups else None
-    step = step_of(path)
+    step = saga_step(path)
     later = [group for group in groups if group.step < step]
     return later[0] if later else None
 

@@ -747,7 +747,7 @@ def _send(report: dict[str, Any], branches: list[dict[str, Any]]) -> str:
     wait for, as a signal step's line says."""
     names: list[str] = []
     stack = list(branches)
-    while stack and len(names) < 5:  # the report bounds its branches; this, the walk's length
+    while stack and len(names) <= 5:  # the report bounds its branches; this, the walk's length
         branch = stack.pop(0)
         if branch.get("status") != "running":
             continue
@@ -759,7 +759,8 @@ def _send(report: dict[str, Any], branches: list[dict[str, Any]]) -> str:
     wf = report["workflow_id"]
     if len(names) == 1:
         return f"; send it with `shardflow signal {wf} {names[0]} --data JSON`"
-    shown = ", ".join(repr(name) for name in names)
+    more = ", ..." if len(names) > 5 else ""
+    shown = ", ".join(repr(name) for name in names[:5]) + more
     return f"; send them with `shardflow signal {wf} NAME --data JSON` (NAME: {shown})"
 
 

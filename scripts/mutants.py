@@ -2539,6 +2539,31 @@ end""",
             "test_explain_names_the_signal_command_for_signals_of_nested_branches",
         ),
     ),
+    # A chunk's members split with their fields dumped: a member's item_from is a dict, and
+    # the worker fails on it until the message is parked, no compensation of it run.
+    "split-dumps-slots": (
+        "orchestrator/messages.py",
+        'self.model_copy(update={**dict(slot), "batch": []})',
+        'self.model_copy(update={**slot.model_dump(), "batch": []})',
+        (LARGE_ITEMS_MODEL,),
+    ),
+    # item_from taken on any path and any step: a forged task reads outputs it has no part in.
+    "item-from-anywhere": (
+        "orchestrator/messages.py",
+        "        if named and not (",
+        "        if False and not (",
+        ("tests/test_wire_format.py::test_a_large_value_is_referred_to_or_carried_never_both",),
+    ),
+    # A notice that finds the program compensating stops a compensation not started yet.
+    "compensating-notice-stops-compensations": (
+        "worker/pool.py",
+        '        return status != "compensating" or not (is_saga(task.path) or task.undoable)',
+        "        return True",
+        (
+            "tests/test_cancel_notices.py::"
+            "test_a_notice_that_finds_its_program_compensating_lets_a_compensation_start",
+        ),
+    ),
     # A notice kept for a run before a redrive stops the next run's task: it never reports.
     "notice-outlives-its-run": (
         "worker/pool.py",

@@ -366,15 +366,19 @@ async def test_a_task_whose_item_is_read_from_an_output_never_recorded_is_parked
     cluster: Router, settings: Settings, trace: Any
 ) -> None:
     """`item_from` (a compensation's large item) names an output that is not there: parked
-    with the reason, its handler never run."""
-    wf = (await cluster.submit({"steps": [{"signal": "go"}]}, None, "waits")).workflow_id
-    await until(lambda: cluster.status(wf), lambda s: s["status"] == "running")
-    forged = {"wf": wf, "path": "0", "task": "echo", "owner": 0, "item_from": {"step": 3}}
-    forged["input"] = trace.as_input()
-    forged["owner"] = (await cluster.status(wf))["owner"]
+    with the reason, its handler never run. (On any other path than a compensation's it is
+    refused as it arrives: tests/test_wire_format.py.)"""
+    undo = {"task": "echo", "args": {"sleep_s": 30}, "pool": "parallel"}
+    program = {"steps": [{"task": "echo", "compensate": undo}, {"task": "boom"}]}
+    wf = (await cluster.submit(program)).workflow_id
+    await until(lambda: cluster.status(wf), lambda s: s["status"] == "compensating")
+    owner = (await cluster.status(wf))["owner"]
+    forged = {"wf": wf, "path": "saga:0", "index": 1, "size": 2, "task": "echo", "owner": owner}
+    forged |= {"item_from": {"step": 0, "index": 7}, "input": trace.as_input()}
     await publish(settings, f"{settings.prefix}.tasks.serial", json.dumps(forged).encode())
-    assert await dead_reasons(settings, 1) == [f"{wf}: no output of step 3 for its item"]
+    assert await dead_reasons(settings, 1) == [f"{wf}: no output of step 0/bag:7 for its item"]
     assert trace.events() == []
+    await cluster.cancel(wf, stop_compensations=True)
 
 
 async def test_a_retry_of_no_program_is_parked_by_a_worker_whose_redis_holds_none(

@@ -23,6 +23,7 @@ from orchestrator.messages import (
     TaskMessage,
     decode_shard_message,
     decode_task,
+    encode,
 )
 from orchestrator.plans import Plans
 from orchestrator.program import ProgramError, parse_program, program_schema
@@ -31,6 +32,9 @@ from orchestrator.transitions import Transitions
 from router.client import Router
 from router.redriving import RedriveError
 from tests.test_owner_steps import Recorder
+from worker.context import TaskContext
+from worker.pool import Worker
+from worker.registry import Registry
 
 UNDO = {"retry": {"max_attempts": 2, "backoff_s": 0}}
 BOOKING = {
@@ -114,21 +118,8 @@ class Saga:
 
 
 def _members(task: TaskMessage) -> list[TaskMessage]:
-    """A chunked message as its members, one message each."""
-    rest = [
-        task.model_copy(
-            update={
-                "index": s.index,
-                "task": s.task,
-                "args": s.args,
-                "item": s.item,
-                "item_from": s.item_from,
-                "batch": [],
-            }
-        )
-        for s in task.batch
-    ]
-    return [task.model_copy(update={"batch": []}), *rest]
+    """A chunked message as its members, one message each, as a worker splits it."""
+    return task.split()
 
 
 async def _to_charge(saga: Saga) -> TaskMessage:
@@ -191,31 +182,47 @@ async def test_a_failure_undoes_the_completed_steps_last_first_a_bags_side_by_si
 
 async def test_an_output_over_64_kib_is_named_where_it_is_read_not_carried() -> None:
     """A compensation's message stays small: an item over MAX_ITEM_BYTES is read by its
-    worker where the step recorded it (`item_from`), a retry's too; a small one is carried."""
+    worker where the step recorded it (`item_from`), a chunk's member's and a retry's too; a
+    small one is carried."""
     saga = Saga(BOOKING)
+    saga.transitions.chunk_for = lambda pool: 8  # a backlog: a group goes in one message
     await saga.submit()
     [flight] = saga.tasks()
-    await saga.complete(flight, "f" * MAX_ITEM_BYTES)  # two quotes over
+    await saga.complete(flight, {"flight": "F"})
     members = {t.task: t for t in saga.tasks()}
-    await saga.complete(members["hotel"], {"hotel": "h" * MAX_ITEM_BYTES})
-    await saga.complete(members["car"], {"car": "C"})
+    hotel, car = {"hotel": "h" * MAX_ITEM_BYTES}, {"car": "c" * MAX_ITEM_BYTES}
+    await saga.complete(members["hotel"], hotel)
+    await saga.complete(members["car"], car)
     await saga.complete(members["note"], None)
     [charge] = saga.tasks()
     await saga.fail(charge, "declined")
     await saga.fail(saga.tasks()[0], "declined again")
-    assert all(len(body) < 4096 for body in saga.bus.tasks)
+    [body] = saga.bus.tasks  # the group's two members, chunked
+    assert len(body) < 4096
     group = {t.task: t for t in saga.tasks()}
     assert (group["unhotel"].item, group["unhotel"].item_from) == (None, ItemFrom(step=1, index=0))
-    assert (group["uncar"].item, group["uncar"].item_from) == ({"car": "C"}, None)
+    assert (group["uncar"].item, group["uncar"].item_from) == (None, ItemFrom(step=1, index=1))
     await saga.fail(group["unhotel"], "busy")
     [again] = saga.tasks()
     assert (again.attempt, again.item, again.item_from) == (1, None, ItemFrom(step=1, index=0))
-    for task in [again, group["uncar"]]:
-        await saga.complete(task, None)
+    # A worker reads each where it is (a chunk's member too) and hands it to its handler.
+    given: dict[str, Any] = {}
+
+    def undo(ctx: TaskContext) -> None:
+        given[ctx.args.get("why", "") or str(ctx.index)] = ctx.item
+
+    worker = Worker(
+        Settings(prefix="saga"), Registry({"unhotel": undo, "uncar": undo, "unflight": undo}),
+        pool="parallel", store=saga.store, bus=saga.bus,
+    )  # fmt: skip
+    reports = await worker.run_tasks([again, group["uncar"]], redelivered=False)
+    assert given == {"0": hotel, "1": car}
+    saga.bus.shard.extend(encode(report) for report in reports)
+    await saga.shard()
     [unflight] = saga.tasks()
-    assert (unflight.item, unflight.item_from) == (None, ItemFrom(step=0, index=None))
-    await saga.complete(unflight, None)
-    assert (await saga.state())["status"] == "compensated"
+    assert (unflight.item, unflight.item_from) == ({"flight": "F"}, None)
+    await worker.run_tasks([unflight], redelivered=False)
+    assert given["saga"] == {"flight": "F"}
 
 
 async def test_duplicates_and_late_reports_change_nothing() -> None:

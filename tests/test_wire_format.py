@@ -162,15 +162,25 @@ def test_a_large_value_is_referred_to_or_carried_never_both() -> None:
     assert decode_shard_message(encode(Failed(wf="w", path="1", error="e", prev_ref=True)))
     # A compensation's large item is read where its step's output was recorded.
     read = TaskMessage(
-        wf="w", path="saga:1", index=0, size=2, task="t", owner=0,
+        wf="w", path="saga:1", index=0, size=3, task="t", owner=0,
         item_from=ItemFrom(step=1, index=3),
-        batch=[Slot(index=1, task="u", item_from=ItemFrom(step=1)), Slot(index=1, task="v")],
+        batch=[Slot(index=1, task="u", item_from=ItemFrom(step=1)), Slot(index=2, task="v")],
     )  # fmt: skip
     assert decode_task(encode(read)) == read
     assert json.loads(encode(read))["batch"][1].keys() == {"index", "task", "args", "timeout_s"}
     both = b'{"wf": "w", "path": "0", "task": "t", "owner": 0, "item": 1, "item_from": {"step": 1}}'
     with pytest.raises(MessageError, match="item: carried and referred to at once"):
         decode_task(both)
+    # Only a compensation reads its item, from the step it undoes, each member its own.
+    elsewhere = read.model_dump() | {"path": "1"}
+    with pytest.raises(MessageError, match="only a compensation reads its item"):
+        decode_task(json.dumps(elsewhere).encode())
+    other_step = read.model_dump() | {"item_from": {"step": 2, "index": 3}}
+    with pytest.raises(MessageError, match="only a compensation reads its item"):
+        decode_task(json.dumps(other_step).encode())
+    twice = read.model_dump() | {"item_from": {"step": 1, "index": None}}
+    with pytest.raises(MessageError, match="two members read one output"):
+        decode_task(json.dumps(twice).encode())
     with pytest.raises(MessageError, match=r"item_from\.step"):
         decode_task(
             b'{"wf": "w", "path": "saga:1", "task": "t", "owner": 0, "item_from": {"step": -1}}'
