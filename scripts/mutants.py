@@ -2564,6 +2564,16 @@ end""",
             "test_a_notice_that_finds_its_program_compensating_lets_a_compensation_start",
         ),
     ),
+    # A task given back after its channel closed runs a second handler beside the first.
+    "given-back-task-runs-again": (
+        "worker/pool.py",
+        "        for _ in range(MAX_JOINS):",
+        "        for _ in range(0):",
+        (
+            "tests/test_pools.py::"
+            "test_a_task_given_back_to_the_worker_that_runs_it_is_not_run_a_second_time",
+        ),
+    ),
     # A notice kept for a run before a redrive stops the next run's task: it never reports.
     "notice-outlives-its-run": (
         "worker/pool.py",
