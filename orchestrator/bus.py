@@ -791,31 +791,32 @@ class Bus:
             await channel.close()
 
     async def purge_dead(
-        self, old: Callable[[dict[str, Any]], bool] | None, most: int
+        self, old: Callable[[dict[str, Any]], bool] | None, most: int | None
     ) -> tuple[int, int]:
-        """Delete dead-lettered messages: all (`old` None), or from the oldest on, at most
-        `most`, those `old(headers)` says are, up to the first it says is not (parked in
-        order: what follows is younger), which is handed back: to where it was in a classic
-        queue, to the tail in a quorum queue. (deleted, left)."""
+        """Delete dead-lettered messages from the oldest on, at most `most` (None: all, in one
+        purge; not with `old`): all (`old` None), or those `old(headers)` says are, up to the
+        first it says is not (parked in order: what follows is younger), which is handed
+        back: to where it was in a classic queue, to the tail in a quorum queue. (deleted,
+        left)."""
         channel = await self._consumer_channel()
         try:
             try:
                 queue = await channel.get_queue(self.names.dead_queue, ensure=True)
             except aiormq.exceptions.ChannelNotFoundEntity:
                 return 0, 0  # no dead-letter queue: nothing was ever parked
-            if old is None:
-                purged = await queue.purge()
-                left = await queue.declare()  # any held by a listing now come back later
-                return purged.message_count or 0, left.message_count or 0
             # Counted before: the one handed back may not be counted yet by a declare after
             # (the broker requeues it after the nack; a test saw 1 left of 2).
             ready = queue.declaration_result.message_count or 0
+            if most is None or (old is None and most >= ready):
+                purged = await queue.purge()
+                left = await queue.declare()  # any held by a listing now come back later
+                return purged.message_count or 0, left.message_count or 0
             deleted = 0
             while deleted < most:
                 message = await queue.get(no_ack=False, fail=False)
                 if message is None:
                     break
-                if not old(dict(message.headers or {})):
+                if old is not None and not old(dict(message.headers or {})):
                     await message.nack(requeue=True)  # handed back (see above)
                     break
                 await message.ack()

@@ -26,6 +26,18 @@ ACCESS_WAIT_S = 30.0
 
 
 @contextlib.asynccontextmanager
+async def connected_bus(settings: Settings, name: str) -> AsyncIterator[Bus]:
+    """RabbitMQ alone, declaring nothing: for a command that needs no Redis (`dead`), so it
+    works while Redis is away."""
+    bus = Bus(settings, name=name)
+    try:
+        await bus.connect(declare=False)
+        yield bus
+    finally:
+        await bus.close()
+
+
+@contextlib.asynccontextmanager
 async def connected(
     settings: Settings, name: str = "shardflow", *, wait_s: float = 0.0, declare: bool = True
 ) -> AsyncIterator[tuple[RedisStore, Bus]]:

@@ -1967,7 +1967,7 @@ end""",
     # `dead --purge --older-than` deletes whatever it meets, young or old.
     "dead-purge-ignores-age": (
         "orchestrator/bus.py",
-        "                if not old(dict(message.headers or {})):\n",
+        "                if old is not None and not old(dict(message.headers or {})):\n",
         "                if False:\n",
         ("tests/test_cli.py::test_dead_purge_deletes_all_or_those_parked_before_a_time_in_order",),
     ),
@@ -2572,6 +2572,23 @@ end""",
         (
             "tests/test_pools.py::"
             "test_a_task_given_back_to_the_worker_that_runs_it_is_not_run_a_second_time",
+        ),
+    ),
+    # `dead --purge --limit 1` deletes every letter.
+    "dead-purge-limit-ignored": (
+        "orchestrator/bus.py",
+        "            if most is None or (old is None and most >= ready):",
+        "            if old is None:",
+        ("tests/test_cli.py::test_dead_purge_deletes_all_or_those_parked_before_a_time_in_order",),
+    ),
+    # `dead --requeue --limit 1` sends every letter back.
+    "dead-requeue-limit-ignored": (
+        "shardflow/cli.py",
+        "            most = args.limit or MAX_DEAD_PURGE",
+        "            most = MAX_DEAD_PURGE",
+        (
+            "tests/test_cli.py::"
+            "test_dead_requeue_sends_each_back_to_its_own_queue_and_keeps_the_rest",
         ),
     ),
     # A notice kept for a run before a redrive stops the next run's task: it never reports.

@@ -29,7 +29,13 @@ from redis.exceptions import ResponseError as RedisResponseError
 
 from orchestrator import logs
 from orchestrator.bus import MAX_DEAD_HELD, AccessRefused, Bus, TopologyError
-from orchestrator.connections import UNREACHABLE, connected, redis_refusal, refused_login
+from orchestrator.connections import (
+    UNREACHABLE,
+    connected,
+    connected_bus,
+    redis_refusal,
+    refused_login,
+)
 from orchestrator.delivery import (
     describe,
     first_error,
@@ -77,6 +83,7 @@ log = logging.getLogger(__name__)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MAX_CONCURRENCY = 1000  # as SHARDFLOW_PARALLEL_CONCURRENCY
 MAX_DEAD = 1000  # `dead` holds what it lists in memory
+DEAD_LISTED = 100  # `dead` lists this many unless told
 MAX_DEAD_PURGE = 100_000  # `dead --purge --older-than` takes them one at a time: a run's worth
 MAX_WAIT_S = 10 * 365 * 86400.0
 
@@ -269,10 +276,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     dead.add_argument(
         "--limit",
-        type=_bounded(1, MAX_DEAD),
-        default=100,
+        type=_bounded(1, MAX_DEAD_PURGE),
         metavar="N",
-        help=f"at most N, 1 to {MAX_DEAD} (default 100); they stay in the queue",
+        help=f"at most N, the oldest: listed, 1 to {MAX_DEAD} (default {DEAD_LISTED}; they "
+        f"stay in the queue); with --purge or --requeue, deleted or sent back, 1 to "
+        f"{MAX_DEAD_PURGE:,} (default: all, at most {MAX_DEAD_PURGE:,} a run)",
     )
     dead.add_argument(
         "--purge",
@@ -995,19 +1003,23 @@ async def _dead(settings: Settings, args: argparse.Namespace) -> int:
         raise CliError("--older-than goes with --purge")
     if args.purge and args.requeue:
         raise CliError("--purge or --requeue, not both")
-    async with connected(settings, "shardflow-dead", declare=False) as (_, bus):
+    if not (args.purge or args.requeue) and (args.limit or 0) > MAX_DEAD:
+        raise CliError(f"--limit: at most {MAX_DEAD} when listing (they are held in memory)")
+    # RabbitMQ alone: the letters pile up while Redis is away, and must be seen then too.
+    async with connected_bus(settings, "shardflow-dead") as bus:
         if args.requeue:
-            sent, kept, left = await bus.resend_dead(
-                functools.partial(sent_back, bus.names), MAX_DEAD_PURGE
-            )
+            most = args.limit or MAX_DEAD_PURGE
+            sent, kept, left = await bus.resend_dead(functools.partial(sent_back, bus.names), most)
             _print(json.dumps({"requeued": sent, "kept": kept, "left": left}))
             return 0
         if args.purge:
             old = None if args.older_than is None else parked_before(args.older_than)
-            deleted, left = await bus.purge_dead(old, MAX_DEAD_PURGE)
+            # Neither --limit nor --older-than: the whole queue at once.
+            most = args.limit or (None if old is None else MAX_DEAD_PURGE)
+            deleted, left = await bus.purge_dead(old, most)
             _print(json.dumps({"purged": deleted, "left": left}))
             return 0
-        messages = await bus.peek_dead(args.limit)
+        messages = await bus.peek_dead(args.limit or DEAD_LISTED)
     for headers, body in messages:
         line = {
             "reason": headers.get("x-shardflow-reason") or death_reason(headers),

@@ -17,6 +17,7 @@ import pytest
 
 from orchestrator.settings import Settings
 from router.hashing import shard_for
+from tests.brokers import free_port
 
 ROOT = Path(__file__).parent.parent
 EXAMPLE = ROOT / "examples" / "thumbnails.json"
@@ -601,10 +602,20 @@ async def test_dead_purge_deletes_all_or_those_parked_before_a_time_in_order(
     purged = shardflow("dead", "--purge", "--older-than", "1h", env=dev)
     assert purged.returncode == 0, purged.stderr
     assert json.loads(purged.stdout) == {"purged": 3, "left": 2}
-    listed = [json.loads(line) for line in shardflow("dead", env=dev).stdout.splitlines()]
+    # Listed while Redis is away: `dead` needs RabbitMQ alone.
+    no_redis = {**dev, "SHARDFLOW_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    listing = shardflow("dead", env=no_redis)
+    assert listing.returncode == 0, listing.stderr
+    listed = [json.loads(line) for line in listing.stdout.splitlines()]
     assert [(entry["body"], entry["at"]) for entry in listed] == [("3", now), ("4", parked[4])]
-    assert json.loads(shardflow("dead", "--purge", env=dev).stdout) == {"purged": 2, "left": 0}
+    # --limit: at most that many, the oldest (it was ignored: every letter went).
+    one = shardflow("dead", "--purge", "--limit", "1", env=no_redis)
+    assert json.loads(one.stdout) == {"purged": 1, "left": 1}, one.stderr
+    assert [json.loads(line)["body"] for line in shardflow("dead", env=dev).stdout.splitlines()] == ["4"]
+    assert json.loads(shardflow("dead", "--purge", env=dev).stdout) == {"purged": 1, "left": 0}
     assert shardflow("dead", env=dev).stdout == ""
+    many = shardflow("dead", "--limit", "1001", env=dev)
+    assert many.returncode == 2 and "--limit: at most 1000 when listing" in many.stderr
 
 
 def test_dead_requeue_sends_each_back_to_its_own_queue_and_keeps_the_rest(
@@ -647,9 +658,11 @@ def test_dead_requeue_sends_each_back_to_its_own_queue_and_keeps_the_rest(
             await bus._send("", names.dead_queue, b"h", parked.properties)  # type: ignore[arg-type]
 
     asyncio.run(park())
+    first = shardflow("dead", "--requeue", "--limit", "1", env=env)  # the oldest alone
+    assert json.loads(first.stdout) == {"requeued": 1, "kept": 0, "left": 7}, first.stderr
     requeued = shardflow("dead", "--requeue", env=env)
     assert requeued.returncode == 0, requeued.stderr
-    assert json.loads(requeued.stdout) == {"requeued": 4, "kept": 4, "left": 4}
+    assert json.loads(requeued.stdout) == {"requeued": 3, "kept": 4, "left": 4}
     listed = [json.loads(line) for line in shardflow("dead", env=env).stdout.splitlines()]
     assert [entry["body"] for entry in listed] == ["b", "c", "e", "g"]  # in their order
 
