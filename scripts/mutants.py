@@ -2591,6 +2591,16 @@ end""",
             "test_dead_requeue_sends_each_back_to_its_own_queue_and_keeps_the_rest",
         ),
     ),
+    # A stale task ignored by a worker is not counted as a duplicate ignored.
+    "stale-tasks-uncounted": (
+        "worker/pool.py",
+        '        metrics.DUPLICATES.labels("worker").inc(tasks)',
+        "        pass",
+        (
+            "tests/test_hostile.py::"
+            "test_no_handler_runs_for_an_unknown_program_or_a_step_its_program_left",
+        ),
+    ),
     # A notice kept for a run before a redrive stops the next run's task: it never reports.
     "notice-outlives-its-run": (
         "worker/pool.py",

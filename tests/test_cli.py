@@ -611,7 +611,9 @@ async def test_dead_purge_deletes_all_or_those_parked_before_a_time_in_order(
     # --limit: at most that many, the oldest (it was ignored: every letter went).
     one = shardflow("dead", "--purge", "--limit", "1", env=no_redis)
     assert json.loads(one.stdout) == {"purged": 1, "left": 1}, one.stderr
-    assert [json.loads(line)["body"] for line in shardflow("dead", env=dev).stdout.splitlines()] == ["4"]
+    assert [
+        json.loads(line)["body"] for line in shardflow("dead", env=dev).stdout.splitlines()
+    ] == ["4"]
     assert json.loads(shardflow("dead", "--purge", env=dev).stdout) == {"purged": 1, "left": 0}
     assert shardflow("dead", env=dev).stdout == ""
     many = shardflow("dead", "--limit", "1001", env=dev)

@@ -10,6 +10,7 @@ from typing import Any
 import aio_pika
 import pytest
 
+from orchestrator import metrics
 from orchestrator.bus import MAX_TIMER_HOP_MS, ladder_floor_ms, ladder_ms
 from orchestrator.connections import connected
 from orchestrator.keys import Keys, Names
@@ -345,6 +346,7 @@ async def test_no_handler_runs_for_an_unknown_program_or_a_step_its_program_left
     program = {"steps": [{"task": "echo", "args": {"a": 1}}, {"task": "echo", "args": {"b": 2}}]}
     await cluster.submit(program, trace.as_input(), "moved-on")
     assert (await cluster.wait("moved-on", timeout_s=30))["status"] == "completed"
+    ignored = metrics.DUPLICATES.labels("worker")._value.get()
     # Step 0's task once more, as a replay or a redelivery after a crash brings it back; and a
     # task of a program nobody submitted, on the serial lane.
     again = {"wf": "moved-on", "path": "0", "task": "echo", "args": {"a": 1}, "owner": 0}
@@ -357,6 +359,8 @@ async def test_no_handler_runs_for_an_unknown_program_or_a_step_its_program_left
     assert await dead_reasons(settings, 1) == ["nobody: no such program"]
     starts = [(e["wf"], e["path"]) for e in trace.events() if e["event"] == "start"]
     assert starts == [("moved-on", "0"), ("moved-on", "1")]
+    # The late copy is counted as a duplicate ignored (it was only in the stop summary).
+    assert metrics.DUPLICATES.labels("worker")._value.get() == ignored + 1
     # Nor does the lane say it runs them (it wrote the mark before checking, once).
     mark = await cluster.store.client.get(cluster.store.keys.lane("serial"))
     assert mark is not None and mark.startswith("moved-on 1 echo "), mark

@@ -451,7 +451,7 @@ class Worker(Service):
             or state.get("cursor") != tasks[0].path
             or int(state.get("epoch") or 0) != tasks[0].epoch  # a run before a redrive
         ):
-            self.counts["stale"] += len(tasks)
+            self._count_stale(len(tasks))
             log.info("%s: task for %r ignored (stale)", tasks[0].wf, tasks[0].path)
             return []
         if state.get("owner") != str(tasks[0].owner):  # its report would reach no owner
@@ -477,6 +477,11 @@ class Worker(Service):
         log.info("%s: task for %r waited past its program's end, ignored", first.wf, first.path)
         return []
 
+    def _count_stale(self, tasks: int) -> None:
+        """Tasks of a step their program left (a late copy, a retry of an earlier run)."""
+        self.counts["stale"] += tasks
+        metrics.DUPLICATES.labels("worker").inc(tasks)
+
     def _count_gone(self, tasks: int) -> None:
         self.counts["gone"] += tasks
         metrics.GONE.labels("worker").inc(tasks)
@@ -494,7 +499,7 @@ class Worker(Service):
         if reply.verdict == "go":
             going = set(reply.outputs)
             return [task for task in tasks if str(task.index or 0) in going]
-        self.counts["stale"] += len(tasks)
+        self._count_stale(len(tasks))
         if redelivered and reply.outputs[:1] == ["compensating"]:
             # A late report whose Start a crash cut short (see run_tasks): sent again, as
             # the start is idempotent.
