@@ -57,6 +57,9 @@ def _plan_program(raw: Any) -> Program | None:
 
 
 SAGA_STATUSES = ("compensating", saga.COMPENSATED, saga.COMPENSATION_FAILED)
+# A timer this late is no longer "due now": a wake comes within moments of its time, unless
+# its message was parked or no owner takes it.
+OVERDUE_MS = 10_000
 
 
 async def compensations(
@@ -559,7 +562,8 @@ async def explain(store: Store, bus: Bus | None, wf: str) -> dict[str, Any] | No
     report["compensations"] = await compensations(store, wf, state, program)
     created = report["created_ms"]
     if program is not None and program.deadline_s is not None and created is not None:
-        left = program.deadline_s - (now - created) / 1000
+        until = report["ended_ms"] or now  # an ended program's: what was left at its end
+        left = program.deadline_s - (until - created) / 1000
         report["deadline"] = {"deadline_s": program.deadline_s, "left_s": round(left, 3)}
     if status not in TERMINAL and owner is not None:
         report["shard"] = await _shard(store, bus, owner)
@@ -684,7 +688,7 @@ def _waiting_for(report: dict[str, Any], *, cursor: str, now: float) -> str:
         shown = _quoted(clean(cursor, 200))
         return f"nothing it can name: its cursor {shown} is not a step of its plan"
     due = step["wakes_ms"]
-    when = "" if due is None else f"in {_span((due - now) / 1000)}" if due > now else "due now"
+    when = "" if due is None else _when(due, now)
     if step["kind"] == "sleep" and due is not None:
         return f"its timer: step {step['path']} sleeps until {_clock(due)} ({when})"
     if step["kind"] == "signal":
@@ -798,6 +802,18 @@ def _task_label(task: dict[str, Any], step_pool: str | None = None) -> str:
 
 def _clock(ms: float) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _when(due: int, now: float) -> str:
+    """`in 3.0 s`, `due now`; or, well past it, that it is late and where its timer may be."""
+    if due > now:
+        return f"in {_span((due - now) / 1000)}"
+    if now - due < OVERDUE_MS:
+        return "due now"
+    return (
+        f"{_span((now - due) / 1000)} overdue: is its timer's message parked (`shardflow "
+        "dead`), or its shard's owner away?"
+    )
 
 
 def _span(seconds: float) -> str:

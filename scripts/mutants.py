@@ -2601,6 +2601,22 @@ end""",
             "test_no_handler_runs_for_an_unknown_program_or_a_step_its_program_left",
         ),
     ),
+    # A timer however late is "due now".
+    "overdue-timer-due-now": (
+        "router/explain.py",
+        "    if now - due < OVERDUE_MS:",
+        "    if True:",
+        (
+            "tests/test_explain.py::test_a_timer_long_past_its_time_is_said_to_be_overdue_not_due_now",
+        ),
+    ),
+    # An ended program's deadline goes on counting down.
+    "ended-deadline-counts-down": (
+        "router/explain.py",
+        '        until = report["ended_ms"] or now',
+        "        until = now",
+        ("tests/test_explain.py::test_an_ended_programs_deadline_is_what_was_left_at_its_end",),
+    ),
     # A notice kept for a run before a redrive stops the next run's task: it never reports.
     "notice-outlives-its-run": (
         "worker/pool.py",

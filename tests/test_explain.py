@@ -14,9 +14,36 @@ from orchestrator.connections import connected
 from orchestrator.owner import Orchestrator
 from orchestrator.settings import Settings
 from router.client import Router
-from router.explain import explain_text
+from router.explain import OVERDUE_MS, _waiting_for, explain_text
 from tests.polling import until
 from tests.test_cli import EXAMPLE, dev, environment, shardflow  # noqa: F401  (dev: a fixture)
+
+
+def test_a_timer_long_past_its_time_is_said_to_be_overdue_not_due_now() -> None:
+    """A wake whose message was parked never comes: "due now" hid that for as long as it
+    lasted (an operator probe saw it 21 s late)."""
+    step = {"kind": "sleep", "path": "1", "wakes_ms": 100_000}
+    report = {"workflow_id": "w", "status": "running", "shard": {}, "step": step}
+
+    def said(now: int) -> str:
+        return _waiting_for(report, cursor="1", now=now)
+
+    assert said(99_000).endswith("(in 1.0 s)")
+    assert said(100_000 + OVERDUE_MS - 1).endswith("(due now)")
+    assert said(121_000).endswith(
+        "(21.0 s overdue: is its timer's message parked (`shardflow dead`), or its shard's "
+        "owner away?)"
+    )
+
+
+async def test_an_ended_programs_deadline_is_what_was_left_at_its_end(cluster: Router) -> None:
+    """It went on counting down after the end (`left_s` -72 in a probe)."""
+    wf = (await cluster.submit({"deadline_s": 60, "steps": [{"task": "echo"}]})).workflow_id
+    assert (await cluster.wait(wf, timeout_s=20))["status"] == "completed"
+    first = (await cluster.explain(wf))["deadline"]
+    await asyncio.sleep(0.3)
+    again = (await cluster.explain(wf))["deadline"]
+    assert first == again and 55 < first["left_s"] < 60, (first, again)
 
 
 async def test_a_program_waiting_for_a_retry(cluster: Router) -> None:
