@@ -2617,6 +2617,16 @@ end""",
         "        until = now",
         ("tests/test_explain.py::test_an_ended_programs_deadline_is_what_was_left_at_its_end",),
     ),
+    # The unserved shard's warning waits its 3 s whatever --timeout says.
+    "unserved-warning-after-the-timeout": (
+        "shardflow/cli.py",
+        "min(UNSERVED_AFTER_S, 0.8 * args.timeout)",
+        "UNSERVED_AFTER_S",
+        (
+            "tests/test_cli.py::"
+            "test_submit_wait_says_when_no_orchestrator_consumes_the_programs_shard",
+        ),
+    ),
     # A notice kept for a run before a redrive stops the next run's task: it never reports.
     "notice-outlives-its-run": (
         "worker/pool.py",

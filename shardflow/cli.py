@@ -100,12 +100,22 @@ class CliError(Exception):
         self.code = code
 
 
+# Every command's help ends with them (the README's table says the same).
+EXIT_CODES = (
+    "Exit codes: 0 done; 1 the program failed, or no such program; 2 bad arguments, program, "
+    "input or settings, or a login or name that RabbitMQ or Redis refuses (one line naming "
+    "the fault); 3 --wait timed out (the program goes on); 4 RabbitMQ or Redis could not be "
+    "reached; 141 stdout was closed."
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shardflow",
         description="A sharded workflow orchestrator on RabbitMQ and Redis. Connections, shard "
         "count and names come from SHARDFLOW_* environment variables (SHARDFLOW_AMQP_URL, "
         "SHARDFLOW_REDIS_URL, SHARDFLOW_SHARDS, SHARDFLOW_PREFIX, ...).",
+        epilog=EXIT_CODES,
     )
     _log_level_argument(parser, os.environ.get("SHARDFLOW_LOG_LEVEL") or None)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -131,7 +141,14 @@ def _parser() -> argparse.ArgumentParser:
         help="also run workers for these named pools (repeatable)",
     )
 
-    orch = commands.add_parser("orchestrator", help="consume some shards' queues")
+    orch = commands.add_parser(
+        "orchestrator",
+        help="consume some shards' queues",
+        description="Consume these shards' queues and decide their programs' steps, until "
+        "SIGINT or SIGTERM. Each shard is owned by one consumer at a time: run two processes "
+        "per shard, and the second is a hot standby that RabbitMQ promotes when the first "
+        "goes away. Every shard of 0..SHARDFLOW_SHARDS-1 needs one.",
+    )
     orch.add_argument(
         "--shards",
         required=True,
@@ -140,11 +157,23 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     router = commands.add_parser(
-        "router", help="submit the programs that arrive on the ingress queue"
+        "router",
+        help="submit the programs that arrive on the ingress queue",
+        description="Submit the programs that arrive as messages on the ingress queue "
+        "(<prefix>.ingress), until SIGINT or SIGTERM: each request's program is checked, "
+        "recorded and started on its shard; one refused is parked with its reason, and a "
+        "request naming a reply queue gets the answer there.",
     )
     _app_argument(router, "refuse programs naming tasks that MODULE does not define")
 
-    work = commands.add_parser("worker", help="run tasks from one pool (or a few)")
+    work = commands.add_parser(
+        "worker",
+        help="run tasks from one pool (or a few)",
+        description="Run the @task() handlers of --app for the tasks of one pool or a few, "
+        "until SIGINT or SIGTERM (running tasks get SHARDFLOW_GRACE_S to end, then go back "
+        "to their queue). The serial pool and every lane (serial-NAME) run one task at a "
+        "time in the whole cluster: a second worker of one is a standby.",
+    )
     work.add_argument(
         "--pool",
         action="append",
@@ -164,7 +193,14 @@ def _parser() -> argparse.ArgumentParser:
     for long_running in (dev, orch, router, work):
         _metrics_argument(long_running)
 
-    submit = commands.add_parser("submit", help="submit a program; prints its workflow id")
+    submit = commands.add_parser(
+        "submit",
+        help="submit a program; prints its workflow id",
+        description="Submit a program (its JSON from a file, or '-' for stdin): it is checked, "
+        "recorded and started on its shard. Prints its workflow id; with --wait, waits for "
+        "its end and prints its result (the id on stderr), exit 1 when it did not complete. "
+        "The same --id with the same program and input is the same program, not a second.",
+    )
     submit.add_argument("program", type=Path, help="program JSON file ('-' for stdin)")
     submit.add_argument("--input", default="null", help="the program's input, as JSON")
     submit.add_argument("--id", help="workflow id (default: a new random id)")
@@ -188,7 +224,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     _app_argument(submit, "check task names against the @task()s of MODULE")
 
-    status = commands.add_parser("status", help="print a program's status as JSON")
+    status = commands.add_parser(
+        "status",
+        help="print a program's status as JSON",
+        description="Print a program's status as JSON: its status, name, owner shard, step "
+        "cursor, result or error, times, failed attempts and, when redriven, how each run "
+        "ended. Exit 0 whatever the program's status (a failed one's too); 1 when there is no "
+        "such program. `explain` says the same in words, and what it waits for.",
+    )
     _id_argument(status)
     _inspection_commands(commands)
 
@@ -208,10 +251,17 @@ def _parser() -> argparse.ArgumentParser:
         help="an id for this signal: sending the same id again is no second signal (for retries)",
     )
 
+    about = (
+        "cancel a program: no further step runs, running tasks are stopped (but those of a "
+        "step that names compensations, which run to their end)"
+    )
     cancel = commands.add_parser(
         "cancel",
-        help="cancel a program: no further step runs, running tasks are stopped (but those "
-        "of a step that names compensations, which run to their end)",
+        help=about,
+        description=about[0].upper() + about[1:] + ". A program whose steps name "
+        "compensations turns compensating, and undoes what completed. Prints the program's "
+        "status as JSON, and a note on stderr when nothing changed (it had ended: the first "
+        "end stands). Exit 1 when there is no such program.",
     )
     _id_argument(cancel)
     cancel.add_argument("--reason", default="cancelled", help="recorded as the program's error")
@@ -249,7 +299,10 @@ def _parser() -> argparse.ArgumentParser:
         "What a program that ended moments ago still has in flight (a retry waiting, the "
         "report of a task still running) is dead-lettered as 'no such program' once it is "
         "purged: --older-than 10m leaves those. "
-        'Prints the counts as JSON: {"purged", "live", "kept", "missing"}.',
+        'Prints the counts as JSON: {"purged", "live", "kept", "missing"}: purged; live '
+        "(not ended, never touched); kept (ended, but not so, or not that long ago, as "
+        "--status and --older-than ask); missing (gone meanwhile: expired, or purged by "
+        "another).",
     )
     purge.add_argument(
         "--status",
@@ -322,9 +375,15 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     about = "print the program format's JSON Schema"
-    commands.add_parser("schema", help=about, description=about[0].upper() + about[1:] + ".")
+    commands.add_parser(
+        "schema",
+        help=about,
+        description=about[0].upper() + about[1:] + ", for an editor or a check of "
+        "programs before they are submitted.",
+    )
     for command in commands.choices.values():  # after the command too, as people type it
         _log_level_argument(command, argparse.SUPPRESS)
+        command.epilog = EXIT_CODES
     return parser
 
 
@@ -414,7 +473,15 @@ def _port(text: str) -> int:
 
 
 def _inspection_commands(commands: Any) -> None:
-    listing = commands.add_parser("list", help="programs newest first, filtered")
+    listing = commands.add_parser(
+        "list",
+        help="programs newest first, filtered",
+        description="Programs newest first (by when they were recorded: programs submitted "
+        "side by side may differ from `created_ms` by a few milliseconds), filtered by status, "
+        "name and age: a table, or with --json one object per line (its `cursor` is the "
+        "program's step). When there are more, the next page's cursor is printed on stderr: "
+        "pass it as --before.",
+    )
     listing.add_argument(
         "--status",
         action="append",
@@ -430,7 +497,13 @@ def _inspection_commands(commands: Any) -> None:
     listing.add_argument("--before", metavar="CURSOR", help="the next page, as printed on stderr")
     listing.add_argument("--json", action="store_true", help="one JSON object per line")
     explain = commands.add_parser(
-        "explain", help="where a program stands and what it waits for, in plain words"
+        "explain",
+        help="where a program stands and what it waits for, in plain words",
+        description="Where a program stands and what it waits for, in plain words: its step, "
+        "the tasks it waits for and why (a retry's time, a slot of a key, the serial lane, a "
+        "pool no worker consumes, a signal, a timer), its owner shard, its deadline, failed "
+        "attempts and compensations. With --json, the same facts as JSON. Exit 1 when there "
+        "is no such program.",
     )
     _id_argument(explain)
     explain.add_argument("--json", action="store_true", help="the same facts as JSON")
@@ -775,7 +848,11 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
             _print(submitted.workflow_id)
             return 0
         print(submitted.workflow_id, file=sys.stderr)
-        watch = asyncio.create_task(_warn_unserved(store, bus, submitted, settings.shards))
+        # Before a short --timeout runs out too: a script's wait said only "still pending".
+        after = (
+            UNSERVED_AFTER_S if args.timeout is None else min(UNSERVED_AFTER_S, 0.8 * args.timeout)
+        )
+        watch = asyncio.create_task(_warn_unserved(store, bus, submitted, settings.shards, after))
         try:
             if sys.stderr.isatty():  # live progress for a person; nothing extra for a script
                 with LiveProgress(sys.stderr) as view:
@@ -803,10 +880,13 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
 UNSERVED_AFTER_S = 3.0
 
 
-async def _warn_unserved(store: Store, bus: Bus, submitted: Submitted, shards: int) -> None:
-    """Say so on stderr, once, when the program still waits for an orchestrator: `--wait`
-    said nothing while it hung (a `dev --shards 2` beside a client's default 4)."""
-    await asyncio.sleep(UNSERVED_AFTER_S)
+async def _warn_unserved(
+    store: Store, bus: Bus, submitted: Submitted, shards: int, after: float
+) -> None:
+    """Say so on stderr, once, when the program still waits for an orchestrator `after`
+    seconds on: `--wait` said nothing while it hung (a `dev --shards 2` beside a client's
+    default 4)."""
+    await asyncio.sleep(after)
     try:
         state = await store.state(submitted.workflow_id)
         queue = await bus.queue_state(bus.names.shard_queue(submitted.shard))

@@ -1,5 +1,6 @@
 """The `shardflow` command as a user runs it: real processes, one-line errors, exit codes."""
 
+import argparse
 import asyncio
 import json
 import os
@@ -327,6 +328,20 @@ def test_the_log_level_goes_before_or_after_the_command() -> None:
     assert parser.parse_args(["--log-level", "error", "status", "x"]).log_level == "ERROR"
     unset = os.environ.get("SHARDFLOW_LOG_LEVEL")
     assert parser.parse_args(["status", "x"]).log_level == ((unset or None) and unset.upper())
+
+
+def test_every_commands_help_says_what_it_does_and_its_exit_codes() -> None:
+    """`status`, `list`, `explain` and `cancel` had a usage line and options alone, and no
+    command's help gave the exit codes (they were in the README only)."""
+    from shardflow.cli import EXIT_CODES, _parser
+
+    parser = _parser()
+    [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert parser.epilog == EXIT_CODES
+    for name, command in commands.choices.items():
+        assert command.description and len(command.description) > 40, name
+        assert command.epilog == EXIT_CODES, name
+    assert "Exit codes: 0 done" in shardflow("cancel", "--help").stdout
 
 
 def test_a_short_command_logs_warnings_only_unless_told(settings: Settings) -> None:
@@ -832,11 +847,12 @@ def test_submit_wait_says_when_no_orchestrator_consumes_the_programs_shard(
     settings: Settings, tmp_path: Path
 ) -> None:
     """A `dev --shards 2` beside a client's default 4: `--wait` hung on shards 2 and 3 and
-    said nothing. Here no orchestrator runs at all."""
+    said nothing. Here no orchestrator runs at all. A --timeout under the 3 s the warning
+    waits for brings it forward: it never came before such a wait ran out."""
     program = tmp_path / "p.json"
     program.write_text(json.dumps({"steps": [{"task": "resize"}]}))
     env = environment(settings)
-    waited = shardflow("submit", str(program), "--id", "unserved", "--wait", "--timeout", "5",
+    waited = shardflow("submit", str(program), "--id", "unserved", "--wait", "--timeout", "2",
                        env=env)  # fmt: skip
     assert waited.returncode == 3, waited.stderr
     shards = int(env["SHARDFLOW_SHARDS"])
