@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -509,6 +510,12 @@ def _inspection_commands(commands: Any) -> None:
     explain.add_argument("--json", action="store_true", help="the same facts as JSON")
 
 
+def _before(text: str | None) -> str | None:
+    if text == "":  # no cursor of a listing is empty: a script's unset variable, say
+        raise CliError("--before: empty; pass the cursor a listing printed, or leave it out")
+    return text
+
+
 def _duration(text: str) -> float:
     try:
         return parse_duration(text)
@@ -966,7 +973,7 @@ async def _list(settings: Settings, args: argparse.Namespace) -> int:
             statuses=args.status,
             name=args.name,
             since_ms=since_ms,
-            before=args.before,
+            before=_before(args.before),
             limit=args.limit,
         )
     except ListError as exc:
@@ -992,8 +999,21 @@ def _check_id(workflow_id: str) -> None:
 
 async def _explain(settings: Settings, args: argparse.Namespace) -> int:
     _check_id(args.id)
-    async with connected(settings, "shardflow-explain", declare=False) as (store, bus):
-        report = await Router(settings, store=store, bus=bus).explain(args.id)
+    store = RedisStore.connect(settings)
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            bus: Bus | None = None
+            try:
+                bus = await stack.enter_async_context(connected_bus(settings, "shardflow-explain"))
+            except UNREACHABLE as exc:  # only the queues' depths and consumers are RabbitMQ's
+                print(
+                    f"shardflow: note: cannot connect to RabbitMQ (SHARDFLOW_AMQP_URL): {exc}; "
+                    "the queues' depths and consumers are not shown",
+                    file=sys.stderr,
+                )
+            report = await Router(settings, store=store, bus=bus).explain(args.id)
+    finally:
+        await store.close()
     if report is None:
         raise CliError(f"no program {args.id!r}", EXIT_FAILED)
     _print(json.dumps(report, indent=2) if args.json else explain_text(report))
@@ -1027,6 +1047,8 @@ async def _signal(settings: Settings, args: argparse.Namespace) -> int:
 
 async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
     _check_id(args.id)
+    if not args.reason.strip():  # recorded as the error: an empty one shows as none at all
+        raise CliError("--reason: empty; say why, or leave it out (it is then 'cancelled')")
     async with connected(settings, "shardflow-cancel") as (store, bus):
         try:
             router = Router(settings, store=store, bus=bus)

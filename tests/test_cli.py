@@ -705,6 +705,19 @@ def test_cancel_of_an_unknown_program_exits_1(settings: Settings) -> None:
     assert (result.returncode, result.stderr) == (1, "shardflow: no program 'nothing-here'\n")
 
 
+def test_an_empty_cancel_reason_or_list_cursor_is_refused(settings: Settings) -> None:
+    """An empty reason was recorded as the error, and `explain` showed none; an empty
+    --before was taken as no cursor: a script's unset variable listed the first page again."""
+    env = environment(settings)
+    empty = shardflow("cancel", "nothing-here", "--reason", " ", env=env)
+    assert (empty.returncode, empty.stderr) == (
+        2,
+        "shardflow: --reason: empty; say why, or leave it out (it is then 'cancelled')\n",
+    )
+    listed = shardflow("list", "--before", "", env=env)
+    assert listed.returncode == 2 and "--before: empty" in listed.stderr, listed.stderr
+
+
 def test_the_approval_example_waits_for_its_signal(dev: dict[str, str]) -> None:
     # As the README shows it: submit, then a person's decision arrives as a signal.
     example = str(EXAMPLE.parent / "approval.json")

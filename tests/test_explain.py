@@ -15,6 +15,7 @@ from orchestrator.owner import Orchestrator
 from orchestrator.settings import Settings
 from router.client import Router
 from router.explain import OVERDUE_MS, _waiting_for, explain_text
+from tests.brokers import free_port
 from tests.polling import until
 from tests.test_cli import EXAMPLE, dev, environment, shardflow  # noqa: F401  (dev: a fixture)
 
@@ -200,6 +201,13 @@ def test_the_explain_command(settings: Settings) -> None:
     assert data["shard"]["consumers"] == 0 and data["status"] == "pending"
     missing = shardflow("explain", "nothing-here", env=env)
     assert (missing.returncode, missing.stderr) == (1, "shardflow: no program 'nothing-here'\n")
+    # RabbitMQ away: what Redis holds is still said (it exited 4), the queues' part is not.
+    no_rabbit = {**env, "SHARDFLOW_AMQP_URL": f"amqp://guest:guest@127.0.0.1:{free_port()}/"}
+    alone = shardflow("explain", "cli-explain", "--json", env=no_rabbit)
+    assert alone.returncode == 0, alone.stderr
+    assert "cannot connect to RabbitMQ (SHARDFLOW_AMQP_URL)" in alone.stderr
+    report = json.loads(alone.stdout)
+    assert report["status"] == "pending" and "consumers" not in report["shard"], report
 
 
 def test_submit_wait_without_a_terminal_prints_nothing_extra(
