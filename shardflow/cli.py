@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import functools
 import importlib
@@ -325,7 +326,8 @@ def _parser() -> argparse.ArgumentParser:
         "or send them back)",
         description="List the dead-lettered messages, oldest first, one JSON line each: why it "
         "was refused, the queue it came from, when it was parked (`at`, ms; null when not "
-        "known) and its body. They stay in the queue. With --purge, delete them instead; with "
+        "known) and its body (its first 500 bytes; one that is no UTF-8 also as "
+        "`body_base64`). They stay in the queue. With --purge, delete them instead; with "
         "--requeue, publish them again to the queues they came from.",
     )
     dead.add_argument(
@@ -508,6 +510,14 @@ def _inspection_commands(commands: Any) -> None:
     )
     _id_argument(explain)
     explain.add_argument("--json", action="store_true", help="the same facts as JSON")
+
+
+def _utf8(body: bytes) -> bool:
+    try:
+        body.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _before(text: str | None) -> str | None:
@@ -1129,6 +1139,8 @@ async def _dead(settings: Settings, args: argparse.Namespace) -> int:
             "at": parked_at(headers),
             "body": body.decode(errors="replace")[:500],
         }
+        if not _utf8(body):  # shown lossily above: its bytes as they are (sent back intact)
+            line["body_base64"] = base64.b64encode(body[:500]).decode()
         # Parked by the broker, a message has its sender's headers: any AMQP value.
         _print(json.dumps(line, default=str))
     return 0

@@ -575,14 +575,18 @@ async def test_dead_lists_a_message_parked_with_any_sender_headers(
     }
     async with await aio_pika.connect(settings.amqp_url) as connection:
         channel = await connection.channel()
-        message = aio_pika.Message(b"{}", headers=headers)
-        await channel.default_exchange.publish(
-            message, routing_key=Names(settings.prefix).dead_queue
-        )
+        for body in (b"{}", b"\xff\xfe garbage"):
+            message = aio_pika.Message(body, headers=headers)
+            await channel.default_exchange.publish(
+                message, routing_key=Names(settings.prefix).dead_queue
+            )
     listed = shardflow("dead", env=dev)
     assert listed.returncode == 0, listed.stderr
+    parked = {"reason": "unknown", "from": "2026-12-05 00:00:00+00:00", "at": None}
+    # A body that is no UTF-8 is shown lossily, and as its bytes too.
     assert [json.loads(line) for line in listed.stdout.splitlines()] == [
-        {"reason": "unknown", "from": "2026-12-05 00:00:00+00:00", "at": None, "body": "{}"}
+        {**parked, "body": "{}"},
+        {**parked, "body": "\ufffd\ufffd garbage", "body_base64": "//4gZ2FyYmFnZQ=="},
     ]
 
 
