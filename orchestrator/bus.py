@@ -794,10 +794,10 @@ class Bus:
         self, old: Callable[[dict[str, Any]], bool] | None, most: int | None
     ) -> tuple[int, int]:
         """Delete dead-lettered messages from the oldest on, at most `most` (None: all, in one
-        purge; not with `old`): all (`old` None), or those `old(headers)` says are, up to the
-        first it says is not (parked in order: what follows is younger), which is handed
-        back: to where it was in a classic queue, to the tail in a quorum queue. (deleted,
-        left)."""
+        purge, those parked meanwhile too; not with `old`): all (`old` None), or those
+        `old(headers)` says are, up to the first it says is not (parked in order: what
+        follows is younger), which is handed back: to where it was in a classic queue, to
+        the tail in a quorum queue. (deleted, left)."""
         channel = await self._consumer_channel()
         try:
             try:
@@ -807,7 +807,9 @@ class Bus:
             # Counted before: the one handed back may not be counted yet by a declare after
             # (the broker requeues it after the nack; a test saw 1 left of 2).
             ready = queue.declaration_result.message_count or 0
-            if most is None or (old is None and most >= ready):
+            if most is None:  # all, what came meanwhile too: no `most` holds them to a count
+                if old is not None:
+                    raise ValueError("purge_dead: an age filter needs a most")
                 purged = await queue.purge()
                 left = await queue.declare()  # any held by a listing now come back later
                 return purged.message_count or 0, left.message_count or 0

@@ -563,7 +563,10 @@ async def explain(store: Store, bus: Bus | None, wf: str) -> dict[str, Any] | No
     created = report["created_ms"]
     if program is not None and program.deadline_s is not None and created is not None:
         until = report["ended_ms"] or now  # an ended program's: what was left at its end
-        left = program.deadline_s - (until - created) / 1000
+        since = created  # a redriven run's begins at its start (Transitions._publish_deadline)
+        if report.get("run"):
+            since = report["started_ms"] if status != "pending" else until
+        left = program.deadline_s - (until - (since or until)) / 1000
         report["deadline"] = {"deadline_s": program.deadline_s, "left_s": round(left, 3)}
     if status not in TERMINAL and owner is not None:
         report["shard"] = await _shard(store, bus, owner)

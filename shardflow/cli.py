@@ -104,10 +104,10 @@ class CliError(Exception):
 
 # Every command's help ends with them (the README's table says the same).
 EXIT_CODES = (
-    "Exit codes: 0 done; 1 the program failed, or no such program; 2 bad arguments, program, "
-    "input or settings, or a login or name that RabbitMQ or Redis refuses (one line naming "
-    "the fault); 3 --wait timed out (the program goes on); 4 RabbitMQ or Redis could not be "
-    "reached; 141 stdout was closed."
+    "Exit codes: 0 done; 1 the program failed (submit --wait), or no such program; 2 bad "
+    "arguments, program, input or settings, or a login or name that RabbitMQ or Redis "
+    "refuses (one line naming the fault); 3 --wait timed out (the program goes on); 4 "
+    "RabbitMQ or Redis could not be reached; 130 interrupted (Ctrl-C); 141 stdout was closed."
 )
 
 
@@ -162,9 +162,9 @@ def _parser() -> argparse.ArgumentParser:
         "router",
         help="submit the programs that arrive on the ingress queue",
         description="Submit the programs that arrive as messages on the ingress queue "
-        "(<prefix>.ingress), until SIGINT or SIGTERM: each request's program is checked, "
-        "recorded and started on its shard; one refused is parked with its reason, and a "
-        "request naming a reply queue gets the answer there.",
+        "(<prefix>.ingress), and the signals sent there, until SIGINT or SIGTERM: each "
+        "program is checked, recorded and started on its shard; a request refused is parked "
+        "with its reason, and one naming a reply queue gets the answer there.",
     )
     _app_argument(router, "refuse programs naming tasks that MODULE does not define")
 
@@ -263,7 +263,7 @@ def _parser() -> argparse.ArgumentParser:
         description=about[0].upper() + about[1:] + ". A program whose steps name "
         "compensations turns compensating, and undoes what completed. Prints the program's "
         "status as JSON, and a note on stderr when nothing changed (it had ended: the first "
-        "end stands). Exit 1 when there is no such program.",
+        "end stands; or it compensates already). Exit 1 when there is no such program.",
     )
     _id_argument(cancel)
     cancel.add_argument("--reason", default="cancelled", help="recorded as the program's error")
@@ -326,17 +326,18 @@ def _parser() -> argparse.ArgumentParser:
         "or send them back)",
         description="List the dead-lettered messages, oldest first, one JSON line each: why it "
         "was refused, the queue it came from, when it was parked (`at`, ms; null when not "
-        "known) and its body (its first 500 bytes; one that is no UTF-8 also as "
-        "`body_base64`). They stay in the queue. With --purge, delete them instead; with "
-        "--requeue, publish them again to the queues they came from.",
+        "known) and its body (its first 500 characters; one that is no UTF-8 also as "
+        "`body_base64`, its first 500 bytes). They stay in the queue. With --purge, delete "
+        "them instead; with --requeue, publish them again to the queues they came from.",
     )
     dead.add_argument(
         "--limit",
         type=_bounded(1, MAX_DEAD_PURGE),
         metavar="N",
         help=f"at most N, the oldest: listed, 1 to {MAX_DEAD} (default {DEAD_LISTED}; they "
-        f"stay in the queue); with --purge or --requeue, deleted or sent back, 1 to "
-        f"{MAX_DEAD_PURGE:,} (default: all, at most {MAX_DEAD_PURGE:,} a run)",
+        f"stay in the queue); with --purge, deleted; with --requeue, looked at (sent back, "
+        f"or kept); 1 to {MAX_DEAD_PURGE:,} (default: all; with --requeue or --older-than, "
+        f"at most {MAX_DEAD_PURGE:,} a run)",
     )
     dead.add_argument(
         "--purge",

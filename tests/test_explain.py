@@ -45,6 +45,14 @@ async def test_an_ended_programs_deadline_is_what_was_left_at_its_end(cluster: R
     await asyncio.sleep(0.3)
     again = (await cluster.explain(wf))["deadline"]
     assert first == again and 55 < first["left_s"] < 60, (first, again)
+    # A redriven run gets the whole deadline again, from its start: not from the submission.
+    wf = (await cluster.submit({"deadline_s": 60, "steps": [{"task": "boom"}]})).workflow_id
+    assert (await cluster.wait(wf, timeout_s=20))["status"] == "failed"
+    await asyncio.sleep(1.5)
+    await cluster.redrive(wf)
+    assert (await cluster.wait(wf, timeout_s=20))["status"] == "failed"
+    report = await cluster.explain(wf)
+    assert report["run"] == 1 and report["deadline"]["left_s"] > 59.3, report["deadline"]
 
 
 async def test_a_program_waiting_for_a_retry(cluster: Router) -> None:

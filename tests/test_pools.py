@@ -289,42 +289,6 @@ async def test_a_lane_task_stops_when_its_workers_connection_drops_so_two_never_
     assert a.counts["let go"] == 1 and b.counts["let go"] == 0
 
 
-async def test_a_task_given_back_to_the_worker_that_runs_it_is_not_run_a_second_time(
-    cluster: Router, settings: Settings
-) -> None:
-    """Its connection dropped (RabbitMQ restarted, say), the broker gives the unacked task back
-    once the worker reconnects: the worker started a second handler beside the first, still
-    running, and both ran to their end. It now waits for the first run and reports its
-    outcome; its own ack is the one that counts (the first's channel is gone)."""
-    runs: list[float] = []
-
-    async def hold(ctx: TaskContext) -> str:
-        runs.append(time.monotonic())
-        await asyncio.sleep(ctx.args["sleep_s"])
-        return "held"
-
-    name = f"par-a-{uuid.uuid4().hex[:8]}"
-    async with connected(settings, name) as (store, bus):
-        [worker] = workers(settings, Registry({"hold": hold}), ["par-x"], store=store, bus=bus)
-        together = Together([worker])
-        running = asyncio.create_task(together.run())
-        try:
-            await until(lambda: _now(worker.consuming), bool)
-            # Long enough for the worker to reconnect (aio-pika waits 5 s) while it runs.
-            program = {"steps": [{"task": "hold", "args": {"sleep_s": 10}, "pool": "par-x"}]}
-            wf = (await cluster.submit(program)).workflow_id
-            await until(lambda: _now(len(runs)), lambda found: found == 1)
-            pid = await asyncio.to_thread(_connection_pid, name)
-            await asyncio.to_thread(_rabbitmqctl, "close_connection", pid, "a test drops it")
-            status = await cluster.wait(wf, timeout_s=30)
-            assert (status["status"], status["result"]) == ("completed", "held"), status
-        finally:
-            together.shutdown()
-            await running
-    assert len(runs) == 1, runs
-    assert worker.counts["joined a run"] == 1, worker.counts
-
-
 async def test_a_lane_task_cut_by_its_workers_stop_is_not_said_to_be_a_closed_channel(
     cluster: Router, settings: Settings, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -96,9 +96,6 @@ Report = Next | Failed | Start
 # How long a cancelled handler (timed out, its slot lost, its worker stopping) is waited for;
 # one that catches its cancel and runs on is left running, counted, and its task failed.
 HANDLER_END_S = 5.0
-# A copy of a running task waits for that run at most this many times (each time a run it
-# waited for was stopped, it looks again): a bound, not a count one meets.
-MAX_JOINS = 3
 
 
 class Worker(Service):
@@ -140,9 +137,6 @@ class Worker(Service):
         # started: a notice between a task's check and its handler's start would be lost.
         self._in_hand: Counter[str] = Counter()
         self._ended: dict[str, tuple[str, int]] = {}
-        # Each task attempt running here, by its identity: a copy given back by the broker
-        # waits for its outcome (as many as the tasks in hand).
-        self._attempts: dict[tuple[Any, ...], asyncio.Future[str | Failed | None]] = {}
         # Handlers a cancel of a compensating program keeps: compensations and undoable tasks.
         self._kept: set[asyncio.Task[Any]] = set()
         self._left: set[asyncio.Task[Any]] = set()  # handlers that ran on past their cancel
@@ -739,41 +733,7 @@ class Worker(Service):
         item: Any,
         lost: asyncio.Event | None = None,
     ) -> str | Failed | None:
-        """Run one handler: its output as JSON, its failure, or None when it was cancelled. A
-        task this worker runs already (its delivery's channel closed under it, and the broker
-        gave it back) waits for that run's outcome rather than starting a second handler."""
-        key = (task.wf, task.path, task.index, task.iteration, task.attempt, task.epoch)
-        for _ in range(MAX_JOINS):
-            running = self._attempts.get(key)
-            if running is None:
-                break
-            log.info(
-                "%s: task %r of step %s runs here already (given back after its channel "
-                "closed): waits for that run", task.wf, task.task, task.path,
-            )  # fmt: skip
-            self.counts["joined a run"] += 1
-            await asyncio.wait({running})  # its own cancel is raised; that run's is not
-            if not running.cancelled() and running.result() is not None:
-                return running.result()
-            # That run was stopped (a lane's, its stop): this one runs the handler.
-        ours = self._attempts[key] = asyncio.get_running_loop().create_future()
-        try:
-            outcome = await self._attempt_once(task, input, prev, item, lost)
-            ours.set_result(outcome)
-            return outcome
-        finally:
-            ours.cancel()  # done already, unless this run was cancelled
-            if self._attempts.get(key) is ours:
-                del self._attempts[key]
-
-    async def _attempt_once(
-        self,
-        task: TaskMessage,
-        input: Any,
-        prev: Any,
-        item: Any,
-        lost: asyncio.Event | None = None,
-    ) -> str | Failed | None:
+        """Run one handler: its output as JSON, its failure, or None when it was cancelled."""
         ctx = TaskContext(  # its own values: a change a handler makes reaches no other
             input=input if task.input_ref else _own(input),
             args=task.args,
