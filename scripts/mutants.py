@@ -382,6 +382,11 @@ NOTICES = (
     "tests/test_cancel_notices.py::"
     "test_a_cancel_noticed_before_a_handler_starts_stops_it_and_a_redrive_runs"
 )
+GIVEN_BACK = (
+    "tests/test_pools.py::"
+    "test_a_task_given_back_to_the_worker_that_runs_it_is_not_run_a_second_time"
+)
+GIVEN_BACK_MODEL = "tests/test_given_back.py::"
 HANDLER_FAULTS = "tests/test_handler_faults.py::"
 CLOCKS = "tests/test_clocks.py::"
 REQUEUE = "tests/test_cli.py::test_dead_requeue_sends_each_back_to_its_own_queue_and_keeps_the_rest"
@@ -725,7 +730,7 @@ end""",
             await self._wait_for_slot(
                 task, pool, slot.held, slot.left_ms, priority, redelivered, carry
             )
-            return []
+            return None
 """,
         "",
         (MACHINE,),
@@ -2630,6 +2635,41 @@ end""",
         "        if epoch != task.epoch:  # no notice",
         "        if epoch == -1:  # no notice",
         (NOTICES,),
+    ),
+    # A copy the broker gave back runs a second handler beside the run under way.
+    "given-back-runs-beside": (
+        "worker/pool.py",
+        "        running = self._runs.get(key)\n",
+        "        running = None\n",
+        (GIVEN_BACK,),
+    ),
+    # A copy given back after its run ended runs again.
+    "given-back-after-the-run-runs": (
+        "worker/pool.py",
+        "        if key in self._ran:\n            return True\n",
+        "",
+        (
+            GIVEN_BACK,
+            GIVEN_BACK_MODEL + "test_a_copy_given_back_after_its_run_ended_is_acked_and_not_run",
+        ),
+    ),
+    # A task sent back to wait for a slot is remembered as run: at the waits' cap, the message
+    # back from its wait is taken for a copy, acked, and the program waits for good.
+    "slot-wait-remembered-as-run": (
+        "worker/pool.py",
+        "            if settled:\n",
+        "            if settled is not None:\n",
+        (
+            GIVEN_BACK_MODEL
+            + "test_a_task_sent_back_to_wait_for_a_slot_is_not_taken_for_one_that_ran",
+        ),
+    ),
+    # The key leaves out the attempt: a retry redelivered is taken for a copy of the first.
+    "given-back-key-without-attempt": (
+        "worker/pool.py",
+        "        task.attempt,\n        task.index,\n",
+        "        0,\n        task.index,\n",
+        (GIVEN_BACK_MODEL + "test_a_copy_given_back_after_its_run_ended_is_acked_and_not_run",),
     ),
 }
 

@@ -185,9 +185,9 @@ async def test_a_limited_task_that_waits_keeps_its_owners_promise() -> None:
     limited = task.model_copy(update={"limit": KeyLimit(key="k", max=1)})
     assert (await store.acquire("k", "someone", 1, 30_000)).verdict == "acquired"
     worker = _worker(store, bus)
-    assert await worker._limited(limited, "parallel", redelivered=False, carry=True) == []
+    assert await worker._limited(limited, "parallel", redelivered=False, carry=True) is None
     assert bus.headers[-1] == {CARRY: 1}  # it goes back to wait, header and all
-    assert await worker._limited(limited, "parallel", redelivered=False) == []
+    assert await worker._limited(limited, "parallel", redelivered=False) is None
     assert bus.headers[-1] is None
     await store.release("k", "someone")
     [report] = await worker._limited(limited, "parallel", redelivered=False, carry=True)

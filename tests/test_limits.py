@@ -195,7 +195,7 @@ async def test_a_task_that_finds_every_slot_held_goes_back_and_runs_nothing() ->
         assert (await store.acquire("k", holder, 2, 30_000)).verdict == "acquired"
     task = TaskMessage(wf="w", path="0", task="t", owner=0, limit=KeyLimit(key="k", max=2))
     # From the pool's share 3: it waits in that share again.
-    assert await worker._limited(task, "parallel.3", redelivered=False) == []
+    assert await worker._limited(task, "parallel.3", redelivered=False) is None
     assert ran == []
     [(pool, body, delay_s)] = bus.later
     assert pool == "parallel.3" and delay_s == limits.LIMIT_BACKOFF_S
@@ -234,7 +234,7 @@ async def test_a_redelivered_task_that_waits_for_a_slot_still_reports_a_step_it_
     for holder in ("a", "b"):
         assert (await store.acquire("k", holder, 2, 30_000)).verdict == "acquired"
     task = TaskMessage(wf="w", path="0", task="t", owner=0, limit=KeyLimit(key="k", max=2))
-    assert await worker._limited(task, "parallel", redelivered=True) == []
+    assert await worker._limited(task, "parallel", redelivered=True) is None
     [(_, body, _)] = bus.later
     await store.release("k", "a")
     reports = await worker._limited(decode_task(body), "parallel", redelivered=False)

@@ -289,6 +289,50 @@ async def test_a_lane_task_stops_when_its_workers_connection_drops_so_two_never_
     assert a.counts["let go"] == 1 and b.counts["let go"] == 0
 
 
+@pytest.mark.skipif(shutil.which("rabbitmqctl") is None, reason="closes a connection by pid")
+async def test_a_task_given_back_to_the_worker_that_runs_it_is_not_run_a_second_time(
+    cluster: Router, settings: Settings
+) -> None:
+    """Its connection dropped (RabbitMQ restarted, say), the broker gives each unacked task
+    back once the worker reconnects: the worker started a second handler beside the first,
+    and both ran to their end. Now the copy waits for the run under way (a worker of 4), or,
+    when it had to wait for the worker's one slot until that run ended, knows it ran (a
+    worker of 1): either way it is acked, not run."""
+    runs: list[str] = []
+
+    async def hold(ctx: TaskContext) -> str:
+        runs.append(ctx.workflow_id)
+        await asyncio.sleep(ctx.args["sleep_s"])
+        return "held"
+
+    registry = Registry({"hold": hold})
+    name = f"par-a-{uuid.uuid4().hex[:8]}"
+    async with connected(settings, name) as (store, bus):
+        [wide] = workers(settings, registry, ["par-x"], store=store, bus=bus, concurrency=4)
+        [narrow] = workers(settings, registry, ["par-y"], store=store, bus=bus, concurrency=1)
+        together = Together([wide, narrow])
+        running = asyncio.create_task(together.run())
+        try:
+            await until(lambda: _now(wide.consuming and narrow.consuming), bool)
+            # Longer than the worker's reconnect (aio-pika waits 5 s): the copies come meanwhile.
+            ids = []
+            for pool in ("par-x", "par-y"):
+                program = {"steps": [{"task": "hold", "args": {"sleep_s": 7}, "pool": pool}]}
+                ids.append((await cluster.submit(program)).workflow_id)
+            await until(lambda: _now(len(runs)), lambda found: found == 2)
+            pid = await asyncio.to_thread(_connection_pid, name)
+            await asyncio.to_thread(_rabbitmqctl, "close_connection", pid, "a test drops it")
+            for wf in ids:
+                status = await cluster.wait(wf, timeout_s=30)
+                assert (status["status"], status["result"]) == ("completed", "held"), status
+        finally:
+            together.shutdown()
+            await running
+    assert sorted(runs) == sorted(ids), runs
+    assert wide.counts["ran here already"] == 1, wide.counts
+    assert narrow.counts["ran here already"] == 1, narrow.counts
+
+
 async def test_a_lane_task_cut_by_its_workers_stop_is_not_said_to_be_a_closed_channel(
     cluster: Router, settings: Settings, caplog: pytest.LogCaptureFixture
 ) -> None:

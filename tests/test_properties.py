@@ -421,6 +421,13 @@ class Cluster(RuleBasedStateMachine):
         self.worker = Worker(
             settings, registry, pool="parallel", store=self.store, bus=self.transport
         )
+        # Another worker: it handles the tasks delivered while the first holds a task's
+        # handlers (_while_running). A copy of that very task, given back by the broker, would
+        # wait at the first for the run it holds (Worker._ran_here).
+        self.second = Worker(
+            settings, registry, pool="parallel", store=self.store, bus=self.transport
+        )
+        self.meanwhile = False  # while the first worker holds a task's handlers
         self.router = Router(settings, store=self.store, bus=self.transport)
         self.expected: dict[str, Expected] = {}
         self.programs: dict[str, Program] = {}
@@ -838,7 +845,8 @@ class Cluster(RuleBasedStateMachine):
                     delivery, self.transitions, self.transport, envelope.shard, "s"
                 )
             else:
-                await self.worker.handle(delivery, self.transport.names.task_queue(envelope.pool))
+                worker = self.second if self.meanwhile else self.worker
+                await worker.handle(delivery, self.transport.names.task_queue(envelope.pool))
         except Crash:  # a slot it took and never gave back is a dead worker's
             taken = set(self.store.leases) - holding
             self.store.dead.update(h for h in taken if not self.store.leases[h].released)
@@ -1125,7 +1133,7 @@ class Cluster(RuleBasedStateMachine):
             running = len(found.outputs) if found.verdict == "go" else running
         delivery = FakeDelivery(envelope)
         gate = asyncio.Event()
-        busy = self.store.busy
+        busy, ran = self.store.busy, self.worker.counts["ran here already"]
         self.gate, self.held, self.expect_held = gate, 0, running
         self.all_held.clear()
         try:
@@ -1140,13 +1148,19 @@ class Cluster(RuleBasedStateMachine):
         if handling.done():
             handling.result()  # raises what ended it early, if anything did
             # Not run at all: only a step its program has left (or its run: a redrive since)
-            # may be skipped, or a task that found every slot of its key held (it waits).
+            # may be skipped, a task that found every slot of its key held (it waits), or a
+            # copy given back by the broker of a message this worker ran to its end.
             state = await self.store.at(task.wf, task.path)
             now = (state["status"], state["cursor"], int(state.get("epoch") or 0))
-            assert now != ("running", task.path, task.epoch) or self.store.busy > busy, state
+            skipped = self.store.busy > busy or self.worker.counts["ran here already"] > ran
+            assert now != ("running", task.path, task.epoch) or skipped, state
         else:
             assert self.held == running, f"{self.held} of {running} handlers started"
-        await meanwhile()
+        self.meanwhile = True
+        try:
+            await meanwhile()
+        finally:
+            self.meanwhile = False
         mark = len(self.transport.published)
         gate.set()
         self.transport.redelivered = envelope.redelivered

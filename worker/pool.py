@@ -6,12 +6,13 @@ import asyncio
 import contextlib
 import copy
 import functools
+import hashlib
 import json
 import logging
 import math
 import re
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -89,6 +90,11 @@ RELEASE_WAIT_S = 5.0
 REPORT_TRIES = 6
 REPORT_RETRY_S = 1.0
 
+# A message the broker gave back while this worker ran it (the connection it came on dropped)
+# is not run again here: the copy waits for the run under way, or, once that run has ended with
+# its reports confirmed, is known by this many of the last runs (_ran_here).
+RUNS_KEPT = 4096
+
 # A Start to a compensating program's owner: a late report, its compensations may begin.
 Report = Next | Failed | Start
 
@@ -146,6 +152,10 @@ class Worker(Service):
         # Each running handler's: done when its program ended (cancel_program).
         self._stops: dict[asyncio.Task[Any], asyncio.Future[None]] = {}
         self._control: Deliveries | None = None  # the control consumer started last
+        # Task messages running here, each done with whether its run was settled (ran, or sent
+        # back to wait for a slot) and its reports confirmed; the last RUNS_KEPT that ran so.
+        self._runs: dict[tuple[Any, ...], asyncio.Future[bool]] = {}
+        self._ran: OrderedDict[tuple[Any, ...], None] = OrderedDict()
 
     async def run(self) -> None:
         metrics.WORKER_SLOTS.labels(self.pool).set(self.concurrency)
@@ -358,7 +368,46 @@ class Worker(Service):
         if self._lane_busy():
             await self._hold_lane(task, before=True)
         with self._holding(task.wf):
+            key = run_key(task)
+            if redelivered(delivery) and await self._ran_here(key):
+                self.counts["ran here already"] += 1
+                metrics.DUPLICATES.labels("worker").inc()
+                log.info("%s: task for %r ran here already: not run again", task.wf, task.path)
+                return
+            await self._run_once(key, task, delivery, source)
+
+    async def _ran_here(self, key: tuple[Any, ...]) -> bool:
+        """Whether this worker ran the task message to its end, reports confirmed, or runs it
+        now (waited for: its outcome): the broker gives a message back when the connection it
+        came on drops, and this worker, connected again, would run a second handler beside the
+        first. (Another worker given it runs it again: at least once.)"""
+        if key in self._ran:
+            return True
+        running = self._runs.get(key)
+        if running is None:
+            return False
+        log.info("%s: a copy of a task running here waits for that run", self.name)
+        return await asyncio.shield(running)
+
+    async def _run_once(
+        self, key: tuple[Any, ...], task: TaskMessage, delivery: Delivery, source: str
+    ) -> None:
+        """_run_held, known to copies by `key` while it runs and, once it ran, after."""
+        if key in self._runs:  # a copy not given back by the broker (a publisher's retry)
             await self._run_held(task, delivery, source)
+            return
+        settled: bool | None = None
+        self._runs[key] = asyncio.get_running_loop().create_future()
+        try:
+            settled = await self._run_held(task, delivery, source)
+        finally:
+            self._runs.pop(key).set_result(settled is not None)
+            # One sent back to wait is not kept: its waits, which tell it apart, stop counting
+            # at limits.MAX_WAITS.
+            if settled:
+                self._ran[key] = None
+                if len(self._ran) > RUNS_KEPT:
+                    self._ran.popitem(last=False)
 
     @contextlib.contextmanager
     def _holding(self, wf: str) -> Iterator[None]:
@@ -380,8 +429,9 @@ class Worker(Service):
             return False
         return status != "compensating" or not (is_saga(task.path) or task.undoable)
 
-    async def _run_held(self, task: TaskMessage, delivery: Delivery, source: str) -> None:
-        """_run_message's work, its program's notices kept meanwhile."""
+    async def _run_held(self, task: TaskMessage, delivery: Delivery, source: str) -> bool:
+        """_run_message's work, its program's notices kept meanwhile; False when the task went
+        back to wait for a slot of its key."""
         again = redelivered(delivery)
         # Its owner records a single task's output with its advance (messages.CARRY).
         carry = (delivery.headers or {}).get(CARRY) == 1
@@ -391,9 +441,12 @@ class Worker(Service):
             pool = (
                 source.removeprefix(tasks_prefix) if source.startswith(tasks_prefix) else self.pool
             )
-            reports = await self._limited(
+            limited = await self._limited(
                 task, pool, redelivered=again, priority=delivery.priority, carry=carry
             )
+            if limited is None:
+                return False
+            reports = limited
         else:
             reports = await self.run_tasks(task.split(), redelivered=again, carry=carry)
         # A bundle's reports to one shard, sent in one turn, go as one (bundling.py).
@@ -401,6 +454,7 @@ class Worker(Service):
         for report in reports:
             # A start (a compensating program's, after a late task) is no task's report: alone.
             await self._report(task, encode(report), 1 if isinstance(report, Start) else most)
+        return True
 
     async def _report(self, task: TaskMessage, body: bytes, most: int = 1) -> None:
         """Publish a report to the owner shard. Unroutable, a shard of the ring is tried again
@@ -508,9 +562,9 @@ class Worker(Service):
         redelivered: bool,
         priority: int | None = None,
         carry: bool = False,
-    ) -> list[Report]:
+    ) -> list[Report] | None:
         """Run a task with a per-key limit while holding a slot of its key. No free slot: the
-        message goes back to its pool through the delay ladder (doubling waits) and this
+        message goes back to its pool through the delay ladder (doubling waits), None, and this
         worker is free at once. The slot is a lease renewed while the handler runs and given
         back however it ends; if it cannot be renewed in time (it was lost), the handler is
         stopped and the attempt fails, as on a timeout."""
@@ -527,7 +581,7 @@ class Worker(Service):
             await self._wait_for_slot(
                 task, pool, slot.held, slot.left_ms, priority, redelivered, carry
             )
-            return []
+            return None
         if limit.waits:
             await self.marks.slot_taken(task.wf, task.path, task.index)
         lost, done = asyncio.Event(), asyncio.Event()
@@ -872,6 +926,26 @@ class Worker(Service):
             await asyncio.wait(set(self._left))
         await self.threads.settled()
         log.info("%s: %s %s: the handler returned; the lane goes on", self.name, task.wf, task.path)
+
+
+def run_key(task: TaskMessage) -> tuple[Any, ...]:
+    """What tells a task message's run from any other's: a retry, a redrive's run, a loop's
+    iteration, a bag's other members, a wait for a slot each differ in it."""
+    members = b""
+    if task.batch:  # up to MAX_BAG indexes: a digest keeps the key small
+        indexes = ",".join(str(slot.index) for slot in task.batch).encode()
+        members = hashlib.blake2b(indexes, digest_size=16).digest()
+    waits = -1 if task.limit is None else task.limit.waits
+    return (
+        task.wf,
+        task.epoch,
+        task.path,
+        task.iteration,
+        task.attempt,
+        task.index,
+        members,
+        waits,
+    )
 
 
 def _retrieved(call: asyncio.Future[Any]) -> None:
