@@ -2639,15 +2639,15 @@ end""",
     # A copy the broker gave back runs a second handler beside the run under way.
     "given-back-runs-beside": (
         "worker/pool.py",
-        "        running = self._runs.get(key)\n",
-        "        running = None\n",
+        "            running = self._runs.get(key) if created is None else None\n",
+        "            running = None\n",
         (GIVEN_BACK,),
     ),
     # A copy given back after its run ended runs again.
     "given-back-after-the-run-runs": (
         "worker/pool.py",
-        "        if key in self._ran:\n            return True\n",
-        "",
+        "        created = self._ran.get(key)\n",
+        "        created = None\n",
         (
             GIVEN_BACK,
             GIVEN_BACK_MODEL + "test_a_copy_given_back_after_its_run_ended_is_acked_and_not_run",
@@ -2657,12 +2657,53 @@ end""",
     # back from its wait is taken for a copy, acked, and the program waits for good.
     "slot-wait-remembered-as-run": (
         "worker/pool.py",
-        "            if settled:\n",
-        "            if settled is not None:\n",
+        "            kept = run.created_ms if settled and not run.withheld else None\n",
+        "            kept = run.created_ms if not run.withheld else None\n",
         (
             GIVEN_BACK_MODEL
             + "test_a_task_sent_back_to_wait_for_a_slot_is_not_taken_for_one_that_ran",
         ),
+    ),
+    # A run that withheld the report a redelivered one sends (`again`, unflagged) counts as
+    # run: the flagged copy that owes the `next` is acked unrun, and the program waits.
+    "withheld-report-ignored": (
+        "worker/pool.py",
+        '        _withheld(completion.verdict == "again" and not redelivered)\n',
+        "",
+        (
+            GIVEN_BACK_MODEL + "test_a_copy_runs_when_the_run_here_withheld_the_report_it_owes",
+            GIVEN_BACK_MODEL
+            + "test_a_copy_waiting_for_a_run_that_withheld_its_report_runs_after_it",
+        ),
+    ),
+    # A program of a reused id (purged, submitted again) is taken for the old one.
+    "reused-id-taken-for-the-old": (
+        "worker/pool.py",
+        '        return (await self.store.state(wf)).get("created_ms") == created',
+        "        return True",
+        (GIVEN_BACK_MODEL + "test_a_workflow_id_submitted_again_runs_its_task",),
+    ),
+    # Only a flagged copy looks for a run here: a bundle's task that ran from its own copy
+    # runs again from the bundle's first try.
+    "only-flagged-copies-looked-for": (
+        "worker/pool.py",
+        "            if await self._ran_here(key, task.wf):\n",
+        "            if redelivered(delivery) and await self._ran_here(key, task.wf):\n",
+        (GIVEN_BACK_MODEL + "test_a_bundle_given_back_runs_each_task_once_here",),
+    ),
+    # The memory of runs grows for good.
+    "runs-kept-unbounded": (
+        "worker/pool.py",
+        "                    self._ran.popitem(last=False)\n",
+        "                    pass\n",
+        (GIVEN_BACK_MODEL + "test_the_memory_of_runs_is_bounded",),
+    ),
+    # The key leaves out the program's run (a redrive's task taken for the run before's).
+    "given-back-key-without-epoch": (
+        "worker/pool.py",
+        "        task.epoch,\n        task.path,\n",
+        "        0,\n        task.path,\n",
+        (GIVEN_BACK_MODEL + "test_a_run_key_tells_apart_every_message_that_must_run_on_its_own",),
     ),
     # The key leaves out the attempt: a retry redelivered is taken for a copy of the first.
     "given-back-key-without-attempt": (

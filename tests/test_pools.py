@@ -317,7 +317,7 @@ async def test_a_task_given_back_to_the_worker_that_runs_it_is_not_run_a_second_
             # Longer than the worker's reconnect (aio-pika waits 5 s): the copies come meanwhile.
             ids = []
             for pool in ("par-x", "par-y"):
-                program = {"steps": [{"task": "hold", "args": {"sleep_s": 7}, "pool": pool}]}
+                program = {"steps": [{"task": "hold", "args": {"sleep_s": 10}, "pool": pool}]}
                 ids.append((await cluster.submit(program)).workflow_id)
             await until(lambda: _now(len(runs)), lambda found: found == 2)
             pid = await asyncio.to_thread(_connection_pid, name)

@@ -71,7 +71,7 @@ from tests.model import (
     with_limits,
 )
 from worker.context import TaskContext
-from worker.pool import Worker
+from worker.pool import Worker, run_key
 from worker.registry import Registry
 
 MAX_IN_FLIGHT = 300
@@ -421,13 +421,13 @@ class Cluster(RuleBasedStateMachine):
         self.worker = Worker(
             settings, registry, pool="parallel", store=self.store, bus=self.transport
         )
-        # Another worker: it handles the tasks delivered while the first holds a task's
-        # handlers (_while_running). A copy of that very task, given back by the broker, would
-        # wait at the first for the run it holds (Worker._ran_here).
+        # Another worker: it handles the copies of a task delivered while the first holds
+        # that task's handlers (_while_running). At the first, a copy would wait for the run
+        # it holds (Worker._ran_here), which waits for this machine to go on.
         self.second = Worker(
             settings, registry, pool="parallel", store=self.store, bus=self.transport
         )
-        self.meanwhile = False  # while the first worker holds a task's handlers
+        self.holding: tuple[Any, ...] | None = None  # run_key of the task held
         self.router = Router(settings, store=self.store, bus=self.transport)
         self.expected: dict[str, Expected] = {}
         self.programs: dict[str, Program] = {}
@@ -845,7 +845,10 @@ class Cluster(RuleBasedStateMachine):
                     delivery, self.transitions, self.transport, envelope.shard, "s"
                 )
             else:
-                worker = self.second if self.meanwhile else self.worker
+                copy = (
+                    self.holding is not None and run_key(decode_task(envelope.body)) == self.holding
+                )
+                worker = self.second if copy else self.worker
                 await worker.handle(delivery, self.transport.names.task_queue(envelope.pool))
         except Crash:  # a slot it took and never gave back is a dead worker's
             taken = set(self.store.leases) - holding
@@ -1152,15 +1155,17 @@ class Cluster(RuleBasedStateMachine):
             # copy given back by the broker of a message this worker ran to its end.
             state = await self.store.at(task.wf, task.path)
             now = (state["status"], state["cursor"], int(state.get("epoch") or 0))
-            skipped = self.store.busy > busy or self.worker.counts["ran here already"] > ran
-            assert now != ("running", task.path, task.epoch) or skipped, state
+            copy = self.worker.counts["ran here already"] > ran and self._reported(task)
+            assert now != ("running", task.path, task.epoch) or self.store.busy > busy or copy, (
+                state
+            )
         else:
             assert self.held == running, f"{self.held} of {running} handlers started"
-        self.meanwhile = True
+        self.holding = run_key(task)
         try:
             await meanwhile()
         finally:
-            self.meanwhile = False
+            self.holding = None
         mark = len(self.transport.published)
         gate.set()
         self.transport.redelivered = envelope.redelivered
@@ -1168,6 +1173,19 @@ class Cluster(RuleBasedStateMachine):
         assert delivery.acked and not delivery.nacked
         self.history.append(envelope)
         return mark
+
+    def _reported(self, task: TaskMessage) -> bool:
+        """Whether the task's outputs were recorded (a bag's members: the barrier owes the
+        report), or a report of its step (its run) was published: a copy acked unrun must
+        leave none owed."""
+        if {one.index or 0 for one in task.split()} <= self.store.recorded[(task.wf, task.path)]:
+            return True
+        for envelope in self.transport.published:
+            if envelope.kind == "shard" and envelope.wf == task.wf:
+                report = json.loads(envelope.body)
+                if (report.get("path"), report.get("epoch", 0)) == (task.path, task.epoch):
+                    return True
+        return False
 
     @precondition(lambda self: any(self.signals.values()))
     @rule(data=st.data(), resend=st.booleans())

@@ -15,6 +15,8 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -94,6 +96,22 @@ REPORT_RETRY_S = 1.0
 # is not run again here: the copy waits for the run under way, or, once that run has ended with
 # its reports confirmed, is known by this many of the last runs (_ran_here).
 RUNS_KEPT = 4096
+# A copy waits for at most this many runs of its task in turn (each ended unsettled): a bound,
+# not a count one meets.
+MAX_JOINS = 3
+
+
+@dataclass
+class _Run:
+    """What a copy of a task message needs to know of the run of it here."""
+
+    created_ms: str | None = None  # its program's, read as its task was checked
+    # A report a redelivered run would send went unsent (a step recorded already: `again`):
+    # a copy may owe it (the delivery that recorded the step and lost its report).
+    withheld: bool = False
+
+
+_RUN: ContextVar[_Run | None] = ContextVar("shardflow_worker_run", default=None)
 
 # A Start to a compensating program's owner: a late report, its compensations may begin.
 Report = Next | Failed | Start
@@ -152,10 +170,10 @@ class Worker(Service):
         # Each running handler's: done when its program ended (cancel_program).
         self._stops: dict[asyncio.Task[Any], asyncio.Future[None]] = {}
         self._control: Deliveries | None = None  # the control consumer started last
-        # Task messages running here, each done with whether its run was settled (ran, or sent
-        # back to wait for a slot) and its reports confirmed; the last RUNS_KEPT that ran so.
-        self._runs: dict[tuple[Any, ...], asyncio.Future[bool]] = {}
-        self._ran: OrderedDict[tuple[Any, ...], None] = OrderedDict()
+        # Task messages running here, each done with its program's created_ms once it ran to
+        # its end, reports confirmed and none withheld (else None); the last RUNS_KEPT so run.
+        self._runs: dict[tuple[Any, ...], asyncio.Future[str | None]] = {}
+        self._ran: OrderedDict[tuple[Any, ...], str] = OrderedDict()
 
     async def run(self) -> None:
         metrics.WORKER_SLOTS.labels(self.pool).set(self.concurrency)
@@ -369,43 +387,52 @@ class Worker(Service):
             await self._hold_lane(task, before=True)
         with self._holding(task.wf):
             key = run_key(task)
-            if redelivered(delivery) and await self._ran_here(key):
+            if await self._ran_here(key, task.wf):
                 self.counts["ran here already"] += 1
                 metrics.DUPLICATES.labels("worker").inc()
                 log.info("%s: task for %r ran here already: not run again", task.wf, task.path)
                 return
             await self._run_once(key, task, delivery, source)
 
-    async def _ran_here(self, key: tuple[Any, ...]) -> bool:
+    async def _ran_here(self, key: tuple[Any, ...], wf: str) -> bool:
         """Whether this worker ran the task message to its end, reports confirmed, or runs it
-        now (waited for: its outcome): the broker gives a message back when the connection it
+        now (waited for: its outcome). The broker gives a message back when the connection it
         came on drops, and this worker, connected again, would run a second handler beside the
-        first. (Another worker given it runs it again: at least once.)"""
-        if key in self._ran:
-            return True
-        running = self._runs.get(key)
-        if running is None:
+        first; so would a publisher's retry, or a bundle's task sent on alone. (Another worker
+        given it runs it again: at least once.) A program of the same id submitted again since
+        (purged, or expired) is another: its created_ms tells."""
+        created = self._ran.get(key)
+        for _ in range(MAX_JOINS):  # another copy may have started a run when one ended
+            running = self._runs.get(key) if created is None else None
+            if running is None:
+                break
+            log.info("%s: %s: a copy of a task running here waits for that run", self.name, wf)
+            created = await asyncio.shield(running)
+        if created is None:
             return False
-        log.info("%s: a copy of a task running here waits for that run", self.name)
-        return await asyncio.shield(running)
+        return (await self.store.state(wf)).get("created_ms") == created  # a copy's read only
 
     async def _run_once(
         self, key: tuple[Any, ...], task: TaskMessage, delivery: Delivery, source: str
     ) -> None:
         """_run_held, known to copies by `key` while it runs and, once it ran, after."""
-        if key in self._runs:  # a copy not given back by the broker (a publisher's retry)
+        if key in self._runs:  # copies past MAX_JOINS: run beside, unknown to others
             await self._run_held(task, delivery, source)
             return
-        settled: bool | None = None
+        run, settled = _Run(), False
         self._runs[key] = asyncio.get_running_loop().create_future()
+        token = _RUN.set(run)
         try:
             settled = await self._run_held(task, delivery, source)
         finally:
-            self._runs.pop(key).set_result(settled is not None)
+            _RUN.reset(token)
             # One sent back to wait is not kept: its waits, which tell it apart, stop counting
-            # at limits.MAX_WAITS.
-            if settled:
-                self._ran[key] = None
+            # at limits.MAX_WAITS. Nor is one of a step that names compensations (lua/begin.lua
+            # reads no created_ms): it runs again.
+            kept = run.created_ms if settled and not run.withheld else None
+            self._runs.pop(key).set_result(kept)
+            if kept is not None:
+                self._ran[key] = kept
                 if len(self._ran) > RUNS_KEPT:
                     self._ran.popitem(last=False)
 
@@ -507,6 +534,9 @@ class Worker(Service):
                 f"{tasks[0].wf}: reports to shard {tasks[0].owner}, but its owner is shard "
                 f"{state.get('owner')}"
             )
+        run = _RUN.get()
+        if run is not None:
+            run.created_ms = state.get("created_ms")
         return tasks
 
     async def _gone(self, tasks: list[TaskMessage]) -> list[TaskMessage]:
@@ -548,6 +578,7 @@ class Worker(Service):
             going = set(reply.outputs)
             return [task for task in tasks if str(task.index or 0) in going]
         self._count_stale(len(tasks))
+        _withheld(not redelivered and reply.outputs[:1] == ["compensating"])
         if redelivered and reply.outputs[:1] == ["compensating"]:
             # A late report whose Start a crash cut short (see run_tasks): sent again, as
             # the start is idempotent.
@@ -723,6 +754,7 @@ class Worker(Service):
             reports.append(Start(wf=task.wf))
             return reports
         # Only a redelivered task may be the one whose report a crash cut short.
+        _withheld(completion.verdict == "again" and not redelivered)
         if completion.verdict == "fire" or (completion.verdict == "again" and redelivered):
             if not completion.outputs:  # too large to carry: the owner reads them in Redis
                 reports.append(Next(wf=task.wf, path=task.path, stored=True, epoch=task.epoch))
@@ -926,6 +958,13 @@ class Worker(Service):
             await asyncio.wait(set(self._left))
         await self.threads.settled()
         log.info("%s: %s %s: the handler returned; the lane goes on", self.name, task.wf, task.path)
+
+
+def _withheld(withheld: bool) -> None:
+    """Note that this run sent no report where a redelivered one would have."""
+    run = _RUN.get()
+    if withheld and run is not None:
+        run.withheld = True
 
 
 def run_key(task: TaskMessage) -> tuple[Any, ...]:
