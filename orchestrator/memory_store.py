@@ -714,7 +714,7 @@ class MemoryStore:
         return [await self.purge(wf, statuses, ended_before_ms) for wf in wfs]
 
     async def now(self) -> float:
-        return time.time()
+        return int(self._clock()) / 1000  # the clock its stamps are on, as Redis's TIME
 
     async def ends(self, wfs: Sequence[str]) -> list[tuple[str | None, str | None]]:
         found = [self._hmget(self.keys.state(wf), "status", "ended_ms") for wf in wfs]

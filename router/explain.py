@@ -207,9 +207,12 @@ class Details:
     where: Where | None = None
 
 
-async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -> Details:
+async def details(
+    store: Store, wf: str, state: dict[str, str], raw_plan: Any, now_ms: float | None = None
+) -> Details:
     """The current step (task names, loop iterations, bag members done) and every failed
-    attempt the owner recorded, including those of tasks that later succeeded."""
+    attempt the owner recorded, including those of tasks that later succeeded. `now_ms`: on
+    Redis's clock (this process's when not given)."""
     program = _plan_program(raw_plan)
     found = Details(program=program)
     if program is None:
@@ -248,7 +251,7 @@ async def details(store: Store, wf: str, state: dict[str, str], raw_plan: Any) -
     if any(is_saga(path) for path in failed_paths):
         undoing, saga_at = await _saga_tasks(store, wf, state, program)
         cursors |= {saga_at} - {""}
-    now = time.time() * 1000
+    now = time.time() * 1000 if now_ms is None else now_ms
     for name in sorted(marks, key=_field_order):
         path, index = _split_field(name)
         mark = _mark(marks[name])
@@ -529,8 +532,10 @@ async def explain(store: Store, bus: Bus | None, wf: str) -> dict[str, Any] | No
     if not state:
         return None
     raw_plan = await store.plan(wf)
-    found = await details(store, wf, state, raw_plan)
-    now = time.time() * 1000
+    # On the clock of the stamps it is compared with: a client's clock ahead of Redis's
+    # called a timer overdue as it fell due.
+    now = await store.now() * 1000
+    found = await details(store, wf, state, raw_plan, now)
     status = state.get("status", "")
     owner = as_int(state.get("owner"))
     report: dict[str, Any] = {

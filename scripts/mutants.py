@@ -2705,6 +2705,13 @@ end""",
         "        0,\n        task.path,\n",
         (GIVEN_BACK_MODEL + "test_a_run_key_tells_apart_every_message_that_must_run_on_its_own",),
     ),
+    # explain compares Redis's stamps with its own clock.
+    "explain-on-its-own-clock": (
+        "router/explain.py",
+        "    now = await store.now() * 1000\n",
+        "    now = time.time() * 1000\n",
+        ("tests/test_explain.py::test_explain_reads_now_on_redis_clock_not_its_own",),
+    ),
     # The key leaves out the attempt: a retry redelivered is taken for a copy of the first.
     "given-back-key-without-attempt": (
         "worker/pool.py",

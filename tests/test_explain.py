@@ -11,13 +11,19 @@ import socket
 import time
 
 from orchestrator.connections import connected
+from orchestrator.keys import Keys
+from orchestrator.memory_store import MemoryStore
+from orchestrator.messages import decode_shard_message
 from orchestrator.owner import Orchestrator
+from orchestrator.plans import Plans
 from orchestrator.settings import Settings
+from orchestrator.transitions import Transitions
 from router.client import Router
-from router.explain import OVERDUE_MS, _waiting_for, explain_text
+from router.explain import OVERDUE_MS, _waiting_for, explain, explain_text
 from tests.brokers import free_port
 from tests.polling import until
 from tests.test_cli import EXAMPLE, dev, environment, shardflow  # noqa: F401  (dev: a fixture)
+from tests.test_owner_steps import Recorder
 
 
 def test_a_timer_long_past_its_time_is_said_to_be_overdue_not_due_now() -> None:
@@ -35,6 +41,28 @@ def test_a_timer_long_past_its_time_is_said_to_be_overdue_not_due_now() -> None:
         "(21.0 s overdue: is its timer's message parked (`shardflow dead`), or its shard's "
         "owner away?)"
     )
+
+
+async def test_explain_reads_now_on_redis_clock_not_its_own() -> None:
+    """Every stamp it compares (created, started, a timer's due time) is Redis's TIME: on a
+    client an hour ahead, a program just started had its deadline long past, and a timer
+    falling due was called overdue."""
+    behind = 3_600_000  # Redis's clock an hour behind this one
+
+    def clock() -> str:
+        return str(int(time.time() * 1000) - behind)
+
+    store = MemoryStore(Keys("explain-clock"), clock=clock)
+    bus = Recorder()
+    transitions = Transitions(store, bus, Plans(store, 8))
+    router = Router(Settings(prefix="explain-clock"), store=store, bus=bus)
+    program = {"deadline_s": 60, "steps": [{"task": "echo"}]}
+    owner = (await router.submit(program, None, "w")).shard
+    start = decode_shard_message(bus.shard.pop())
+    assert await transitions.apply(start, redelivered=False, shard=owner) == "applied"
+    report = await explain(store, None, "w")
+    assert report is not None and 59 < report["deadline"]["left_s"] <= 60, report["deadline"]
+    assert report["elapsed_s"] < 1, report
 
 
 async def test_an_ended_programs_deadline_is_what_was_left_at_its_end(cluster: Router) -> None:
