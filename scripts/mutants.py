@@ -603,7 +603,7 @@ end""",
     ),
     "no-republish-on-redelivery": (
         "worker/pool.py",
-        'completion.verdict == "fire" or (completion.verdict == "again" and redelivered)',
+        'completion.verdict == "fire" or (completion.verdict == "again" and owed)',
         'completion.verdict == "fire"',
         (AGAIN, MACHINE),
     ),
@@ -2639,15 +2639,15 @@ end""",
     # A copy the broker gave back runs a second handler beside the run under way.
     "given-back-runs-beside": (
         "worker/pool.py",
-        "            running = self._runs.get(key) if created is None else None\n",
+        "            running = self._runs.get(key)\n",
         "            running = None\n",
         (GIVEN_BACK,),
     ),
     # A copy given back after its run ended runs again.
     "given-back-after-the-run-runs": (
         "worker/pool.py",
-        "        created = self._ran.get(key)\n",
-        "        created = None\n",
+        "        created = created or self._ran.get(key)\n",
+        "",
         (
             GIVEN_BACK,
             GIVEN_BACK_MODEL + "test_a_copy_given_back_after_its_run_ended_is_acked_and_not_run",
@@ -2668,7 +2668,7 @@ end""",
     # run: the flagged copy that owes the `next` is acked unrun, and the program waits.
     "withheld-report-ignored": (
         "worker/pool.py",
-        '        _withheld(completion.verdict == "again" and not redelivered)\n',
+        '        _withheld(completion.verdict == "again" and not owed)\n',
         "",
         (
             GIVEN_BACK_MODEL + "test_a_copy_runs_when_the_run_here_withheld_the_report_it_owes",
@@ -2704,6 +2704,30 @@ end""",
         "        task.epoch,\n        task.path,\n",
         "        0,\n        task.path,\n",
         (GIVEN_BACK_MODEL + "test_a_run_key_tells_apart_every_message_that_must_run_on_its_own",),
+    ),
+    # A failed run is remembered: a flagged copy that owes another delivery's `next` is acked.
+    "failed-run-remembered": (
+        "worker/pool.py",
+        "        _withheld(bool(reports))\n",
+        "",
+        (GIVEN_BACK_MODEL + "test_a_copy_runs_when_the_run_here_failed",),
+    ),
+    # A retry that finds its step recorded reports nothing (unless redelivered).
+    "retry-withholds-a-recorded-step": (
+        "worker/pool.py",
+        "        owed = redelivered or task.attempt > 0\n",
+        "        owed = redelivered\n",
+        (GIVEN_BACK_MODEL + "test_a_retry_that_finds_its_step_recorded_reports_it",),
+    ),
+    # A remembered run (a program of the same id before) is looked at before the run under way.
+    "remembered-before-running": (
+        "worker/pool.py",
+        "        created: str | None = None\n        # Runs under way first",
+        "        created: str | None = self._ran.get(key)\n"
+        "        if created:\n"
+        '            return (await self.store.state(wf)).get("created_ms") == created\n'
+        "        # Runs under way first",
+        (GIVEN_BACK_MODEL + "test_a_copy_of_a_reused_ids_task_waits_for_its_run_under_way",),
     ),
     # explain compares Redis's stamps with its own clock.
     "explain-on-its-own-clock": (

@@ -30,7 +30,7 @@ from worker import pool
 from worker.pool import Worker, run_key
 from worker.registry import Registry
 
-ONE = {"steps": [{"task": "work"}]}
+ONE = {"steps": [{"task": "work", "retry": {"max_attempts": 3, "backoff_s": 0}}]}
 
 
 class _Bus(Bus):
@@ -65,6 +65,7 @@ class _Cluster:
         self.router = Router(Settings(prefix=prefix), store=self.store, bus=self.bus)
         self.ran: list[str] = []
         self.gate: asyncio.Event | None = None
+        self.fails = 0  # the next runs that fail
         registry = Registry({"work": self._work})
         self.worker = Worker(
             Settings(),
@@ -79,7 +80,21 @@ class _Cluster:
         self.ran.append(f"{ctx.workflow_id}#{ctx.attempt}")
         if self.gate is not None:
             await self.gate.wait()
+        if self.fails:
+            self.fails -= 1
+            raise RuntimeError("it failed")
         return "done"
+
+    def another_worker(self) -> Worker:
+        """A worker that knows nothing of this one's runs."""
+        registry = Registry({"work": self._work})
+        return Worker(Settings(), registry, pool="parallel", store=self.store, bus=self.bus)  # type: ignore[arg-type]
+
+    async def deliver_reports(self, owner: int) -> None:
+        """Every report, to the owner, in order."""
+        while self.bus.shard:
+            report = decode_shard_message(self.bus.shard.pop(0))
+            await self.transitions.apply(report, redelivered=False, shard=owner)
 
     async def start(self, wf: str) -> bytes:
         """Submit ONE as `wf`, its start applied: its task message."""
@@ -149,6 +164,47 @@ async def test_a_copy_waiting_for_a_run_that_withheld_its_report_runs_after_it()
     assert [(r.kind, r.path) for r in cluster.reports()] == [("next", "0")]
 
 
+async def test_a_copy_runs_when_the_run_here_failed() -> None:
+    """This worker's run failed (its failure reported); the broker had given the message to
+    another worker meanwhile, which recorded the step and died before its `next`. Its
+    delivery, back flagged at this worker, owes that `next`: it is no copy of a run that
+    reported all."""
+    cluster = _Cluster("given-back-failed")
+    body = await cluster.start("w1")
+    owner = decode_task(body).owner
+    cluster.fails = 1
+    await cluster.worker.handle(Delivery(body, {}), "q")
+    assert [r.kind for r in cluster.reports()] == ["failed"]
+    task = decode_task(body)
+    recorded = await cluster.store.record(task.wf, task.path, 1, {None: '"done"'}, task.epoch)
+    assert recorded.verdict == "fire"  # the other worker's, which then died
+    await cluster.worker.handle(Delivery(body, {}, redelivered=True), "q")
+    assert cluster.worker.counts["ran here already"] == 0
+    await cluster.deliver_reports(owner)  # the failure (a retry), then the `next`
+    await cluster.another_worker().handle(Delivery(cluster.bus.tasks.pop(), {}), "q")
+    await cluster.deliver_reports(owner)
+    assert (await cluster.store.state("w1"))["status"] == "completed"
+
+
+async def test_a_retry_that_finds_its_step_recorded_reports_it() -> None:
+    """A delivery recorded the step and died before its `next`; its copy, back flagged,
+    failed this time, so its owner sent a retry. The retry finds the step recorded
+    (`again`): it reports it, or nothing ever would (the program waited for good)."""
+    cluster = _Cluster("given-back-retry")
+    body = await cluster.start("w1")
+    task, owner = decode_task(body), decode_task(body).owner
+    recorded = await cluster.store.record(task.wf, task.path, 1, {None: '"done"'}, task.epoch)
+    assert recorded.verdict == "fire"
+    cluster.fails = 1
+    await cluster.worker.handle(Delivery(body, {}, redelivered=True), "q")
+    assert [r.kind for r in cluster.reports()] == ["failed"]
+    await cluster.deliver_reports(owner)
+    await cluster.another_worker().handle(Delivery(cluster.bus.tasks.pop(), {}), "q")
+    assert [r.kind for r in cluster.reports()] == ["next"]
+    await cluster.deliver_reports(owner)
+    assert (await cluster.store.state("w1"))["status"] == "completed"
+
+
 async def test_a_workflow_id_submitted_again_runs_its_task() -> None:
     """The program ended and was purged; its id is submitted again, and the new program's
     task, the same message, comes flagged (sent on again after a blip): it must run."""
@@ -166,6 +222,28 @@ async def test_a_workflow_id_submitted_again_runs_its_task() -> None:
     await cluster.worker.handle(Delivery(new, {FAILURES: 0}), "q")
     assert cluster.ran == ["order-1#0", "order-1#0"]
     assert [(r.kind, r.path) for r in cluster.reports()] == [("next", "0")]
+
+
+async def test_a_copy_of_a_reused_ids_task_waits_for_its_run_under_way() -> None:
+    """The old program's run is remembered; the new one's copy still waits for the run under
+    way rather than run beside it."""
+    cluster = _Cluster("given-back-reused-running", concurrency=2)
+    old = await cluster.start("order-1")
+    await cluster.worker.handle(Delivery(old, {}), "q")
+    await cluster.deliver_reports(decode_task(old).owner)
+    assert await cluster.store.purge("order-1", "completed", 10**15) == "purged"
+    await asyncio.sleep(0.002)  # a new created_ms (whole ms)
+    new = await cluster.start("order-1")
+    cluster.gate = asyncio.Event()
+    first = asyncio.create_task(cluster.worker.handle(Delivery(new, {}), "q"))
+    await _until(lambda: len(cluster.ran) == 2)
+    copy = asyncio.create_task(cluster.worker.handle(Delivery(new, {}, redelivered=True), "q"))
+    await asyncio.sleep(0.05)
+    assert len(cluster.ran) == 2  # the copy waits
+    cluster.gate.set()
+    await asyncio.gather(first, copy)
+    assert cluster.ran == ["order-1#0", "order-1#0"]
+    assert cluster.worker.counts["ran here already"] == 1
 
 
 async def test_a_bundle_given_back_runs_each_task_once_here() -> None:

@@ -106,8 +106,9 @@ class _Run:
     """What a copy of a task message needs to know of the run of it here."""
 
     created_ms: str | None = None  # its program's, read as its task was checked
-    # A report a redelivered run would send went unsent (a step recorded already: `again`):
-    # a copy may owe it (the delivery that recorded the step and lost its report).
+    # A report a redelivered run would send went unsent (a step recorded already: `again`),
+    # or a task failed: a copy may owe a report (the delivery that recorded the step and
+    # lost its report).
     withheld: bool = False
 
 
@@ -401,13 +402,18 @@ class Worker(Service):
         first; so would a publisher's retry, or a bundle's task sent on alone. (Another worker
         given it runs it again: at least once.) A program of the same id submitted again since
         (purged, or expired) is another: its created_ms tells."""
-        created = self._ran.get(key)
-        for _ in range(MAX_JOINS):  # another copy may have started a run when one ended
-            running = self._runs.get(key) if created is None else None
+        created: str | None = None
+        # Runs under way first (a remembered one may be a program of the same id before), and
+        # another copy may start a run when one ends unsettled.
+        for _ in range(MAX_JOINS):
+            running = self._runs.get(key)
             if running is None:
                 break
             log.info("%s: %s: a copy of a task running here waits for that run", self.name, wf)
             created = await asyncio.shield(running)
+            if created is not None:
+                break
+        created = created or self._ran.get(key)
         if created is None:
             return False
         return (await self.store.state(wf)).get("created_ms") == created  # a copy's read only
@@ -433,6 +439,7 @@ class Worker(Service):
             self._runs.pop(key).set_result(kept)
             if kept is not None:
                 self._ran[key] = kept
+                self._ran.move_to_end(key)  # kept again: the newest
                 if len(self._ran) > RUNS_KEPT:
                     self._ran.popitem(last=False)
 
@@ -578,7 +585,6 @@ class Worker(Service):
             going = set(reply.outputs)
             return [task for task in tasks if str(task.index or 0) in going]
         self._count_stale(len(tasks))
-        _withheld(not redelivered and reply.outputs[:1] == ["compensating"])
         if redelivered and reply.outputs[:1] == ["compensating"]:
             # A late report whose Start a crash cut short (see run_tasks): sent again, as
             # the start is idempotent.
@@ -730,6 +736,9 @@ class Worker(Service):
                 )
             )
         reports: list[Report] = [outcome for outcome in outcomes if isinstance(outcome, Failed)]
+        # A failed run leaves a copy its own try: another delivery of the task may have
+        # recorded the step and died before its report, which the copy owes.
+        _withheld(bool(reports))
         outputs = {
             t.index: out for t, out in zip(tasks, outcomes, strict=True) if isinstance(out, str)
         }
@@ -753,9 +762,12 @@ class Worker(Service):
         if completion.verdict == "late":  # its compensations may begin now (lua/begin.lua)
             reports.append(Start(wf=task.wf))
             return reports
-        # Only a redelivered task may be the one whose report a crash cut short.
-        _withheld(completion.verdict == "again" and not redelivered)
-        if completion.verdict == "fire" or (completion.verdict == "again" and redelivered):
+        # Only a redelivered task may be the one whose report a crash cut short; or a retry:
+        # a delivery of an earlier attempt recorded the step and died before its report, and
+        # its owner heard only of another's failure.
+        owed = redelivered or task.attempt > 0
+        _withheld(completion.verdict == "again" and not owed)
+        if completion.verdict == "fire" or (completion.verdict == "again" and owed):
             if not completion.outputs:  # too large to carry: the owner reads them in Redis
                 reports.append(Next(wf=task.wf, path=task.path, stored=True, epoch=task.epoch))
                 return reports
@@ -961,7 +973,7 @@ class Worker(Service):
 
 
 def _withheld(withheld: bool) -> None:
-    """Note that this run sent no report where a redelivered one would have."""
+    """Note that this run sent no report where a redelivered one would have, or failed."""
     run = _RUN.get()
     if withheld and run is not None:
         run.withheld = True
