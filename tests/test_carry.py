@@ -89,8 +89,11 @@ class Bus(Recorder):
         self.headers.append(headers)
 
 
-async def _started(prefix: str, program: dict[str, Any] = TWO) -> tuple[Any, ...]:
-    store = Counting(Keys(prefix))
+async def _started(
+    prefix: str, program: dict[str, Any] = TWO, store: MemoryStore | None = None
+) -> tuple[Any, ...]:
+    """A program submitted and started over the model (`store`: a counting one when None)."""
+    store = store if store is not None else Counting(Keys(prefix))
     bus = Bus()
     transitions = Transitions(store, bus, Plans(store, 8))
     owner = (await Router(Settings(prefix=prefix), store=store, bus=bus).submit(program)).shard

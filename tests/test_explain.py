@@ -13,17 +13,15 @@ import time
 from orchestrator.connections import connected
 from orchestrator.keys import Keys
 from orchestrator.memory_store import MemoryStore
-from orchestrator.messages import decode_shard_message
+from orchestrator.messages import decode_task
 from orchestrator.owner import Orchestrator
-from orchestrator.plans import Plans
 from orchestrator.settings import Settings
-from orchestrator.transitions import Transitions
 from router.client import Router
 from router.explain import OVERDUE_MS, _waiting_for, explain, explain_text
 from tests.brokers import free_port
 from tests.polling import until
+from tests.test_carry import _started
 from tests.test_cli import EXAMPLE, dev, environment, shardflow  # noqa: F401  (dev: a fixture)
-from tests.test_owner_steps import Recorder
 
 
 def test_a_timer_long_past_its_time_is_said_to_be_overdue_not_due_now() -> None:
@@ -53,14 +51,9 @@ async def test_explain_reads_now_on_redis_clock_not_its_own() -> None:
         return str(int(time.time() * 1000) - behind)
 
     store = MemoryStore(Keys("explain-clock"), clock=clock)
-    bus = Recorder()
-    transitions = Transitions(store, bus, Plans(store, 8))
-    router = Router(Settings(prefix="explain-clock"), store=store, bus=bus)
     program = {"deadline_s": 60, "steps": [{"task": "echo"}]}
-    owner = (await router.submit(program, None, "w")).shard
-    start = decode_shard_message(bus.shard.pop())
-    assert await transitions.apply(start, redelivered=False, shard=owner) == "applied"
-    report = await explain(store, None, "w")
+    _, bus, _, _ = await _started("explain-clock", program, store)
+    report = await explain(store, None, decode_task(bus.tasks[0]).wf)
     assert report is not None and 59 < report["deadline"]["left_s"] <= 60, report["deadline"]
     assert report["elapsed_s"] < 1, report
 
