@@ -55,11 +55,19 @@ class _Bus(Bus):
         self.requeued.append((body, headers))
 
 
+class _Store(Counting):
+    """The model, whose state read yields to the loop as a Redis read does."""
+
+    async def state(self, wf: str) -> dict[str, str]:
+        await asyncio.sleep(0)
+        return await super().state(wf)
+
+
 class _Cluster:
     """An owner and one worker over the model; `gate`, while set up, holds every handler."""
 
     def __init__(self, prefix: str, concurrency: int = 1) -> None:
-        self.store = Counting(Keys(prefix))
+        self.store = _Store(Keys(prefix))
         self.bus = _Bus(prefix)
         self.transitions = Transitions(self.store, self.bus, Plans(self.store, 8))
         self.router = Router(Settings(prefix=prefix), store=self.store, bus=self.bus)
@@ -117,11 +125,13 @@ async def test_a_copy_given_back_after_its_run_ended_is_acked_and_not_run() -> N
     await cluster.worker.handle(copy, "q")
     assert copy.acked and cluster.ran == ["w1#0"] and len(cluster.bus.shard) == 1
     assert cluster.worker.counts["ran here already"] == 1
-    # Another attempt of the task (a retry) is another run: the step is still current, as
-    # its owner has not read the report yet.
+    # Another attempt of the task (a retry) is no copy: it goes a run's way, and finds its
+    # step recorded (the owner has not read the report yet), so it reports that, unrun.
     retry = encode(decode_task(body).model_copy(update={"attempt": 1}))
     await cluster.worker.handle(Delivery(retry, {}, redelivered=True), "q")
-    assert cluster.ran == ["w1#0", "w1#1"] and cluster.worker.counts["ran here already"] == 1
+    assert cluster.ran == ["w1#0"] and len(cluster.bus.shard) == 2
+    assert cluster.worker.counts["ran here already"] == 1
+    assert cluster.worker.counts["recorded already"] == 1
 
 
 async def test_a_copy_runs_when_the_run_here_withheld_the_report_it_owes() -> None:
@@ -145,7 +155,8 @@ async def test_a_copy_runs_when_the_run_here_withheld_the_report_it_owes() -> No
 
 async def test_a_copy_waiting_for_a_run_that_withheld_its_report_runs_after_it() -> None:
     """As above, the duplicate's run under way as the flagged copy comes: the copy waits for
-    it, then runs and reports what that run withheld."""
+    it, then goes a run's way and reports what that run withheld (unrun: its step is
+    recorded)."""
     cluster = _Cluster("given-back-withheld-running", concurrency=2)
     body = await cluster.start("w1")
     cluster.gate = asyncio.Event()
@@ -160,7 +171,7 @@ async def test_a_copy_waiting_for_a_run_that_withheld_its_report_runs_after_it()
     assert cluster.ran == ["w1#0"]  # the copy waits
     cluster.gate.set()
     await asyncio.gather(duplicate, copy)
-    assert cluster.ran == ["w1#0", "w1#0"]
+    assert cluster.ran == ["w1#0"] and cluster.worker.counts["recorded already"] == 1
     assert [(r.kind, r.path) for r in cluster.reports()] == [("next", "0")]
 
 
@@ -179,30 +190,38 @@ async def test_a_copy_runs_when_the_run_here_failed() -> None:
     recorded = await cluster.store.record(task.wf, task.path, 1, {None: '"done"'}, task.epoch)
     assert recorded.verdict == "fire"  # the other worker's, which then died
     await cluster.worker.handle(Delivery(body, {}, redelivered=True), "q")
-    assert cluster.worker.counts["ran here already"] == 0
+    assert [r.kind for r in cluster.reports()] == ["failed", "next"]  # its own, unrun
+    assert cluster.ran == ["w1#0"] and cluster.worker.counts["ran here already"] == 0
     await cluster.deliver_reports(owner)  # the failure (a retry), then the `next`
     await cluster.another_worker().handle(Delivery(cluster.bus.tasks.pop(), {}), "q")
     await cluster.deliver_reports(owner)
     assert (await cluster.store.state("w1"))["status"] == "completed"
 
 
-async def test_a_retry_that_finds_its_step_recorded_reports_it() -> None:
-    """A delivery recorded the step and died before its `next`; its copy, back flagged,
-    failed this time, so its owner sent a retry. The retry finds the step recorded
-    (`again`): it reports it, or nothing ever would (the program waited for good)."""
-    cluster = _Cluster("given-back-retry")
+async def test_a_task_whose_step_is_recorded_reports_it_unrun_when_redelivered_or_retried() -> None:
+    """A delivery recorded the step and died before its `next`. Its copy, back flagged, ran
+    the handler again, and a handler that failed a second run ("already exists") failed the
+    program, its output recorded; its retry, not redelivered, found the step recorded
+    (`again`) and reported nothing, so the program waited for good. Both now report the
+    recorded step, and run no handler."""
+    cluster = _Cluster("given-back-recorded")
     body = await cluster.start("w1")
     task, owner = decode_task(body), decode_task(body).owner
     recorded = await cluster.store.record(task.wf, task.path, 1, {None: '"done"'}, task.epoch)
     assert recorded.verdict == "fire"
-    cluster.fails = 1
+    cluster.fails = 1  # a run would fail
     await cluster.worker.handle(Delivery(body, {}, redelivered=True), "q")
-    assert [r.kind for r in cluster.reports()] == ["failed"]
-    await cluster.deliver_reports(owner)
-    await cluster.another_worker().handle(Delivery(cluster.bus.tasks.pop(), {}), "q")
-    assert [r.kind for r in cluster.reports()] == ["next"]
+    assert cluster.ran == [] and [r.kind for r in cluster.reports()] == ["next"]
     await cluster.deliver_reports(owner)
     assert (await cluster.store.state("w1"))["status"] == "completed"
+    # A retry (its failure reported by another delivery) whose step is recorded meanwhile.
+    body = await cluster.start("w2")
+    task = decode_task(body).model_copy(update={"attempt": 1})
+    recorded = await cluster.store.record(task.wf, task.path, 1, {None: '"done"'}, task.epoch)
+    await cluster.another_worker().handle(Delivery(encode(task), {}), "q")
+    assert cluster.ran == [] and [r.kind for r in cluster.reports()] == ["next"]
+    await cluster.deliver_reports(task.owner)
+    assert (await cluster.store.state("w2"))["status"] == "completed"
 
 
 async def test_a_workflow_id_submitted_again_runs_its_task() -> None:
@@ -235,15 +254,17 @@ async def test_a_copy_of_a_reused_ids_task_waits_for_its_run_under_way() -> None
     await asyncio.sleep(0.002)  # a new created_ms (whole ms)
     new = await cluster.start("order-1")
     cluster.gate = asyncio.Event()
+    # Its duplicate comes with it (a publisher's retry), and both look for a run here at once.
     first = asyncio.create_task(cluster.worker.handle(Delivery(new, {}), "q"))
+    duplicate = asyncio.create_task(cluster.worker.handle(Delivery(new, {}), "q"))
     await _until(lambda: len(cluster.ran) == 2)
     copy = asyncio.create_task(cluster.worker.handle(Delivery(new, {}, redelivered=True), "q"))
     await asyncio.sleep(0.05)
-    assert len(cluster.ran) == 2  # the copy waits
+    assert len(cluster.ran) == 2  # the duplicate and the copy wait
     cluster.gate.set()
-    await asyncio.gather(first, copy)
+    await asyncio.gather(first, duplicate, copy)
     assert cluster.ran == ["order-1#0", "order-1#0"]
-    assert cluster.worker.counts["ran here already"] == 1
+    assert cluster.worker.counts["ran here already"] == 2
 
 
 async def test_a_bundle_given_back_runs_each_task_once_here() -> None:
@@ -291,10 +312,12 @@ async def test_the_memory_of_runs_is_bounded(monkeypatch: pytest.MonkeyPatch) ->
     bodies = [await cluster.start(f"w{n}") for n in range(3)]
     for body in bodies:
         await cluster.worker.handle(Delivery(body, {}), "q")
-    # The first run is forgotten: its copy runs again (at least once), the last one's not.
+    # The first run is forgotten: its copy goes a run's way (its step recorded: unrun), the
+    # last one's is known.
     for body in (bodies[0], bodies[2]):
         await cluster.worker.handle(Delivery(body, {}, redelivered=True), "q")
-    assert cluster.ran == ["w0#0", "w1#0", "w2#0", "w0#0"]
+    assert cluster.worker.counts["ran here already"] == 1
+    assert cluster.worker.counts["recorded already"] == 1
 
 
 async def _until(done: Any) -> None:
@@ -331,3 +354,21 @@ def test_a_run_key_tells_apart_every_message_that_must_run_on_its_own() -> None:
     keys = [run_key(message) for message in [base, *others]]
     assert len(set(keys)) == len(keys), keys
     assert run_key(decode_task(encode(chunk))) == run_key(chunk)
+
+
+async def test_a_chunk_recorded_in_part_runs_its_members() -> None:
+    """A redelivered chunk goes unrun only when every member's output is recorded: one that
+    is not runs, with the rest (their outputs recorded again, the first kept)."""
+    cluster = _Cluster("given-back-chunk")
+    program = {"steps": [{"bag": [{"task": "work"}] * 3, "chunk": 3}]}
+    owner = (await cluster.router.submit(program, None, "w1")).shard
+    start = decode_shard_message(cluster.bus.shard.pop())
+    assert await cluster.transitions.apply(start, redelivered=False, shard=owner) == "applied"
+    [body] = cluster.bus.tasks
+    task = decode_task(body)
+    assert len(task.split()) == 3
+    recorded = await cluster.store.record(task.wf, task.path, 3, {0: '"done"'}, task.epoch)
+    assert recorded.verdict == "wait"
+    await cluster.worker.handle(Delivery(body, {}, redelivered=True), "q")
+    assert cluster.ran == ["w1#0"] * 3 and cluster.worker.counts["recorded already"] == 0
+    assert [r.kind for r in cluster.reports()] == ["next"]

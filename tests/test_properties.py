@@ -1136,7 +1136,8 @@ class Cluster(RuleBasedStateMachine):
             running = len(found.outputs) if found.verdict == "go" else running
         delivery = FakeDelivery(envelope)
         gate = asyncio.Event()
-        busy, ran = self.store.busy, self.worker.counts["ran here already"]
+        counts = self.worker.counts
+        busy, ran = self.store.busy, counts["ran here already"] + counts["recorded already"]
         self.gate, self.held, self.expect_held = gate, 0, running
         self.all_held.clear()
         try:
@@ -1151,11 +1152,13 @@ class Cluster(RuleBasedStateMachine):
         if handling.done():
             handling.result()  # raises what ended it early, if anything did
             # Not run at all: only a step its program has left (or its run: a redrive since)
-            # may be skipped, a task that found every slot of its key held (it waits), or a
-            # copy given back by the broker of a message this worker ran to its end.
+            # may be skipped, a task that found every slot of its key held (it waits), a copy
+            # given back by the broker of a message this worker ran to its end, or one whose
+            # outputs are recorded already (reported unrun).
             state = await self.store.at(task.wf, task.path)
             now = (state["status"], state["cursor"], int(state.get("epoch") or 0))
-            copy = self.worker.counts["ran here already"] > ran and self._reported(task)
+            unrun = counts["ran here already"] + counts["recorded already"] > ran
+            copy = unrun and self._reported(task)
             assert now != ("running", task.path, task.epoch) or self.store.busy > busy or copy, (
                 state
             )
@@ -1175,15 +1178,16 @@ class Cluster(RuleBasedStateMachine):
         return mark
 
     def _reported(self, task: TaskMessage) -> bool:
-        """Whether the task's outputs were recorded (a bag's members: the barrier owes the
-        report), or a report of its step (its run) was published: a copy acked unrun must
-        leave none owed."""
-        if {one.index or 0 for one in task.split()} <= self.store.recorded[(task.wf, task.path)]:
-            return True
+        """Whether a copy acked unrun left nothing owed: a bag's members recorded (its barrier
+        owes the report, or fired it), or a single task's `next` published, in its run."""
+        if task.index is not None:
+            members = {one.index or 0 for one in task.split()}
+            return members <= self.store.recorded[(task.wf, task.path)]
         for envelope in self.transport.published:
             if envelope.kind == "shard" and envelope.wf == task.wf:
                 report = json.loads(envelope.body)
-                if (report.get("path"), report.get("epoch", 0)) == (task.path, task.epoch):
+                mine = (report.get("path"), int(report.get("epoch") or 0))
+                if report.get("kind") == "next" and mine == (task.path, task.epoch):
                     return True
         return False
 

@@ -402,21 +402,28 @@ class Worker(Service):
         first; so would a publisher's retry, or a bundle's task sent on alone. (Another worker
         given it runs it again: at least once.) A program of the same id submitted again since
         (purged, or expired) is another: its created_ms tells."""
-        created: str | None = None
-        # Runs under way first (a remembered one may be a program of the same id before), and
-        # another copy may start a run when one ends unsettled.
+        # Runs under way first: a remembered one may be a program of the same id before.
+        created = await self._join(key, wf) or self._ran.get(key)
+        if created is None:
+            return False
+        now = (await self.store.state(wf)).get("created_ms")  # a copy's read only
+        if created != now and key in self._runs:  # the new program's run began meanwhile
+            created = await self._join(key, wf)
+        return created == now
+
+    async def _join(self, key: tuple[Any, ...], wf: str) -> str | None:
+        """Wait for the run of `key` under way here, if any: its program's created_ms once it
+        ran, settled with nothing withheld. Another copy may start a run when one ends
+        unsettled: waited for too, up to MAX_JOINS runs (then the copy runs beside)."""
         for _ in range(MAX_JOINS):
             running = self._runs.get(key)
             if running is None:
-                break
+                return None
             log.info("%s: %s: a copy of a task running here waits for that run", self.name, wf)
             created = await asyncio.shield(running)
             if created is not None:
-                break
-        created = created or self._ran.get(key)
-        if created is None:
-            return False
-        return (await self.store.state(wf)).get("created_ms") == created  # a copy's read only
+                return created
+        return None
 
     async def _run_once(
         self, key: tuple[Any, ...], task: TaskMessage, delivery: Delivery, source: str
@@ -724,11 +731,18 @@ class Worker(Service):
             tasks = await self._current(tasks, redelivered=redelivered)
             if not tasks:
                 return []
-        values = await self._values(tasks[0])  # a message's tasks share input and prev
-        items = await self._items(tasks)
-        if len(tasks) == 1:  # the common case, without gather's extra task
+        owed = redelivered or tasks[0].attempt > 0  # see the end
+        recorded = await self._recorded(tasks) if owed else None
+        outcomes: list[str | Failed | None]
+        if recorded is not None:
+            outcomes = list(recorded)
+        elif len(tasks) == 1:  # the common case, without gather's extra task
+            values = await self._values(tasks[0])
+            items = await self._items(tasks)
             outcomes = [await self._attempt(tasks[0], *values, items[0], lost)]
         else:
+            values = await self._values(tasks[0])  # a message's tasks share input and prev
+            items = await self._items(tasks)
             outcomes = await asyncio.gather(
                 *(
                     self._attempt(task, *values, item)
@@ -765,7 +779,6 @@ class Worker(Service):
         # Only a redelivered task may be the one whose report a crash cut short; or a retry:
         # a delivery of an earlier attempt recorded the step and died before its report, and
         # its owner heard only of another's failure.
-        owed = redelivered or task.attempt > 0
         _withheld(completion.verdict == "again" and not owed)
         if completion.verdict == "fire" or (completion.verdict == "again" and owed):
             if not completion.outputs:  # too large to carry: the owner reads them in Redis
@@ -775,6 +788,22 @@ class Worker(Service):
             output = joined if task.index is not None else joined[0]
             reports.append(Next(wf=task.wf, path=task.path, output=output, epoch=task.epoch))
         return reports
+
+    async def _recorded(self, tasks: list[TaskMessage]) -> list[str] | None:
+        """The outputs of a redelivered or retried message's tasks when each is recorded
+        already (a delivery recorded them and died before its report): none is run again,
+        and the report goes as a run's would (a handler that failed a second run failed the
+        program). Not for compensations and tasks of a step that names them: their record
+        is the saga's (lua/begin.lua)."""
+        first = tasks[0]
+        if first.undoable or is_saga(first.path):
+            return None
+        found = await self.store.leaf_outputs(first.wf, [(t.path, t.index) for t in tasks])
+        if any(text is None for text in found):
+            return None
+        self.counts["recorded already"] += len(tasks)
+        log.info("%s: task for %r recorded already: its report goes, unrun", first.wf, first.path)
+        return [text for text in found if text is not None]
 
     async def _record(self, task: TaskMessage, outputs: dict[int | None, str]) -> Completion:
         """Record a step's outputs; while Redis refuses writes (full) or is away, keep them and
