@@ -2727,16 +2727,27 @@ end""",
     # fails fails the program, its output recorded).
     "recorded-step-run-again": (
         "worker/pool.py",
-        "        recorded = await self._recorded(tasks) if owed else None\n",
-        "        recorded = None\n",
+        "        if not owed or first.undoable or is_saga(first.path):\n",
+        "        if True:\n",
         (RECORDED,),
     ),
-    # A step recorded in part is taken for recorded: a member that never ran is reported.
-    "recorded-in-part-taken-for-all": (
+    # A chunk recorded in part runs every member again (a recorded one's second run that
+    # fails fails the program).
+    "recorded-members-run-again": (
         "worker/pool.py",
-        "        if any(text is None for text in found):\n",
-        "        if all(text is None for text in found):\n",
+        "        return found\n",
+        "        return [None] * len(tasks) if None in found else found\n",
         ("tests/test_given_back.py::test_a_chunk_recorded_in_part_runs_its_members",),
+    ),
+    # A limited task whose step is recorded waits for a slot to report it.
+    "recorded-limited-waits-for-a-slot": (
+        "worker/pool.py",
+        "        if known[0] is not None:  # recorded already",
+        "        if False:",
+        (
+            "tests/test_given_back.py::"
+            "test_a_limited_task_whose_step_is_recorded_reports_it_without_a_slot",
+        ),
     ),
     # A reused id's task and its duplicate, come together, both find only the old program's
     # run in the memory: the second runs beside the first.

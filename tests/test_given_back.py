@@ -357,8 +357,8 @@ def test_a_run_key_tells_apart_every_message_that_must_run_on_its_own() -> None:
 
 
 async def test_a_chunk_recorded_in_part_runs_its_members() -> None:
-    """A redelivered chunk goes unrun only when every member's output is recorded: one that
-    is not runs, with the rest (their outputs recorded again, the first kept)."""
+    """A redelivered chunk runs only its members whose output is not recorded: one recorded
+    is not run again (a second run that failed would fail the program, its output recorded)."""
     cluster = _Cluster("given-back-chunk")
     program = {"steps": [{"bag": [{"task": "work"}] * 3, "chunk": 3}]}
     owner = (await cluster.router.submit(program, None, "w1")).shard
@@ -369,6 +369,24 @@ async def test_a_chunk_recorded_in_part_runs_its_members() -> None:
     assert len(task.split()) == 3
     recorded = await cluster.store.record(task.wf, task.path, 3, {0: '"done"'}, task.epoch)
     assert recorded.verdict == "wait"
+    cluster.fails = 1  # a second run of member 0 would fail ("already exists")
     await cluster.worker.handle(Delivery(body, {}, redelivered=True), "q")
-    assert cluster.ran == ["w1#0"] * 3 and cluster.worker.counts["recorded already"] == 0
+    assert cluster.ran == ["w1#0"] * 2 and cluster.worker.counts["recorded already"] == 1
+    assert [r.kind for r in cluster.reports()] == ["failed"]  # member 1's, which ran first
+    cluster.bus.shard.clear()
+    await cluster.worker.handle(Delivery(body, {}, redelivered=True), "q")  # its next try
     assert [r.kind for r in cluster.reports()] == ["next"]
+
+
+async def test_a_limited_task_whose_step_is_recorded_reports_it_without_a_slot() -> None:
+    """A redelivered limited task whose output is recorded needs no slot to report it: it
+    waited in the delay ladder while every slot was held, its `next` late by the backoff."""
+    cluster = _Cluster("given-back-limited")
+    task = decode_task(await cluster.start("w1"))
+    limited = task.model_copy(update={"limit": KeyLimit(key="k", max=1)})
+    assert (await cluster.store.acquire("k", "someone", 1, 30_000)).verdict == "acquired"
+    recorded = await cluster.store.record(task.wf, task.path, 1, {None: '"done"'}, task.epoch)
+    assert recorded.verdict == "fire"
+    await cluster.worker.handle(Delivery(encode(limited), {}, redelivered=True), "parallel")
+    assert cluster.ran == [] and [r.kind for r in cluster.reports()] == ["next"]
+    assert cluster.worker.counts["waited for a slot"] == 0

@@ -229,12 +229,13 @@ async def test_a_redelivered_task_that_waits_for_a_slot_still_reports_a_step_it_
     registry.add("t", handler)
     bus = _Bus()
     worker = Worker(Settings(), registry, pool="parallel", store=store, bus=bus)  # type: ignore[arg-type]
-    # The first delivery's run: recorded, then its worker died before it reported.
-    assert (await store.record("w", "0", 1, {None: json.dumps("done")})).verdict == "fire"
     for holder in ("a", "b"):
         assert (await store.acquire("k", holder, 2, 30_000)).verdict == "acquired"
     task = TaskMessage(wf="w", path="0", task="t", owner=0, limit=KeyLimit(key="k", max=2))
     assert await worker._limited(task, "parallel", redelivered=True) is None
+    # The first delivery's run (still holding its slot as this one came): recorded, then its
+    # worker died before it reported. (Recorded before, the copy reports at once, unrun.)
+    assert (await store.record("w", "0", 1, {None: json.dumps("done")})).verdict == "fire"
     [(_, body, _)] = bus.later
     await store.release("k", "a")
     reports = await worker._limited(decode_task(body), "parallel", redelivered=False)

@@ -618,6 +618,11 @@ class Worker(Service):
         redelivered = redelivered or limit.redelivered
         if not await self._current([task], redelivered=redelivered):
             return []
+        known = await self._recorded([task], redelivered or task.attempt > 0)
+        if known[0] is not None:  # recorded already: reported unrun, no slot needed for that
+            return await self.run_tasks(
+                [task], redelivered=redelivered, checked=True, carry=carry, known=known
+            )
         holder = limits.holder(task.wf, task.path, task.index)
         since = time.monotonic()  # the lease runs out a lease after this, at the earliest
         slot = await self.store.acquire(limit.key, holder, limit.max, self.lease_ms)
@@ -721,34 +726,37 @@ class Worker(Service):
         lost: asyncio.Event | None = None,
         checked: bool = False,
         carry: bool = False,
+        known: list[str | None] | None = None,
     ) -> list[Report]:
         """Run one message's tasks side by side and record their outputs in one call; the
         reports for the owner: failures, and `next` when this completed the step. `lost`: set
         when the slot a limited task holds is lost; `checked`: the step is known current;
         `carry`: the owner records a single task's output with its advance (messages.CARRY),
-        so it goes in `next` unrecorded."""
+        so it goes in `next` unrecorded; `known`: the tasks' recorded outputs, read already."""
         if not checked:
             tasks = await self._current(tasks, redelivered=redelivered)
             if not tasks:
                 return []
         owed = redelivered or tasks[0].attempt > 0  # see the end
-        recorded = await self._recorded(tasks) if owed else None
-        outcomes: list[str | Failed | None]
-        if recorded is not None:
-            outcomes = list(recorded)
-        elif len(tasks) == 1:  # the common case, without gather's extra task
-            values = await self._values(tasks[0])
-            items = await self._items(tasks)
-            outcomes = [await self._attempt(tasks[0], *values, items[0], lost)]
-        else:
-            values = await self._values(tasks[0])  # a message's tasks share input and prev
-            items = await self._items(tasks)
-            outcomes = await asyncio.gather(
-                *(
-                    self._attempt(task, *values, item)
-                    for task, item in zip(tasks, items, strict=True)
+        # A task whose output is recorded already is not run again: its text goes on.
+        if known is None:
+            known = await self._recorded(tasks, owed)
+        outcomes: list[str | Failed | None] = list(known)
+        todo = [task for task, known in zip(tasks, outcomes, strict=True) if known is None]
+        if todo:
+            values = await self._values(todo[0])  # a message's tasks share input and prev
+            items = await self._items(todo)
+            if len(todo) == 1:  # the common case, without gather's extra task
+                ran = [await self._attempt(todo[0], *values, items[0], lost)]
+            else:
+                ran = await asyncio.gather(
+                    *(
+                        self._attempt(task, *values, item)
+                        for task, item in zip(todo, items, strict=True)
+                    )
                 )
-            )
+            done = iter(ran)
+            outcomes = [next(done) if known is None else known for known in outcomes]
         reports: list[Report] = [outcome for outcome in outcomes if isinstance(outcome, Failed)]
         # A failed run leaves a copy its own try: another delivery of the task may have
         # recorded the step and died before its report, which the copy owes.
@@ -772,7 +780,7 @@ class Worker(Service):
         if completion.verdict == "invalid":
             raise Poison(f"{task.wf}: {', '.join(completion.outputs) or 'no such program'}")
         self.counts[completion.verdict] += len(outputs)
-        metrics.recorded(completion.verdict, redelivered=redelivered)
+        metrics.recorded(completion.verdict, redelivered=owed)
         if completion.verdict == "late":  # its compensations may begin now (lua/begin.lua)
             reports.append(Start(wf=task.wf))
             return reports
@@ -789,21 +797,21 @@ class Worker(Service):
             reports.append(Next(wf=task.wf, path=task.path, output=output, epoch=task.epoch))
         return reports
 
-    async def _recorded(self, tasks: list[TaskMessage]) -> list[str] | None:
-        """The outputs of a redelivered or retried message's tasks when each is recorded
-        already (a delivery recorded them and died before its report): none is run again,
-        and the report goes as a run's would (a handler that failed a second run failed the
-        program). Not for compensations and tasks of a step that names them: their record
-        is the saga's (lua/begin.lua)."""
+    async def _recorded(self, tasks: list[TaskMessage], owed: bool) -> list[str | None]:
+        """Each task's output where a redelivered or retried (`owed`) message's is recorded
+        already (a delivery recorded it and died before its report), else None: such a task is
+        not run again, and the report goes as a run's would (a handler that failed a second
+        run failed the program). Not for compensations and tasks of a step that names them:
+        their record is the saga's (lua/begin.lua)."""
         first = tasks[0]
-        if first.undoable or is_saga(first.path):
-            return None
+        if not owed or first.undoable or is_saga(first.path):
+            return [None] * len(tasks)
         found = await self.store.leaf_outputs(first.wf, [(t.path, t.index) for t in tasks])
-        if any(text is None for text in found):
-            return None
-        self.counts["recorded already"] += len(tasks)
-        log.info("%s: task for %r recorded already: its report goes, unrun", first.wf, first.path)
-        return [text for text in found if text is not None]
+        known = sum(text is not None for text in found)
+        if known:
+            self.counts["recorded already"] += known
+            log.info("%s: %d task(s) of %r recorded already: unrun", first.wf, known, first.path)
+        return found
 
     async def _record(self, task: TaskMessage, outputs: dict[int | None, str]) -> Completion:
         """Record a step's outputs; while Redis refuses writes (full) or is away, keep them and
