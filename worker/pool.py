@@ -742,7 +742,7 @@ class Worker(Service):
         if known is None:
             known = await self._recorded(tasks, owed)
         outcomes: list[str | Failed | None] = list(known)
-        todo = [task for task, known in zip(tasks, outcomes, strict=True) if known is None]
+        todo = [task for task, text in zip(tasks, known, strict=True) if text is None]
         if todo:
             values = await self._values(todo[0])  # a message's tasks share input and prev
             items = await self._items(todo)
@@ -756,7 +756,7 @@ class Worker(Service):
                     )
                 )
             done = iter(ran)
-            outcomes = [next(done) if known is None else known for known in outcomes]
+            outcomes = [next(done) if text is None else text for text in known]
         reports: list[Report] = [outcome for outcome in outcomes if isinstance(outcome, Failed)]
         # A failed run leaves a copy its own try: another delivery of the task may have
         # recorded the step and died before its report, which the copy owes.
