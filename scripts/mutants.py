@@ -2642,14 +2642,14 @@ end""",
     ),
     # A copy the broker gave back runs a second handler beside the run under way.
     "given-back-runs-beside": (
-        "worker/pool.py",
+        "worker/runs.py",
         "            running = self._runs.get(key)\n",
         "            running = None\n",
         (GIVEN_BACK,),
     ),
     # A copy given back after its run ended runs again.
     "given-back-after-the-run-runs": (
-        "worker/pool.py",
+        "worker/runs.py",
         "        created = await self._join(key, wf) or self._ran.get(key)\n",
         "        created = await self._join(key, wf)\n",
         (
@@ -2660,9 +2660,9 @@ end""",
     # A task sent back to wait for a slot is remembered as run: at the waits' cap, the message
     # back from its wait is taken for a copy, acked, and the program waits for good.
     "slot-wait-remembered-as-run": (
-        "worker/pool.py",
-        "            kept = run.created_ms if settled and not run.withheld else None\n",
-        "            kept = run.created_ms if not run.withheld else None\n",
+        "worker/runs.py",
+        "            kept = noted.created_ms if settled and not noted.withheld else None\n",
+        "            kept = noted.created_ms if not noted.withheld else None\n",
         (
             GIVEN_BACK_MODEL
             + "test_a_task_sent_back_to_wait_for_a_slot_is_not_taken_for_one_that_ran",
@@ -2672,7 +2672,7 @@ end""",
     # run: the flagged copy that owes the `next` is acked unrun, and the program waits.
     "withheld-report-ignored": (
         "worker/pool.py",
-        '        _withheld(completion.verdict == "again" and not owed)\n',
+        '        note_withheld(completion.verdict == "again" and not owed)\n',
         "",
         (
             GIVEN_BACK_MODEL + "test_a_copy_runs_when_the_run_here_withheld_the_report_it_owes",
@@ -2682,8 +2682,8 @@ end""",
     ),
     # A program of a reused id (purged, submitted again) is taken for the old one.
     "reused-id-taken-for-the-old": (
-        "worker/pool.py",
-        '        now = (await self.store.state(wf)).get("created_ms")  # a copy\'s read only\n',
+        "worker/runs.py",
+        "        now = await self._created(wf)  # a copy's read only\n",
         "        now = created\n",
         (GIVEN_BACK_MODEL + "test_a_workflow_id_submitted_again_runs_its_task",),
     ),
@@ -2691,20 +2691,20 @@ end""",
     # runs again from the bundle's first try.
     "only-flagged-copies-looked-for": (
         "worker/pool.py",
-        "            if await self._ran_here(key, task.wf):\n",
-        "            if redelivered(delivery) and await self._ran_here(key, task.wf):\n",
+        "            if await self.runs.ran_here(key, task.wf):\n",
+        "            if redelivered(delivery) and await self.runs.ran_here(key, task.wf):\n",
         (GIVEN_BACK_MODEL + "test_a_bundle_given_back_runs_each_task_once_here",),
     ),
     # The memory of runs grows for good.
     "runs-kept-unbounded": (
-        "worker/pool.py",
+        "worker/runs.py",
         "                    self._ran.popitem(last=False)\n",
         "                    pass\n",
         (GIVEN_BACK_MODEL + "test_the_memory_of_runs_is_bounded",),
     ),
     # The key leaves out the program's run (a redrive's task taken for the run before's).
     "given-back-key-without-epoch": (
-        "worker/pool.py",
+        "worker/runs.py",
         "        task.epoch,\n        task.path,\n",
         "        0,\n        task.path,\n",
         (GIVEN_BACK_MODEL + "test_a_run_key_tells_apart_every_message_that_must_run_on_its_own",),
@@ -2712,7 +2712,7 @@ end""",
     # A failed run is remembered: a flagged copy that owes another delivery's `next` is acked.
     "failed-run-remembered": (
         "worker/pool.py",
-        "        _withheld(bool(reports))\n",
+        "        note_withheld(bool(reports))\n",
         "",
         (GIVEN_BACK_MODEL + "test_a_copy_runs_when_the_run_here_failed",),
     ),
@@ -2752,7 +2752,7 @@ end""",
     # A reused id's task and its duplicate, come together, both find only the old program's
     # run in the memory: the second runs beside the first.
     "reused-id-runs-beside": (
-        "worker/pool.py",
+        "worker/runs.py",
         "        if created != now and key in self._runs:",
         "        if False:",
         (GIVEN_BACK_MODEL + "test_a_copy_of_a_reused_ids_task_waits_for_its_run_under_way",),
@@ -2766,7 +2766,7 @@ end""",
     ),
     # The key leaves out the attempt: a retry redelivered is taken for a copy of the first.
     "given-back-key-without-attempt": (
-        "worker/pool.py",
+        "worker/runs.py",
         "        task.attempt,\n        task.index,\n",
         "        0,\n        task.index,\n",
         (GIVEN_BACK_MODEL + "test_a_copy_given_back_after_its_run_ended_is_acked_and_not_run",),

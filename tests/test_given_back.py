@@ -1,5 +1,5 @@
 """A task message the broker gives back to the worker that ran it (its connection dropped):
-what the worker remembers of its runs (Worker._ran_here), over the model of the scripts. The
+what the worker remembers of its runs (worker/runs.py), over the model of the scripts. The
 copy that comes while the run goes on is tested on a real broker (tests/test_pools.py)."""
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from orchestrator.settings import Settings
 from orchestrator.transitions import Transitions
 from router.client import Router
 from tests.test_carry import Bus, Counting, Delivery
-from worker import pool
-from worker.pool import Worker, run_key
+from worker import runs
+from worker.pool import Worker
 from worker.registry import Registry
+from worker.runs import run_key
 
 ONE = {"steps": [{"task": "work", "retry": {"max_attempts": 3, "backoff_s": 0}}]}
 
@@ -307,7 +308,7 @@ async def test_a_task_sent_back_to_wait_for_a_slot_is_not_taken_for_one_that_ran
 
 
 async def test_the_memory_of_runs_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pool, "RUNS_KEPT", 2)
+    monkeypatch.setattr(runs, "RUNS_KEPT", 2)
     cluster = _Cluster("given-back-bounded")
     bodies = [await cluster.start(f"w{n}") for n in range(3)]
     for body in bodies:

@@ -71,8 +71,9 @@ from tests.model import (
     with_limits,
 )
 from worker.context import TaskContext
-from worker.pool import Worker, run_key
+from worker.pool import Worker
 from worker.registry import Registry
+from worker.runs import run_key
 
 MAX_IN_FLIGHT = 300
 LIVE = ("pending", "running", "compensating")
@@ -423,7 +424,7 @@ class Cluster(RuleBasedStateMachine):
         )
         # Another worker: it handles the copies of a task delivered while the first holds
         # that task's handlers (_while_running). At the first, a copy would wait for the run
-        # it holds (Worker._ran_here), which waits for this machine to go on.
+        # it holds (worker/runs.py), which waits for this machine to go on.
         self.second = Worker(
             settings, registry, pool="parallel", store=self.store, bus=self.transport
         )

@@ -6,17 +6,14 @@ import asyncio
 import contextlib
 import copy
 import functools
-import hashlib
 import json
 import logging
 import math
 import re
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -60,6 +57,7 @@ from orchestrator.store import TERMINAL, Completion, Store
 from worker.context import TaskContext
 from worker.fair import FairSlots
 from worker.registry import Registry, UnknownTask
+from worker.runs import Runs, note_created, note_withheld, run_key
 from worker.threads import HandlerThreads
 
 log = logging.getLogger(__name__)
@@ -91,28 +89,6 @@ RELEASE_WAIT_S = 5.0
 # parked: an owner declares its queue again about a second after it was deleted.
 REPORT_TRIES = 6
 REPORT_RETRY_S = 1.0
-
-# A message the broker gave back while this worker ran it (the connection it came on dropped)
-# is not run again here: the copy waits for the run under way, or, once that run has ended with
-# its reports confirmed, is known by this many of the last runs (_ran_here).
-RUNS_KEPT = 4096
-# A copy waits for at most this many runs of its task in turn (each ended unsettled): a bound,
-# not a count one meets.
-MAX_JOINS = 3
-
-
-@dataclass
-class _Run:
-    """What a copy of a task message needs to know of the run of it here."""
-
-    created_ms: str | None = None  # its program's, read as its task was checked
-    # A report a redelivered run would send went unsent (a step recorded already: `again`),
-    # or a task failed: a copy may owe a report (the delivery that recorded the step and
-    # lost its report).
-    withheld: bool = False
-
-
-_RUN: ContextVar[_Run | None] = ContextVar("shardflow_worker_run", default=None)
 
 # A Start to a compensating program's owner: a late report, its compensations may begin.
 Report = Next | Failed | Start
@@ -171,10 +147,7 @@ class Worker(Service):
         # Each running handler's: done when its program ended (cancel_program).
         self._stops: dict[asyncio.Task[Any], asyncio.Future[None]] = {}
         self._control: Deliveries | None = None  # the control consumer started last
-        # Task messages running here, each done with its program's created_ms once it ran to
-        # its end, reports confirmed and none withheld (else None); the last RUNS_KEPT so run.
-        self._runs: dict[tuple[Any, ...], asyncio.Future[str | None]] = {}
-        self._ran: OrderedDict[tuple[Any, ...], str] = OrderedDict()
+        self.runs = Runs(self._created, self.name)  # copies given back are not run twice
 
     async def run(self) -> None:
         metrics.WORKER_SLOTS.labels(self.pool).set(self.concurrency)
@@ -388,67 +361,12 @@ class Worker(Service):
             await self._hold_lane(task, before=True)
         with self._holding(task.wf):
             key = run_key(task)
-            if await self._ran_here(key, task.wf):
+            if await self.runs.ran_here(key, task.wf):
                 self.counts["ran here already"] += 1
                 metrics.DUPLICATES.labels("worker").inc()
                 log.info("%s: task for %r ran here already: not run again", task.wf, task.path)
                 return
-            await self._run_once(key, task, delivery, source)
-
-    async def _ran_here(self, key: tuple[Any, ...], wf: str) -> bool:
-        """Whether this worker ran the task message to its end, reports confirmed, or runs it
-        now (waited for: its outcome). The broker gives a message back when the connection it
-        came on drops, and this worker, connected again, would run a second handler beside the
-        first; so would a publisher's retry, or a bundle's task sent on alone. (Another worker
-        given it runs it again: at least once.) A program of the same id submitted again since
-        (purged, or expired) is another: its created_ms tells."""
-        # Runs under way first: a remembered one may be a program of the same id before.
-        created = await self._join(key, wf) or self._ran.get(key)
-        if created is None:
-            return False
-        now = (await self.store.state(wf)).get("created_ms")  # a copy's read only
-        if created != now and key in self._runs:  # the new program's run began meanwhile
-            created = await self._join(key, wf)
-        return created == now
-
-    async def _join(self, key: tuple[Any, ...], wf: str) -> str | None:
-        """Wait for the run of `key` under way here, if any: its program's created_ms once it
-        ran, settled with nothing withheld. Another copy may start a run when one ends
-        unsettled: waited for too, up to MAX_JOINS runs (then the copy runs beside)."""
-        for _ in range(MAX_JOINS):
-            running = self._runs.get(key)
-            if running is None:
-                return None
-            log.info("%s: %s: a copy of a task running here waits for that run", self.name, wf)
-            created = await asyncio.shield(running)
-            if created is not None:
-                return created
-        return None
-
-    async def _run_once(
-        self, key: tuple[Any, ...], task: TaskMessage, delivery: Delivery, source: str
-    ) -> None:
-        """_run_held, known to copies by `key` while it runs and, once it ran, after."""
-        if key in self._runs:  # copies past MAX_JOINS: run beside, unknown to others
-            await self._run_held(task, delivery, source)
-            return
-        run, settled = _Run(), False
-        self._runs[key] = asyncio.get_running_loop().create_future()
-        token = _RUN.set(run)
-        try:
-            settled = await self._run_held(task, delivery, source)
-        finally:
-            _RUN.reset(token)
-            # One sent back to wait is not kept: its waits, which tell it apart, stop counting
-            # at limits.MAX_WAITS. Nor is one of a step that names compensations (lua/begin.lua
-            # reads no created_ms): it runs again.
-            kept = run.created_ms if settled and not run.withheld else None
-            self._runs.pop(key).set_result(kept)
-            if kept is not None:
-                self._ran[key] = kept
-                self._ran.move_to_end(key)  # kept again: the newest
-                if len(self._ran) > RUNS_KEPT:
-                    self._ran.popitem(last=False)
+            await self.runs.once(key, functools.partial(self._run_held, task, delivery, source))
 
     @contextlib.contextmanager
     def _holding(self, wf: str) -> Iterator[None]:
@@ -513,6 +431,10 @@ class Worker(Service):
                 log.warning("%s: its report returned by shard %d", task.wf, task.owner)
                 await asyncio.sleep(REPORT_RETRY_S)
 
+    async def _created(self, wf: str) -> str | None:
+        """The program's created_ms now (runs.Runs tells a reused id's program by it)."""
+        return (await self.store.state(wf)).get("created_ms")
+
     async def _current(
         self, tasks: list[TaskMessage], *, redelivered: bool = False
     ) -> list[TaskMessage]:
@@ -548,9 +470,7 @@ class Worker(Service):
                 f"{tasks[0].wf}: reports to shard {tasks[0].owner}, but its owner is shard "
                 f"{state.get('owner')}"
             )
-        run = _RUN.get()
-        if run is not None:
-            run.created_ms = state.get("created_ms")
+        note_created(state.get("created_ms"))
         return tasks
 
     async def _gone(self, tasks: list[TaskMessage]) -> list[TaskMessage]:
@@ -760,7 +680,7 @@ class Worker(Service):
         reports: list[Report] = [outcome for outcome in outcomes if isinstance(outcome, Failed)]
         # A failed run leaves a copy its own try: another delivery of the task may have
         # recorded the step and died before its report, which the copy owes.
-        _withheld(bool(reports))
+        note_withheld(bool(reports))
         outputs = {
             t.index: out for t, out in zip(tasks, outcomes, strict=True) if isinstance(out, str)
         }
@@ -787,7 +707,7 @@ class Worker(Service):
         # Only a redelivered task may be the one whose report a crash cut short; or a retry:
         # a delivery of an earlier attempt recorded the step and died before its report, and
         # its owner heard only of another's failure.
-        _withheld(completion.verdict == "again" and not owed)
+        note_withheld(completion.verdict == "again" and not owed)
         if completion.verdict == "fire" or (completion.verdict == "again" and owed):
             if not completion.outputs:  # too large to carry: the owner reads them in Redis
                 reports.append(Next(wf=task.wf, path=task.path, stored=True, epoch=task.epoch))
@@ -1007,33 +927,6 @@ class Worker(Service):
             await asyncio.wait(set(self._left))
         await self.threads.settled()
         log.info("%s: %s %s: the handler returned; the lane goes on", self.name, task.wf, task.path)
-
-
-def _withheld(withheld: bool) -> None:
-    """Note that this run sent no report where a redelivered one would have, or failed."""
-    run = _RUN.get()
-    if withheld and run is not None:
-        run.withheld = True
-
-
-def run_key(task: TaskMessage) -> tuple[Any, ...]:
-    """What tells a task message's run from any other's: a retry, a redrive's run, a loop's
-    iteration, a bag's other members, a wait for a slot each differ in it."""
-    members = b""
-    if task.batch:  # up to MAX_BAG indexes: a digest keeps the key small
-        indexes = ",".join(str(slot.index) for slot in task.batch).encode()
-        members = hashlib.blake2b(indexes, digest_size=16).digest()
-    waits = -1 if task.limit is None else task.limit.waits
-    return (
-        task.wf,
-        task.epoch,
-        task.path,
-        task.iteration,
-        task.attempt,
-        task.index,
-        members,
-        waits,
-    )
 
 
 def _retrieved(call: asyncio.Future[Any]) -> None:
