@@ -305,15 +305,22 @@ async def serving(
         rabbitmq_down=lambda: bus.down_reason,
     )
     try:
-        server = serve(application(health), settings.metrics_addr, settings.metrics_port)
+        server: WSGIServer | None = serve(
+            application(health), settings.metrics_addr, settings.metrics_port
+        )
     except OSError as exc:
         # Not fatal: the work goes on; the probes of a pod (or a scrape) will say so.
         log.error(
-            "cannot serve metrics and health on %s:%d: %s",
+            "cannot serve metrics and health on %s:%d (%s): running on without them; set "
+            "SHARDFLOW_METRICS_PORT (--metrics-port) to a free port, or 0 for none",
             settings.metrics_addr,
             settings.metrics_port,
-            exc,
+            exc.strerror or exc,
         )
+        server = None
+    if server is None:
+        # Yielded outside the except clause: an error of the block would otherwise carry
+        # the bind's OSError as its context ("During handling of ... Address already in use").
         yield None
         return
     log.info("serving /metrics, /livez, /healthz, /readyz on port %d", server.server_port)

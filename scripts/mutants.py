@@ -2764,6 +2764,15 @@ end""",
         "    now = time.time() * 1000\n",
         ("tests/test_explain.py::test_explain_reads_now_on_redis_clock_not_its_own",),
     ),
+    # A taken metrics port's OSError becomes the context of any later error of the service.
+    "metrics-port-error-chained": (
+        "orchestrator/health.py",
+        "        server = None\n    if server is None:\n",
+        "        server = None\n        yield None\n        return\n    if server is None:\n",
+        (
+            "tests/test_metrics_port_taken.py::test_serving_on_a_taken_port_yields_none_and_chains_nothing",
+        ),
+    ),
     # The key leaves out the attempt: a retry redelivered is taken for a copy of the first.
     "given-back-key-without-attempt": (
         "worker/runs.py",
