@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import socket
@@ -310,12 +311,18 @@ async def serving(
         )
     except OSError as exc:
         # Not fatal: the work goes on; the probes of a pod (or a scrape) will say so.
+        choose = (
+            "SHARDFLOW_METRICS_PORT (--metrics-port) to a free port"
+            if exc.errno == errno.EADDRINUSE
+            else "SHARDFLOW_METRICS_ADDR to an address of this host, and the port to one it may use"
+        )
         log.error(
-            "cannot serve metrics and health on %s:%d (%s): running on without them; set "
-            "SHARDFLOW_METRICS_PORT (--metrics-port) to a free port, or 0 for none",
+            "cannot serve metrics and health on %s:%d (%s): running on without them; set %s, "
+            "or the port to 0 for none",
             settings.metrics_addr,
             settings.metrics_port,
             exc.strerror or exc,
+            choose,
         )
         server = None
     if server is None:
