@@ -642,7 +642,8 @@ async def _shard(store: Store, bus: Bus | None, shard: int) -> dict[str, Any]:
 
 async def _lane(store: Store, wf: str, pool: str = SERIAL) -> dict[str, Any] | None:
     """Who holds a serial lane: the lane's task started last, if its program still waits for
-    it (its cursor is still there); else the lane is free."""
+    it (its cursor is still there) and it does not wait for its retry; else the lane is
+    free."""
     client = redis_of(store)
     if client is None:
         return None
@@ -654,6 +655,12 @@ async def _lane(store: Store, wf: str, pool: str = SERIAL) -> dict[str, Any] | N
     # the cursor the lane's task ran at: the program's, or its branch's (`2/branch:1/0`)
     state = await store.at(holder, path) if holder else {}
     if state.get("status") != "running" or state.get("cursor") != path:
+        return {"held": False}
+    # A run that failed and waits for its retry holds nothing: the retry marks the lane
+    # again as it starts, after it is due.
+    found: str | None = await client.hget(store.keys.attempts(holder), path)  # type: ignore[misc,assignment]
+    retry = _mark(found or "")
+    if retry is not None and since is not None and (retry["due_ms"] or 0) > since:
         return {"held": False}
     return {
         "held": True,

@@ -2773,6 +2773,13 @@ end""",
             "tests/test_metrics_port_taken.py::test_serving_on_a_taken_port_yields_none_and_chains_nothing",
         ),
     ),
+    # explain calls the lane held by a task whose run failed and waits for its retry.
+    "lane-held-through-retry": (
+        "router/explain.py",
+        '    if retry is not None and since is not None and (retry["due_ms"] or 0) > since:',
+        "    if False:",
+        ("tests/test_explain.py::test_a_program_waiting_for_a_retry",),
+    ),
     # The key leaves out the attempt: a retry redelivered is taken for a copy of the first.
     "given-back-key-without-attempt": (
         "worker/runs.py",

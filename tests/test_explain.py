@@ -99,6 +99,9 @@ async def test_a_program_waiting_for_a_retry(cluster: Router) -> None:
     text = explain_text(report)
     assert "attempt 1 failed: RuntimeError: attempt 0 fails" in text
     assert "retry due at" in text
+    # Its failed run left the lane: another program's serial task may run meanwhile.
+    assert report["lane"] == {"held": False}, report["lane"]
+    assert "Serial lane: free." in text
     await cluster.cancel(wf)
 
 
