@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import re
+from collections.abc import Mapping
 from typing import Literal
 from urllib.parse import SplitResult, urlsplit
 
@@ -174,3 +176,39 @@ class Settings(BaseSettings):
         if not _PREFIX.match(value):
             raise ValueError("must be 1-32 of a-z, 0-9, '_' or '-', starting with a letter")
         return value
+
+
+# SHARDFLOW_* names read outside Settings: the CLI's log level, and this repository's test,
+# benchmark and packaging scripts (prefixes end in '_').
+OTHER_VARIABLES = (
+    "SHARDFLOW_LOG_LEVEL",
+    "SHARDFLOW_TEST_",
+    "SHARDFLOW_FAULT_",
+    "SHARDFLOW_FUZZ_EXAMPLES",
+    "SHARDFLOW_BASE_IMAGE",
+    "SHARDFLOW_HELM",
+    "SHARDFLOW_PODMAN_NO_INSTALL",
+    "SHARDFLOW_TIMELINE_OUT",
+)
+MAX_UNKNOWN_SAID = 5  # names warned of, at most: the environment is anyone's
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A line for each SHARDFLOW_* name no setting reads (a typo leaves its setting at the
+    default: `SHARDFLOW_PREFX` keeps prefix `sf`, another cluster's), with the nearest name."""
+    known = [f"SHARDFLOW_{name.upper()}" for name in Settings.model_fields]
+    said: list[str] = []
+    for name in sorted(environ):
+        upper = name.upper()  # pydantic-settings reads names case-insensitively
+        if not upper.startswith("SHARDFLOW_") or upper in known:
+            continue
+        if any(upper.startswith(other) for other in OTHER_VARIABLES):
+            continue
+        if len(said) == MAX_UNKNOWN_SAID:
+            said.append("and more SHARDFLOW_* variables that no setting reads")
+            break
+        shown = ascii(name[:60])[1:-1]
+        close = difflib.get_close_matches(upper[:60], known, n=1, cutoff=0.75)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        said.append(f"{shown} is no setting{hint}: ignored")
+    return said

@@ -58,10 +58,11 @@ def where(
         before = program.steps[number - 1]
         if not isinstance(before, Task | Bag | Map | Sleep | Signal):
             kind = type(before).__name__.lower()
+            article = "an" if kind[0] in "aeiou" else "a"
             raise RedriveError(
-                f"--from {number}: step {number - 1} before it is a {kind}, whose output is not "
-                "kept as one value; redrive from its failed step, or from a step that follows "
-                "a task, a bag, a map, a sleep or a signal"
+                f"--from {number}: step {number - 1} before it is {article} {kind}, whose output "
+                "is not kept as one value; redrive from its failed step, or from a step that "
+                "follows a task, a bag, a map, a sleep or a signal"
             )
         prior = str(number - 1)
     return str(number), prior, everything[number:]

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
+from urllib.parse import urlsplit
 
 import uvloop
 from pydantic import ValidationError
@@ -57,7 +58,7 @@ from orchestrator.program import (
     program_schema,
 )
 from orchestrator.redis_store import RedisStore
-from orchestrator.settings import MAX_SHARDS, Settings
+from orchestrator.settings import MAX_SHARDS, Settings, unknown_variables
 from orchestrator.store import TERMINAL, Store
 from router.client import Router, Submitted
 from router.dead_letters import death_reason, parked_at, parked_before, sent_back
@@ -155,6 +156,7 @@ def _parser() -> argparse.ArgumentParser:
         "--shards",
         required=True,
         type=_shard_list,
+        metavar="0,1,...",
         help=f"which shards to own, e.g. 0,1 (numbers from 0 to {MAX_SHARDS - 1})",
     )
 
@@ -204,7 +206,9 @@ def _parser() -> argparse.ArgumentParser:
         "The same --id with the same program and input is the same program, not a second.",
     )
     submit.add_argument("program", type=Path, help="program JSON file ('-' for stdin)")
-    submit.add_argument("--input", default="null", help="the program's input, as JSON")
+    submit.add_argument(
+        "--input", default="null", metavar="JSON", help="the program's input, as JSON (null)"
+    )
     submit.add_argument("--id", help="workflow id (default: a new random id)")
     submit.add_argument(
         "--priority",
@@ -247,9 +251,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     signal.add_argument("id", help="the workflow id")
     signal.add_argument("name", help="the signal's name, as its step names it")
-    signal.add_argument("--data", default="null", help="the signal's data, as JSON (64 KiB)")
+    signal.add_argument(
+        "--data", default="null", metavar="JSON", help="the signal's data, as JSON (64 KiB)"
+    )
     signal.add_argument(
         "--signal-id",
+        metavar="SID",
         help="an id for this signal: sending the same id again is no second signal (for retries)",
     )
 
@@ -290,7 +297,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="STEP",
         help="run again from this top-level step number instead (at most the one it stopped "
         "in; every step from there on runs again); the step before it must be a task, a bag, "
-        "a map or a sleep",
+        "a map, a sleep or a signal",
     )
 
     purge = commands.add_parser(
@@ -465,6 +472,7 @@ def _metrics_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-port",
         type=_port,
+        metavar="P",
         help="serve /metrics, /livez, /healthz, /readyz on this port; 0: none "
         "(default: SHARDFLOW_METRICS_PORT, else 9464)",
     )
@@ -497,7 +505,9 @@ def _inspection_commands(commands: Any) -> None:
     listing.add_argument(
         "--since", type=_duration, metavar="DURATION", help="created in the last 90s, 15m, 2h, 7d"
     )
-    listing.add_argument("--limit", type=_limit, default=DEFAULT_LIMIT, help="at most N (50)")
+    listing.add_argument(
+        "--limit", type=_limit, default=DEFAULT_LIMIT, metavar="N", help="at most N (50)"
+    )
     listing.add_argument("--before", metavar="CURSOR", help="the next page, as printed on stderr")
     listing.add_argument("--json", action="store_true", help="one JSON object per line")
     explain = commands.add_parser(
@@ -576,6 +586,11 @@ def main(argv: list[str] | None = None) -> NoReturn:
         # of it (an error, "reconnecting") would only repeat it.
         for name in ("aiormq", "aio_pika"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+    for line in unknown_variables(os.environ):  # a typo would leave its setting's default
+        if args.command in LONG_RUNNING:
+            log.warning("%s", line)
+        else:
+            print(f"shardflow: warning: {line}", file=sys.stderr)
     try:
         _check_text(args)
         overrides: dict[str, Any] = {}
@@ -862,6 +877,8 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
             print(f"shardflow: {BROKER_SLOW}; {wf} is recorded, and starts once RabbitMQ takes "
                   "its start (or the owner's sweep starts it)", file=sys.stderr)  # fmt: skip
             submitted = Submitted(wf, shard_for(wf, settings.shards), False, "pending")
+        else:
+            _say_not_created(submitted)
         if not args.wait:
             _print(submitted.workflow_id)
             return 0
@@ -891,6 +908,35 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
     if saga.get("error"):  # a compensation failed too (or was stopped)
         error = f"{error}; {clean(saga['error'], 2000)}"
     raise CliError(f"program {status['status']}: {error}", EXIT_FAILED)
+
+
+def _no_program(settings: Settings, wf: str) -> CliError:
+    """No such program, and where it was looked for: a prefix or a Redis database left unset
+    (another cluster's) is the likeliest cause. Host, port and database only: never the URL,
+    which may hold a password."""
+    parts = urlsplit(settings.redis_url)
+    if parts.scheme == "unix":
+        where = parts.path
+    else:
+        where = f"{parts.hostname}:{parts.port or 6379}"
+        if not settings.redis_cluster:
+            where += f"/{parts.path.strip('/') or 0}"
+    return CliError(f"no program {wf!r} (prefix {settings.prefix!r}, Redis {where})", EXIT_FAILED)
+
+
+def _say_not_created(submitted: Submitted) -> None:
+    """A script without --wait saw only the id: that nothing ran goes to stderr."""
+    if submitted.created:
+        return
+    wf, status = clean(submitted.workflow_id, 200), submitted.status
+    if status in TERMINAL:
+        said = (
+            f"{wf} exists already and ended {status}: not started again "
+            "(`shardflow redrive` runs a failed or cancelled one again)"
+        )
+    else:
+        said = f"{wf} exists already ({status}): not submitted again"
+    print(f"shardflow: note: {said}", file=sys.stderr)
 
 
 # A program still pending this long after `submit --wait` sent it, on a shard no orchestrator
@@ -969,7 +1015,7 @@ async def _status(settings: Settings, args: argparse.Namespace) -> int:
     finally:
         await store.close()
     if status is None:
-        raise CliError(f"no program {args.id!r}", EXIT_FAILED)
+        raise _no_program(settings, args.id)
     _print(json.dumps(status, indent=2))
     return 0
 
@@ -1026,7 +1072,7 @@ async def _explain(settings: Settings, args: argparse.Namespace) -> int:
     finally:
         await store.close()
     if report is None:
-        raise CliError(f"no program {args.id!r}", EXIT_FAILED)
+        raise _no_program(settings, args.id)
     _print(json.dumps(report, indent=2) if args.json else explain_text(report))
     return 0
 
@@ -1048,8 +1094,8 @@ async def _signal(settings: Settings, args: argparse.Namespace) -> int:
                 f"{BROKER_SLOW}; the signal is kept if the program waits for it ({again})",
                 EXIT_UNAVAILABLE,
             ) from None
-        except LookupError as exc:
-            raise CliError(str(exc), EXIT_FAILED) from None
+        except LookupError:
+            raise _no_program(settings, args.id) from None
         except ValueError as exc:
             raise CliError(str(exc), EXIT_USAGE) from None
     _print(json.dumps(sent))
@@ -1072,8 +1118,8 @@ async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
                 "notice that stops its running tasks goes once RabbitMQ takes it",
                 EXIT_UNAVAILABLE,
             ) from None
-        except LookupError as exc:
-            raise CliError(str(exc), EXIT_FAILED) from None
+        except LookupError:
+            raise _no_program(settings, args.id) from None
     if "note" in status:  # a person may miss it in the JSON
         print(f"shardflow: {status['note']}", file=sys.stderr)
     _print(json.dumps(status, indent=2))
@@ -1092,8 +1138,8 @@ async def _redrive(settings: Settings, args: argparse.Namespace) -> int:
                 "owner's sweep starts it",
                 EXIT_UNAVAILABLE,
             ) from None
-        except LookupError as exc:
-            raise CliError(str(exc), EXIT_FAILED) from None
+        except LookupError:
+            raise _no_program(settings, args.id) from None
         except RedriveError as exc:
             raise CliError(str(exc), EXIT_USAGE) from None
     _print(json.dumps(status, indent=2))

@@ -57,6 +57,13 @@ def environment(settings: Settings) -> dict[str, str]:
     }
 
 
+def no_program(wf: str, env: dict[str, str]) -> str:
+    """What a command says of a program it cannot find, and where it looked."""
+    parts = urlsplit(env["SHARDFLOW_REDIS_URL"])
+    where = f"{parts.hostname}:{parts.port or 6379}/{parts.path.strip('/') or 0}"
+    return f"no program {wf!r} (prefix {env['SHARDFLOW_PREFIX']!r}, Redis {where})"
+
+
 @pytest.fixture
 def dev(settings: Settings) -> Iterator[dict[str, str]]:
     """`shardflow dev --app examples.tasks` running in its own process; stopped with SIGTERM."""
@@ -119,6 +126,13 @@ def test_submit_without_wait_prints_the_id_and_a_failed_program_exits_1(
     assert waited.returncode == 1
     assert waited.stderr.strip().splitlines()[-1] == (
         "shardflow: program failed: step 0: task 'resize': KeyError: 'width'"
+    )
+    # Submitted again without --wait: the id, and on stderr that nothing ran.
+    again = shardflow("submit", str(program), "--id", "cli-fail", env=dev)
+    assert (again.returncode, again.stdout) == (0, "cli-fail\n")
+    assert again.stderr == (
+        "shardflow: note: cli-fail exists already and ended failed: not started again "
+        "(`shardflow redrive` runs a failed or cancelled one again)\n"
     )
 
 
@@ -252,8 +266,34 @@ def test_a_closed_stdout_ends_quietly_like_a_command_killed_by_sigpipe() -> None
 
 
 def test_status_of_an_unknown_program_exits_1(settings: Settings) -> None:
-    result = shardflow("status", "never-submitted", env=environment(settings))
-    assert (result.returncode, result.stderr) == (1, "shardflow: no program 'never-submitted'\n")
+    env = environment(settings)
+    result = shardflow("status", "never-submitted", env=env)
+    said = no_program("never-submitted", env)
+    assert (result.returncode, result.stderr) == (1, f"shardflow: {said}\n")
+
+
+def test_a_misspelled_setting_is_warned_of_with_the_name_it_resembles(settings: Settings) -> None:
+    """A typo left its setting at the default without a word: `SHARDFLOW_PREFX` looked under
+    prefix `sf`, which may be another cluster's."""
+    env = {**environment(settings), "SHARDFLOW_PREFX": "mine", "SHARDFLOW_ZZZ": "1"}
+    result = shardflow("status", "never-submitted", env=env)
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[:2] == [
+        "shardflow: warning: SHARDFLOW_PREFX is no setting (did you mean SHARDFLOW_PREFIX?): "
+        "ignored",
+        "shardflow: warning: SHARDFLOW_ZZZ is no setting: ignored",
+    ]
+
+
+def test_unknown_variables_are_bounded_and_skip_names_read_elsewhere() -> None:
+    from orchestrator.settings import MAX_UNKNOWN_SAID, unknown_variables
+
+    read = {"SHARDFLOW_LOG_LEVEL": "x", "SHARDFLOW_TEST_DRAIN": "1", "shardflow_prefix": "p"}
+    assert unknown_variables({**read, "PATH": "/bin"}) == []
+    many = {f"SHARDFLOW_X{n}\n": "1" for n in range(20)}
+    said = unknown_variables(many)
+    assert len(said) == MAX_UNKNOWN_SAID + 1 and said[-1].startswith("and more")
+    assert all("\n" not in line for line in said), said  # a name is shown escaped
 
 
 def test_bad_settings_and_unreachable_services_are_one_line(settings: Settings) -> None:
@@ -304,7 +344,8 @@ async def test_commands_that_only_look_create_no_queue(settings: Settings) -> No
     shards = shardflow("shards", env=env)
     assert shards.returncode == 0, shards.stderr
     assert [json.loads(line)["consumers"] for line in shards.stdout.splitlines()] == [0, 0, 0]
-    assert shardflow("explain", "x", env=env).stderr == "shardflow: no program 'x'\n"
+    # Where it looked, since a prefix or a database left unset is the likeliest cause.
+    assert shardflow("explain", "x", env=env).stderr == f"shardflow: {no_program('x', env)}\n"
     dead = shardflow("dead", env=env)
     assert (dead.returncode, dead.stdout) == (0, "")
     purged = shardflow("dead", "--purge", env=env)
@@ -705,8 +746,10 @@ def test_dead_requeue_sends_each_back_to_its_own_queue_and_keeps_the_rest(
 
 
 def test_cancel_of_an_unknown_program_exits_1(settings: Settings) -> None:
-    result = shardflow("cancel", "nothing-here", env=environment(settings))
-    assert (result.returncode, result.stderr) == (1, "shardflow: no program 'nothing-here'\n")
+    env = environment(settings)
+    result = shardflow("cancel", "nothing-here", env=env)
+    said = no_program("nothing-here", env)
+    assert (result.returncode, result.stderr) == (1, f"shardflow: {said}\n")
 
 
 def test_an_empty_cancel_reason_or_list_cursor_is_refused(settings: Settings) -> None:
@@ -751,7 +794,9 @@ def test_the_approval_example_waits_for_its_signal(dev: dict[str, str]) -> None:
     assert refused.returncode == 2
     assert "has ended (completed): not signalled" in refused.stderr
     unknown = shardflow("signal", "nobody", "approval", env=dev)
-    assert (unknown.returncode, unknown.stderr.strip()) == (1, "shardflow: no program 'nobody'")
+    assert (unknown.returncode, unknown.stderr.strip()) == (
+        1, f"shardflow: {no_program('nobody', dev)}"
+    )  # fmt: skip
 
 
 async def test_cancel_of_a_compensating_program_changes_nothing_unless_told_to_stop(
@@ -825,7 +870,7 @@ async def test_redrive_runs_an_ended_program_again_and_refuses_what_it_cannot(
             "program 'cli-cancelled' is pending: only a failed or cancelled program can be "
             "redriven (cancel it first to run it again)",
         ),
-        (["nothing-here"], 1, "no program 'nothing-here'"),
+        (["nothing-here"], 1, no_program("nothing-here", env)),
         (
             ["cli-other", "--from", "x"],
             2,

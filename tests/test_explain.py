@@ -21,7 +21,7 @@ from router.explain import OVERDUE_MS, _waiting_for, explain, explain_text
 from tests.brokers import free_port
 from tests.polling import until
 from tests.test_carry import _started
-from tests.test_cli import EXAMPLE, dev, environment, shardflow  # noqa: F401  (dev: a fixture)
+from tests.test_cli import EXAMPLE, dev, environment, no_program, shardflow  # noqa: F401  (dev: a fixture)
 
 
 def test_a_timer_long_past_its_time_is_said_to_be_overdue_not_due_now() -> None:
@@ -232,7 +232,8 @@ def test_the_explain_command(settings: Settings) -> None:
     data = json.loads(shardflow("explain", "cli-explain", "--json", env=env).stdout)
     assert data["shard"]["consumers"] == 0 and data["status"] == "pending"
     missing = shardflow("explain", "nothing-here", env=env)
-    assert (missing.returncode, missing.stderr) == (1, "shardflow: no program 'nothing-here'\n")
+    said = no_program("nothing-here", env)
+    assert (missing.returncode, missing.stderr) == (1, f"shardflow: {said}\n")
     # RabbitMQ away: what Redis holds is still said (it exited 4), the queues' part is not.
     no_rabbit = {**env, "SHARDFLOW_AMQP_URL": f"amqp://guest:guest@127.0.0.1:{free_port()}/"}
     alone = shardflow("explain", "cli-explain", "--json", env=no_rabbit)

@@ -195,7 +195,7 @@ async def test_redrive_from_the_step_after_a_loop_is_refused_naming_why(cluster:
     program = {"steps": [loop, {"task": "echo"}, {"task": "boom"}]}
     wf = (await cluster.submit(program)).workflow_id
     assert (await cluster.wait(wf, timeout_s=30))["status"] == "failed"
-    with pytest.raises(RedriveError, match="step 0 before it is a untiloop, whose output"):
+    with pytest.raises(RedriveError, match="step 0 before it is an untiloop, whose output"):
         await cluster.redrive(wf, "1")
     # --from the failed step itself (or a step that follows a task) is a plain redrive.
     assert (await cluster.redrive(wf, "2"))["run"] == 1
