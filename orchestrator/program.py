@@ -844,6 +844,20 @@ def check_references(program: Program) -> list[str]:
 _TAGS = ("Task", "Bag", "Map", "Sleep", "Untiloop", "Choice", "Signal", "Member", "Branch")
 
 
+def _fields(model: type[BaseModel]) -> list[str]:
+    return [field.alias or name for name, field in model.model_fields.items()]
+
+
+# Every field of any part of a program: what an unknown key of an untagged part is matched to.
+_ALL_FIELDS = sorted(
+    {
+        name
+        for model in (Program, Retry, Limit, Compensate, Case, *(globals()[t] for t in _TAGS))
+        for name in _fields(model)
+    }
+)
+
+
 def _fault(error: Any) -> str:
     path = ""
     for part in error["loc"]:
@@ -858,7 +872,24 @@ def _fault(error: Any) -> str:
         message = f"a JSON object, not {_json_kind(error['input'])}"
     elif error["type"] == "step_kind":
         message = _kind_fault(error["input"])
+    elif error["type"] == "extra_forbidden":
+        message += _extra_hint(error["loc"])
     return f"{path or 'program'}: {message}"
+
+
+def _extra_hint(loc: tuple[Any, ...]) -> str:
+    """For a key no field has: the field it is close to (of its step's kind where the path
+    says it, else of any part of a program), or, at the top, that a program holds its steps
+    in a list."""
+    key = loc[-1]
+    if not isinstance(key, str):
+        return ""
+    if len(loc) == 1 and key in _KINDS:  # a file holding one step, not a program
+        return ': a program is {"steps": [STEP, ...]}'
+    tagged = len(loc) > 1 and loc[-2] in _TAGS
+    names = _fields(globals()[loc[-2]]) if tagged else _ALL_FIELDS
+    close = difflib.get_close_matches(key[:40], names, n=1, cutoff=0.7)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _kind_fault(step: Any) -> str:

@@ -2780,6 +2780,13 @@ end""",
         "    if False:",
         ("tests/test_explain.py::test_a_program_waiting_for_a_retry",),
     ),
+    # An unknown key of a program is refused with no hint of the field it resembles.
+    "extra-key-no-hint": (
+        "orchestrator/program.py",
+        '        message += _extra_hint(error["loc"])\n',
+        "        pass\n",
+        ("tests/test_program.py::test_invalid_programs_name_the_path_of_the_fault",),
+    ),
     # The key leaves out the attempt: a retry redelivered is taken for a copy of the first.
     "given-back-key-without-attempt": (
         "worker/runs.py",

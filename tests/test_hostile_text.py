@@ -146,7 +146,7 @@ def test_submit_wait_prints_a_failed_programs_error_escaped(
             pass
 
         async def submit(self, *args: Any) -> Any:
-            return SimpleNamespace(workflow_id="evil-1")
+            return SimpleNamespace(workflow_id="evil-1", created=True, status="pending")
 
         async def wait(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
             error = f"step 0: task 'evil': RuntimeError: {EVIL}"

@@ -88,6 +88,22 @@ def test_untiloops_nest() -> None:
             {"steps": [{"task": "a"}, {"oops": 1}]},
             "steps[1]: no kind among 'oops': a step needs exactly one of",
         ),
+        # An unknown key: the field it is close to, of its step's kind where the path says it.
+        (
+            {"steps": [{"task": "a", "timeout": 5}]},
+            "steps[0].timeout: Extra inputs are not permitted (did you mean 'timeout_s'?)",
+        ),
+        (
+            {"steps": [{"task": "a", "retry": {"max_attempt": 3}}]},
+            "steps[0].retry.max_attempt: Extra inputs are not permitted (did you mean "
+            "'max_attempts'?)",
+        ),
+        ({"steps": [{"task": "a", "zzz": 1}]}, "steps[0].zzz: Extra inputs are not permitted"),
+        (
+            {"task": "a"},
+            'steps: Field required; task: Extra inputs are not permitted: a program is {"steps": '
+            "[STEP, ...]}",
+        ),
         (
             {"steps": [{"bags": [{"task": "a"}]}]},
             "steps[0]: no kind among 'bags' (did you mean 'bag'?): a step needs exactly one of",
