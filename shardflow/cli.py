@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import difflib
 import functools
 import importlib
 import importlib.util
@@ -102,6 +103,8 @@ class CliError(Exception):
         super().__init__(message)
         self.code = code
 
+
+MAX_HINTED = 5  # unrecognized arguments given a suggestion, at most
 
 # Every command's help ends with them (the README's table says the same).
 EXIT_CODES = (
@@ -575,9 +578,27 @@ def _pools(groups: list[list[str]]) -> list[str]:
     return list(dict.fromkeys(pool for group in groups for pool in group))
 
 
+def _unrecognized(parser: argparse.ArgumentParser, command: str, extras: list[str]) -> NoReturn:
+    """Exit 2 naming the arguments `command` does not take, and the option each resembles."""
+    (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    sub: argparse.ArgumentParser = commands.choices[command]
+    options = [name for action in sub._actions for name in action.option_strings]
+    hints = []
+    for extra in extras[:MAX_HINTED]:
+        given = extra.split("=", 1)[0][:40]
+        close = difflib.get_close_matches(given, options, n=1, cutoff=0.7)
+        if given.startswith("-") and close:
+            hints.append(f"{clean(given, 40)}: did you mean {close[0]}?")
+    said = clean(" ".join(extras), 200)  # a terminal's input: escaped, as any echo of it
+    sub.error(f"unrecognized arguments: {said}" + (f" ({'; '.join(hints)})" if hints else ""))
+
+
 def main(argv: list[str] | None = None) -> NoReturn:
     """Entry point of the `shardflow` console script."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # said by the command's own parser, with its usage: argparse says the top's
+        _unrecognized(parser, args.command, extras)
     # A short command's own progress (`ended cancelled: ...`) is no news beside its output.
     level = args.log_level or ("INFO" if args.command in LONG_RUNNING else "WARNING")
     logs.configure(level, os.environ.get("SHARDFLOW_LOG_FORMAT", "text"))

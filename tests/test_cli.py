@@ -272,6 +272,17 @@ def test_status_of_an_unknown_program_exits_1(settings: Settings) -> None:
     assert (result.returncode, result.stderr) == (1, f"shardflow: {said}\n")
 
 
+def test_a_misspelled_option_is_named_by_its_commands_parser_with_the_one_it_resembles() -> None:
+    """argparse said it with the top-level usage, and no hint."""
+    result = shardflow("submit", "p.json", "--wiat", "--timout", "5", "\x1b[31m")
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: shardflow submit "), result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        "shardflow submit: error: unrecognized arguments: --wiat --timout 5 \\x1b[31m "
+        "(--wiat: did you mean --wait?; --timout: did you mean --timeout?)"
+    )
+
+
 def test_a_misspelled_setting_is_warned_of_with_the_name_it_resembles(settings: Settings) -> None:
     """A typo left its setting at the default without a word: `SHARDFLOW_PREFX` looked under
     prefix `sf`, which may be another cluster's."""
