@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from importlib import resources
 from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 # Keys the server walks per SCAN call: its MATCH keeps only ours, so most calls send back few.
 SCAN_COUNT = 1000
+# A command waits this long at most for a connection of a full pool, then fails as a Redis
+# that cannot be reached does (waited for and tried again where a service waits for Redis).
+REDIS_POOL_WAIT_S = 20.0
 
 
 def _carried(reply: list[str], verdicts: tuple[str, ...]) -> list[str]:
@@ -116,6 +119,17 @@ class RedisStore:
         client: Redis | RedisCluster
         if settings.redis_cluster:
             client = RedisCluster.from_url(settings.redis_url, decode_responses=True)
+        elif settings.redis_max_connections:
+            # A command past the bound waits for a connection: redis-py's own pool opens one
+            # for every command in flight, each a client of Redis's maxclients (a managed
+            # Redis may allow a few hundred). A bound in the URL (?max_connections=) wins.
+            pool = BlockingConnectionPool.from_url(
+                settings.redis_url,
+                decode_responses=True,
+                max_connections=settings.redis_max_connections,
+                timeout=REDIS_POOL_WAIT_S,
+            )
+            client = Redis.from_pool(pool)
         else:
             client = Redis.from_url(settings.redis_url, decode_responses=True)
         retention_ms = math.ceil(settings.retention_s * 1000)  # 0 is forever: 0.0005 is not

@@ -96,6 +96,9 @@ class Settings(BaseSettings):
     # Send the Redis commands of one event-loop turn as one pipeline (orchestrator/
     # pipelining.py); false: one round trip each. Not used with a Redis Cluster.
     redis_pipelining: bool = True
+    # Connections to Redis a process opens at most; past them a command waits for one
+    # (REDIS_POOL_WAIT_S) instead of opening more. 0: no bound. Not used with a Redis Cluster.
+    redis_max_connections: int = Field(default=256, ge=0, le=100_000)
     # Send the AMQP frames of one event-loop turn as one write (orchestrator/coalescing.py);
     # false: one system call per frame, as aiormq does.
     amqp_coalescing: bool = True

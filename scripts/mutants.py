@@ -2787,6 +2787,16 @@ end""",
         "        pass\n",
         ("tests/test_program.py::test_invalid_programs_name_the_path_of_the_fault",),
     ),
+    # SHARDFLOW_REDIS_MAX_CONNECTIONS is read by nobody: a connection for every command.
+    "redis-pool-unbounded": (
+        "orchestrator/redis_store.py",
+        "        elif settings.redis_max_connections:\n",
+        "        elif False:\n",
+        (
+            "tests/test_redis_pool.py::"
+            "test_a_process_opens_no_more_redis_connections_than_its_bound",
+        ),
+    ),
     # The key leaves out the attempt: a retry redelivered is taken for a copy of the first.
     "given-back-key-without-attempt": (
         "worker/runs.py",

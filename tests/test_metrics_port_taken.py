@@ -70,7 +70,7 @@ def test_a_worker_whose_metrics_port_is_taken_runs_on_and_consumes_once(
             assert process.poll() is None, log.read_text()  # it runs on: no exit
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
-        time.sleep(2)  # a second start (a retry after the bind's error) would show by now
+        time.sleep(0.5)  # a second start (a retry after the bind's error) would show by now
         assert process.poll() is None, log.read_text()
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
