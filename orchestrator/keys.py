@@ -110,7 +110,8 @@ class Keys:
 
     @property
     def serial_lane(self) -> str:
-        """`<wf> <path> <task> <ms>` of the serial task started last (for `explain`)."""
+        """`<wf> <path> <task> <ms> <attempt>` of the serial task started last (for
+        `explain`; a release before this one wrote no attempt)."""
         return self.lane("serial")
 
     def lane(self, pool: str) -> str:

@@ -259,10 +259,14 @@ class Marks:
             with contextlib.suppress(RedisError, OSError):
                 await self._client.hdel(self.keys.limit_waits(wf), attempt_field(path, index))  # type: ignore[misc]
 
-    async def lane(self, wf: str, path: str, task: str, pool: str = "serial") -> None:
-        """A serial lane runs this task now (best effort: a mark never stops a task)."""
+    async def lane(
+        self, wf: str, path: str, task: str, pool: str = "serial", attempt: int = 0
+    ) -> None:
+        """A serial lane runs this task's attempt now (best effort: a mark never stops a
+        task). The attempt, not a time, tells a failed run from its retry's: the owner's
+        and the worker's clocks differ."""
         if self._client is not None:
-            mark = f"{wf} {path} {task} {now_ms()}"
+            mark = f"{wf} {path} {task} {now_ms()} {attempt}"
             with contextlib.suppress(RedisError, OSError):
                 await self._client.set(self.keys.lane(pool), mark, ex=LANE_TTL_S)
 

@@ -604,7 +604,11 @@ def parse_program(
     try:
         program = _PROGRAM.validate_python(source)
     except ValidationError as exc:
-        raise ProgramError([_fault(err) for err in exc.errors()]) from None
+        errors = exc.errors()
+        # A key's hint costs a fuzzy match: only the first few (a program may hold thousands).
+        extra = [n for n, err in enumerate(errors) if err["type"] == "extra_forbidden"]
+        hinted = set(extra[:MAX_UNKNOWN_NAMED])
+        raise ProgramError([_fault(err, n in hinted) for n, err in enumerate(errors)]) from None
     faults = check_branches(program) + check_references(program) + check_compensations(program)
     if faults:
         raise ProgramError(faults)
@@ -858,7 +862,7 @@ _ALL_FIELDS = sorted(
 )
 
 
-def _fault(error: Any) -> str:
+def _fault(error: Any, hinted: bool = False) -> str:
     path = ""
     for part in error["loc"]:
         if part in _TAGS:
@@ -872,7 +876,7 @@ def _fault(error: Any) -> str:
         message = f"a JSON object, not {_json_kind(error['input'])}"
     elif error["type"] == "step_kind":
         message = _kind_fault(error["input"])
-    elif error["type"] == "extra_forbidden":
+    elif error["type"] == "extra_forbidden" and hinted:
         message += _extra_hint(error["loc"])
     return f"{path or 'program'}: {message}"
 

@@ -181,6 +181,22 @@ class Settings(BaseSettings):
         return value
 
 
+def redis_place(settings: Settings) -> str:
+    """Where SHARDFLOW_REDIS_URL points, as the Redis client reads it (a `?db=` wins over the
+    path): host, port and database, or a socket's path; never the URL, which may hold a
+    password."""
+    options = parse_url(settings.redis_url)
+    if "path" in options:  # unix://
+        where = str(options["path"])
+    else:
+        host = str(options.get("host", "localhost"))
+        where = f"[{host}]" if ":" in host else host
+        where += f":{options.get('port', 6379)}"
+    if settings.redis_cluster:
+        return f"Cluster {where}"
+    return f"{where}/{options.get('db', 0)}"
+
+
 # SHARDFLOW_* names read outside Settings: the CLI's log level, and this repository's test,
 # benchmark and packaging scripts (prefixes end in '_').
 OTHER_VARIABLES = (
@@ -194,6 +210,12 @@ OTHER_VARIABLES = (
     "SHARDFLOW_TIMELINE_OUT",
 )
 MAX_UNKNOWN_SAID = 5  # names warned of, at most: the environment is anyone's
+# What Kubernetes puts in a pod's environment for a Service named `shardflow-...` (its
+# service links, unless the pod turns them off as the chart's do): no typo of ours.
+# `<NAME>_PORT` alone only with a link's value: `SHARDFLOW_METRIC_PORT=9000` is a typo.
+_SERVICE_LINK = re.compile(r"SHARDFLOW_\w*_(SERVICE_(HOST|PORT\w*)|PORT_\d+_(TCP|UDP|SCTP)\w*)")
+_LINK_PORT = re.compile(r"SHARDFLOW_\w*_PORT")
+_LINK_VALUE = re.compile(r"(tcp|udp|sctp)://\S{1,200}")
 
 
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:
@@ -206,6 +228,10 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
         if not upper.startswith("SHARDFLOW_") or upper in known:
             continue
         if any(upper.startswith(other) for other in OTHER_VARIABLES):
+            continue
+        if _SERVICE_LINK.fullmatch(upper[:200]) or (
+            _LINK_PORT.fullmatch(upper[:200]) and _LINK_VALUE.fullmatch(environ[name][:210])
+        ):
             continue
         if len(said) == MAX_UNKNOWN_SAID:
             said.append("and more SHARDFLOW_* variables that no setting reads")

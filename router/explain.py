@@ -649,18 +649,19 @@ async def _lane(store: Store, wf: str, pool: str = SERIAL) -> dict[str, Any] | N
         return None
     mark: str | None = await client.get(store.keys.lane(pool))  # type: ignore[assignment]
     parts = (mark or "").split(" ")
-    if len(parts) != 4 or as_int(parts[3]) is None:
+    if len(parts) not in (4, 5) or as_int(parts[3]) is None:
         return {"held": False}
     holder, path, task, since = parts[0], parts[1], parts[2], as_int(parts[3])
+    attempt = as_int(parts[4]) if len(parts) == 5 else None  # a release before: none
     # the cursor the lane's task ran at: the program's, or its branch's (`2/branch:1/0`)
     state = await store.at(holder, path) if holder else {}
     if state.get("status") != "running" or state.get("cursor") != path:
         return {"held": False}
-    # A run that failed and waits for its retry holds nothing: the retry marks the lane
-    # again as it starts, after it is due.
+    # An attempt that failed holds nothing (its retry, if any, marks the lane as it starts):
+    # the owner's mark of the failed attempts says whether the one marked here is among them.
     found: str | None = await client.hget(store.keys.attempts(holder), path)  # type: ignore[misc,assignment]
-    retry = _mark(found or "")
-    if retry is not None and since is not None and (retry["due_ms"] or 0) > since:
+    failed = _mark(found or "")
+    if attempt is not None and failed is not None and failed["attempt"] >= attempt:
         return {"held": False}
     return {
         "held": True,

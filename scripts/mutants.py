@@ -2776,9 +2776,19 @@ end""",
     # explain calls the lane held by a task whose run failed and waits for its retry.
     "lane-held-through-retry": (
         "router/explain.py",
-        '    if retry is not None and since is not None and (retry["due_ms"] or 0) > since:',
+        '    if attempt is not None and failed is not None and failed["attempt"] >= attempt:',
         "    if False:",
         ("tests/test_explain.py::test_a_program_waiting_for_a_retry",),
+    ),
+    # explain calls a lane free whenever an attempt of its task failed, its retry running too.
+    "lane-free-while-its-retry-runs": (
+        "router/explain.py",
+        '    if attempt is not None and failed is not None and failed["attempt"] >= attempt:',
+        "    if failed is not None:",
+        (
+            "tests/test_explain.py::"
+            "test_the_lane_is_held_by_an_attempt_until_the_owner_marks_it_failed",
+        ),
     ),
     # An unknown key of a program is refused with no hint of the field it resembles.
     "extra-key-no-hint": (

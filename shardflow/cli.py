@@ -21,7 +21,6 @@ import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
-from urllib.parse import urlsplit
 
 import uvloop
 from pydantic import ValidationError
@@ -59,7 +58,7 @@ from orchestrator.program import (
     program_schema,
 )
 from orchestrator.redis_store import RedisStore
-from orchestrator.settings import MAX_SHARDS, Settings, unknown_variables
+from orchestrator.settings import MAX_SHARDS, Settings, redis_place, unknown_variables
 from orchestrator.store import TERMINAL, Store
 from router.client import Router, Submitted
 from router.dead_letters import death_reason, parked_at, parked_before, sent_back
@@ -276,7 +275,9 @@ def _parser() -> argparse.ArgumentParser:
         "end stands; or it compensates already). Exit 1 when there is no such program.",
     )
     _id_argument(cancel)
-    cancel.add_argument("--reason", default="cancelled", help="recorded as the program's error")
+    cancel.add_argument(
+        "--reason", default="cancelled", metavar="TEXT", help="recorded as the program's error"
+    )
     cancel.add_argument(
         "--stop-compensations",
         action="store_true",
@@ -421,7 +422,7 @@ def _concurrency_argument(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument(
         "--concurrency",
         type=_bounded(1, MAX_CONCURRENCY),
-        metavar="N",
+        metavar="K",
         help=f"{help}, 1 to {MAX_CONCURRENCY} (default: SHARDFLOW_PARALLEL_CONCURRENCY, else 16)",
     )
 
@@ -898,9 +899,8 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
             print(f"shardflow: {BROKER_SLOW}; {wf} is recorded, and starts once RabbitMQ takes "
                   "its start (or the owner's sweep starts it)", file=sys.stderr)  # fmt: skip
             submitted = Submitted(wf, shard_for(wf, settings.shards), False, "pending")
-        else:
-            _say_not_created(submitted)
         if not args.wait:
+            _say_not_created(submitted)  # with --wait, the program's outcome says it
             _print(submitted.workflow_id)
             return 0
         print(submitted.workflow_id, file=sys.stderr)
@@ -935,18 +935,14 @@ def _no_program(settings: Settings, wf: str) -> CliError:
     """No such program, and where it was looked for: a prefix or a Redis database left unset
     (another cluster's) is the likeliest cause. Host, port and database only: never the URL,
     which may hold a password."""
-    parts = urlsplit(settings.redis_url)
-    if parts.scheme == "unix":
-        where = parts.path
-    else:
-        where = f"{parts.hostname}:{parts.port or 6379}"
-        if not settings.redis_cluster:
-            where += f"/{parts.path.strip('/') or 0}"
-    return CliError(f"no program {wf!r} (prefix {settings.prefix!r}, Redis {where})", EXIT_FAILED)
+    return CliError(
+        f"no program {wf!r} (prefix {settings.prefix!r}, Redis {redis_place(settings)})",
+        EXIT_FAILED,
+    )
 
 
 def _say_not_created(submitted: Submitted) -> None:
-    """A script without --wait saw only the id: that nothing ran goes to stderr."""
+    """A script without --wait sees only the id: that nothing ran goes to stderr."""
     if submitted.created:
         return
     wf, status = clean(submitted.workflow_id, 200), submitted.status

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from orchestrator.settings import Settings
+from orchestrator.settings import Settings, redis_place
 from router.hashing import shard_for
 from tests.brokers import free_port
 
@@ -58,10 +58,30 @@ def environment(settings: Settings) -> dict[str, str]:
 
 
 def no_program(wf: str, env: dict[str, str]) -> str:
-    """What a command says of a program it cannot find, and where it looked."""
-    parts = urlsplit(env["SHARDFLOW_REDIS_URL"])
-    where = f"{parts.hostname}:{parts.port or 6379}/{parts.path.strip('/') or 0}"
+    """What a command says of a program it cannot find, and where it looked (redis_place:
+    tested on its own below)."""
+    where = redis_place(Settings(redis_url=env["SHARDFLOW_REDIS_URL"]))
     return f"no program {wf!r} (prefix {env['SHARDFLOW_PREFIX']!r}, Redis {where})"
+
+
+@pytest.mark.parametrize(
+    ("url", "cluster", "said"),
+    [
+        ("redis://127.0.0.1:6379/0", False, "127.0.0.1:6379/0"),
+        ("redis://:secret@h:6380?db=4", False, "h:6380/4"),  # the client's db: the query's
+        ("redis://user:pw@host/5?db=7", False, "host:6379/7"),
+        ("redis://[::1]:6379/2", False, "[::1]:6379/2"),
+        ("unix:///tmp/r.sock?db=2", False, "/tmp/r.sock/2"),
+        ("rediss://h", False, "h:6379/0"),
+        ("redis:///0", False, "localhost:6379/0"),
+        ("redis://:secret@node-1:7000", True, "Cluster node-1:7000"),
+    ],
+)
+def test_where_no_program_was_found_is_said_without_the_password(
+    url: str, cluster: bool, said: str
+) -> None:
+    place = redis_place(Settings(redis_url=url, redis_cluster=cluster))
+    assert place == said and "secret" not in place and "pw" not in place
 
 
 @pytest.fixture
@@ -300,7 +320,18 @@ def test_unknown_variables_are_bounded_and_skip_names_read_elsewhere() -> None:
     from orchestrator.settings import MAX_UNKNOWN_SAID, unknown_variables
 
     read = {"SHARDFLOW_LOG_LEVEL": "x", "SHARDFLOW_TEST_DRAIN": "1", "shardflow_prefix": "p"}
-    assert unknown_variables({**read, "PATH": "/bin"}) == []
+    # Kubernetes's service links of a Service named shardflow-metrics: not ours to warn of.
+    links = {
+        "SHARDFLOW_METRICS_SERVICE_HOST": "10.0.0.7",
+        "SHARDFLOW_METRICS_SERVICE_PORT_METRICS": "9464",
+        "SHARDFLOW_METRICS_PORT_9464_TCP_ADDR": "10.0.0.7",
+        "SHARDFLOW_REDIS_PORT": "tcp://10.0.0.8:6379",
+    }
+    assert unknown_variables({**read, **links, "PATH": "/bin"}) == []
+    typo = unknown_variables({"SHARDFLOW_METRIC_PORT": "9000"})  # no link's value: a typo
+    assert typo == [
+        "SHARDFLOW_METRIC_PORT is no setting (did you mean SHARDFLOW_METRICS_PORT?): ignored"
+    ]
     many = {f"SHARDFLOW_X{n}\n": "1" for n in range(20)}
     said = unknown_variables(many)
     assert len(said) == MAX_UNKNOWN_SAID + 1 and said[-1].startswith("and more")

@@ -76,6 +76,41 @@ async def test_an_ended_programs_deadline_is_what_was_left_at_its_end(cluster: R
     assert report["run"] == 1 and report["deadline"]["left_s"] > 59.3, report["deadline"]
 
 
+async def test_the_lane_is_held_by_an_attempt_until_the_owner_marks_it_failed(
+    settings: Settings,
+) -> None:
+    """By attempts, not by time: the retry's due time is the owner's clock, the lane's mark
+    the worker's, and a worker behind called a running retry's lane free."""
+    from orchestrator.redis_store import RedisStore
+    from router.explain import _lane
+
+    store = RedisStore.connect(settings)
+    keys = store.keys
+    try:
+        await store.client.hset(keys.state("w"), mapping={"status": "running", "cursor": "0"})
+        lane = keys.lane("serial")
+        attempts = keys.attempts("w")
+
+        async def held(mark: str, failed: int | None) -> bool:
+            await store.client.set(lane, mark)
+            await store.client.delete(attempts)
+            if failed is not None:  # due long ago on the owner's clock: it says nothing
+                await store.client.hset(attempts, "0", json.dumps({"attempt": failed, "due_ms": 1}))
+            report = await _lane(store, "w")
+            assert report is not None
+            return bool(report["held"])
+
+        later = str(int(time.time() * 1000) + 3_600_000)  # a worker's clock an hour ahead
+        assert await held(f"w 0 flaky {later} 0", None)  # the first attempt runs
+        assert not await held(f"w 0 flaky {later} 0", 0)  # it failed: waits for its retry
+        assert await held("w 0 flaky 5 1", 0)  # the retry runs, its mark stamped early
+        assert not await held("w 0 flaky 5 1", 1)  # the retry failed too
+        assert await held("w 0 flaky 5", 0)  # a mark without its attempt: held, as before
+    finally:
+        await store.client.delete(keys.state("w"), keys.lane("serial"), keys.attempts("w"))
+        await store.close()
+
+
 async def test_a_program_waiting_for_a_retry(cluster: Router) -> None:
     retry = {"max_attempts": 2, "backoff_s": 100}
     program = {"steps": [{"task": "flaky", "args": {"fail_until": 1}, "retry": retry}]}

@@ -530,3 +530,16 @@ def test_every_field_the_schema_calls_a_number_refuses_a_boolean() -> None:
                 with pytest.raises(ValidationError, match="a boolean where a number goes"):
                     model.model_validate({field.alias or name: True})
     assert found >= 17
+
+
+def test_only_the_first_unknown_keys_are_matched_to_a_field() -> None:
+    """A fuzzy match for each of thousands of keys held the router's loop (0.47 s for 240 KB,
+    where the refusal alone took 0.07 s)."""
+    from orchestrator.program import MAX_UNKNOWN_NAMED
+
+    step = {"task": "a", **{f"timeout_{n:03}": 1 for n in range(3 * MAX_UNKNOWN_NAMED)}}
+    with pytest.raises(ProgramError) as caught:
+        parse_program({"steps": [step]})
+    said = str(caught.value)
+    assert said.count("Extra inputs are not permitted") == 3 * MAX_UNKNOWN_NAMED
+    assert said.count("(did you mean 'timeout_s'?)") == MAX_UNKNOWN_NAMED, said

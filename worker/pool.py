@@ -442,7 +442,8 @@ class Worker(Service):
         known to be current, so a forged task of no program marks nothing."""
         current = await self._still_current(tasks, redelivered=redelivered)
         if current and is_lane(self.pool):
-            await self.marks.lane(current[0].wf, current[0].path, current[0].task, self.pool)
+            first = current[0]
+            await self.marks.lane(first.wf, first.path, first.task, self.pool, first.attempt)
         return current
 
     async def _still_current(

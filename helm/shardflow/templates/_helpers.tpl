@@ -90,6 +90,9 @@ spec:
   serviceAccountName: {{ include "shardflow.serviceAccount" $ }}
   # shardflow never calls the Kubernetes API.
   automountServiceAccountToken: false
+  # No Service's address in the environment: a Service named `shardflow-...` (the metrics one
+  # of a release named shardflow) would put SHARDFLOW_* variables there that no setting reads.
+  enableServiceLinks: false
   terminationGracePeriodSeconds: {{ add $.Values.gracePeriodSeconds 10 }}
   {{- with $.Values.priorityClassName }}
   priorityClassName: {{ . }}
