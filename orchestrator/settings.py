@@ -198,17 +198,18 @@ def redis_place(settings: Settings) -> str:
 
 
 # SHARDFLOW_* names read outside Settings: the CLI's log level, and this repository's test,
-# benchmark and packaging scripts (prefixes end in '_').
-OTHER_VARIABLES = (
-    "SHARDFLOW_LOG_LEVEL",
-    "SHARDFLOW_TEST_",
-    "SHARDFLOW_FAULT_",
-    "SHARDFLOW_FUZZ_EXAMPLES",
-    "SHARDFLOW_BASE_IMAGE",
-    "SHARDFLOW_HELM",
-    "SHARDFLOW_PODMAN_NO_INSTALL",
-    "SHARDFLOW_TIMELINE_OUT",
+# benchmark and packaging scripts (and, by prefix, their families).
+OTHER_VARIABLES = frozenset(
+    {
+        "SHARDFLOW_LOG_LEVEL",
+        "SHARDFLOW_FUZZ_EXAMPLES",
+        "SHARDFLOW_BASE_IMAGE",
+        "SHARDFLOW_HELM",
+        "SHARDFLOW_PODMAN_NO_INSTALL",
+        "SHARDFLOW_TIMELINE_OUT",
+    }
 )
+OTHER_PREFIXES = ("SHARDFLOW_TEST_", "SHARDFLOW_FAULT_")
 MAX_UNKNOWN_SAID = 5  # names warned of, at most: the environment is anyone's
 # What Kubernetes puts in a pod's environment for a Service named `shardflow-...` (its
 # service links, unless the pod turns them off as the chart's do): no typo of ours.
@@ -222,12 +223,13 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     """A line for each SHARDFLOW_* name no setting reads (a typo leaves its setting at the
     default: `SHARDFLOW_PREFX` keeps prefix `sf`, another cluster's), with the nearest name."""
     known = [f"SHARDFLOW_{name.upper()}" for name in Settings.model_fields]
+    close_to = [*known, *sorted(OTHER_VARIABLES)]
     said: list[str] = []
     for name in sorted(environ):
         upper = name.upper()  # pydantic-settings reads names case-insensitively
         if not upper.startswith("SHARDFLOW_") or upper in known:
             continue
-        if any(upper.startswith(other) for other in OTHER_VARIABLES):
+        if upper in OTHER_VARIABLES or upper.startswith(OTHER_PREFIXES):
             continue
         if _SERVICE_LINK.fullmatch(upper[:200]) or (
             _LINK_PORT.fullmatch(upper[:200]) and _LINK_VALUE.fullmatch(environ[name][:210])
@@ -237,7 +239,7 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
             said.append("and more SHARDFLOW_* variables that no setting reads")
             break
         shown = ascii(name[:60])[1:-1]
-        close = difflib.get_close_matches(upper[:60], known, n=1, cutoff=0.75)
+        close = difflib.get_close_matches(upper[:60], close_to, n=1, cutoff=0.75)
         hint = f" (did you mean {close[0]}?)" if close else ""
         said.append(f"{shown} is no setting{hint}: ignored")
     return said

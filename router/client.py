@@ -59,6 +59,13 @@ class Submitted:
     status: str
 
 
+class NoProgram(LookupError):
+    """No program of this id (a LookupError, as callers caught before it had a name)."""
+
+    def __init__(self, workflow_id: str) -> None:
+        super().__init__(f"no program {workflow_id!r}")
+
+
 class Router:
     """Submit programs and read their status; uses a store and a bus owned by the caller.
 
@@ -184,13 +191,13 @@ class Router:
         check_value(data, "signal data", MAX_SIGNAL_BYTES)  # a ProgramError is a ValueError
         plan = await self._plan(workflow_id)
         if plan is None:
-            raise LookupError(f"no program {workflow_id!r}")
+            raise NoProgram(workflow_id)
         names = parse_program(plan["program"], max_bytes=1 << 30).signals()
         if name not in names:  # the plan kept may be of an id purged and submitted again
             self._plans.pop(workflow_id)
             plan = await self._plan(workflow_id)
             if plan is None:
-                raise LookupError(f"no program {workflow_id!r}")
+                raise NoProgram(workflow_id)
             names = parse_program(plan["program"], max_bytes=1 << 30).signals()
         if name not in names:
             waits = ", ".join(map(repr, sorted(names))) or "none"
@@ -201,7 +208,7 @@ class Router:
         kept = await self.store.signal(workflow_id, name, text, signal_id or "")
         if kept.verdict == "missing":
             self._plans.pop(workflow_id)  # purged or expired: its id may be submitted again
-            raise LookupError(f"no program {workflow_id!r}")
+            raise NoProgram(workflow_id)
         if kept.verdict == "ended":
             ended = "is compensating" if kept.status == "compensating" else "has ended"
             raise ValueError(f"program {workflow_id!r} {ended} ({kept.status}): not signalled")
@@ -242,7 +249,7 @@ class Router:
             stop=stop_compensations,
         )
         if verdict == "missing":
-            raise LookupError(f"no program {workflow_id!r}")
+            raise NoProgram(workflow_id)
         status = await self.status(workflow_id)
         assert status is not None
         if verdict == "ended" and status["status"] == "compensating":
@@ -263,11 +270,11 @@ class Router:
             raise RuntimeError("Router needs a bus to redrive")
         state = await self.store.state(workflow_id)
         if not state:
-            raise LookupError(f"no program {workflow_id!r}")
+            raise NoProgram(workflow_id)
         _refuse(workflow_id, state["status"])
         raw = await self._plan(workflow_id, fresh=True)  # it decides: never an old id's
         if raw is None:
-            raise LookupError(f"no program {workflow_id!r}")
+            raise NoProgram(workflow_id)
         program = parse_program(raw["program"], max_bytes=1 << 30)
         rerun, prior, roots = redriving.where(program, state, from_step)
         owner = int(state["owner"])
@@ -283,7 +290,7 @@ class Router:
             if found.status in TERMINAL or found.verdict == "missing":  # purged meanwhile too
                 await self.store.untrack(workflow_id, owner)
             if found.verdict == "missing":
-                raise LookupError(f"no program {workflow_id!r}")
+                raise NoProgram(workflow_id)
             _refuse(workflow_id, found.status)
             raise redriving.RedriveError(
                 f"program {workflow_id!r} was redriven meanwhile (now run {found.epoch}, "
@@ -393,11 +400,11 @@ class Router:
         while True:
             state = await self.store.state(workflow_id)
             if not state:
-                raise LookupError(f"no program {workflow_id!r}")
+                raise NoProgram(workflow_id)
             if progress is not None or state["status"] in TERMINAL:
                 status = await self.status(workflow_id)
                 if status is None:
-                    raise LookupError(f"no program {workflow_id!r}")
+                    raise NoProgram(workflow_id)
                 if progress is not None:
                     shown = progress(status)
                     if shown is not None:

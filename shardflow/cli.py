@@ -60,7 +60,7 @@ from orchestrator.program import (
 from orchestrator.redis_store import RedisStore
 from orchestrator.settings import MAX_SHARDS, Settings, redis_place, unknown_variables
 from orchestrator.store import TERMINAL, Store
-from router.client import Router, Submitted
+from router.client import NoProgram, Router, Submitted
 from router.dead_letters import death_reason, parked_at, parked_before, sent_back
 from router.explain import explain_text
 from router.hashing import shard_for
@@ -579,10 +579,13 @@ def _pools(groups: list[list[str]]) -> list[str]:
     return list(dict.fromkeys(pool for group in groups for pool in group))
 
 
-def _unrecognized(parser: argparse.ArgumentParser, command: str, extras: list[str]) -> NoReturn:
-    """Exit 2 naming the arguments `command` does not take, and the option each resembles."""
+def _unrecognized(
+    parser: argparse.ArgumentParser, command: str | None, extras: list[str]
+) -> NoReturn:
+    """Exit 2 naming the arguments `command` (None: shardflow itself, given them before the
+    command) does not take, and the option each resembles."""
     (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    sub: argparse.ArgumentParser = commands.choices[command]
+    sub: argparse.ArgumentParser = parser if command is None else commands.choices[command]
     options = [name for action in sub._actions for name in action.option_strings]
     hints = []
     for extra in extras[:MAX_HINTED]:
@@ -599,7 +602,9 @@ def main(argv: list[str] | None = None) -> NoReturn:
     parser = _parser()
     args, extras = parser.parse_known_args(argv)
     if extras:  # said by the command's own parser, with its usage: argparse says the top's
-        _unrecognized(parser, args.command, extras)
+        tokens = sys.argv[1:] if argv is None else argv
+        before = tokens[: tokens.index(args.command)] if args.command in tokens else []
+        _unrecognized(parser, None if set(extras) & set(before) else args.command, extras)
     # A short command's own progress (`ended cancelled: ...`) is no news beside its output.
     level = args.log_level or ("INFO" if args.command in LONG_RUNNING else "WARNING")
     logs.configure(level, os.environ.get("SHARDFLOW_LOG_FORMAT", "text"))
@@ -1111,7 +1116,7 @@ async def _signal(settings: Settings, args: argparse.Namespace) -> int:
                 f"{BROKER_SLOW}; the signal is kept if the program waits for it ({again})",
                 EXIT_UNAVAILABLE,
             ) from None
-        except LookupError:
+        except NoProgram:
             raise _no_program(settings, args.id) from None
         except ValueError as exc:
             raise CliError(str(exc), EXIT_USAGE) from None
@@ -1135,7 +1140,7 @@ async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
                 "notice that stops its running tasks goes once RabbitMQ takes it",
                 EXIT_UNAVAILABLE,
             ) from None
-        except LookupError:
+        except NoProgram:
             raise _no_program(settings, args.id) from None
     if "note" in status:  # a person may miss it in the JSON
         print(f"shardflow: {status['note']}", file=sys.stderr)
@@ -1155,7 +1160,7 @@ async def _redrive(settings: Settings, args: argparse.Namespace) -> int:
                 "owner's sweep starts it",
                 EXIT_UNAVAILABLE,
             ) from None
-        except LookupError:
+        except NoProgram:
             raise _no_program(settings, args.id) from None
         except RedriveError as exc:
             raise CliError(str(exc), EXIT_USAGE) from None
