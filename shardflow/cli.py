@@ -1066,6 +1066,10 @@ async def _list(settings: Settings, args: argparse.Namespace) -> int:
         _print(list_table(page.programs))
     if page.more:
         print(f"shardflow: more may match: --before {page.more}", file=sys.stderr)
+    unfiltered = not (args.status or args.name or args.since is not None or args.before)
+    if not page.programs and unfiltered:  # a prefix or database left unset, most likely
+        where = f"prefix {settings.prefix!r}, Redis {redis_place(settings)}"
+        print(f"shardflow: note: no programs ({where})", file=sys.stderr)
     return 0
 
 

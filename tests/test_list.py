@@ -18,7 +18,7 @@ from orchestrator.connections import connected
 from orchestrator.marks import INDEX_GRACE_MS, Marks
 from orchestrator.owner import Orchestrator
 from orchestrator.redis_store import RedisStore
-from orchestrator.settings import Settings
+from orchestrator.settings import Settings, redis_place
 from router.client import Router
 from router.listing import ListError, list_programs, parse_duration, prune_index
 from router.retention import purge
@@ -363,6 +363,13 @@ async def test_bad_filters_are_refused(settings: Settings, store: RedisStore) ->
 
 def test_the_list_command(settings: Settings) -> None:
     env = environment(settings)
+    # Nothing at all: where it looked, since a prefix or a database left unset is the likeliest.
+    empty = shardflow("list", env=env)
+    assert (empty.returncode, empty.stdout.splitlines()[1:]) == (0, []), empty.stdout
+    where = redis_place(Settings(redis_url=env["SHARDFLOW_REDIS_URL"]))
+    prefix = env["SHARDFLOW_PREFIX"]
+    assert empty.stderr == f"shardflow: note: no programs (prefix {prefix!r}, Redis {where})\n"
+    assert shardflow("list", "--name", "none", env=env).stderr == ""  # filtered: no note
     for n, name in enumerate(["nightly", "hourly\x1b[31m"]):  # a name with a terminal escape
         program = json.dumps({"name": name, "steps": [{"task": "t"}]})
         done = shardflow("submit", "-", "--id", f"cli-{n}", env=env, stdin=program)
