@@ -127,7 +127,7 @@ class Keys:
 
     def limit_waits(self, wf: str) -> str:
         """Tasks of the program that found no free slot, for `explain`: `<path>[/bag:<i>]` ->
-        JSON `{"key", "max", "held", "since_ms"}`; removed when the task gets a slot."""
+        JSON `{"key", "max", "held", "waits", "at_ms"}`; removed when the task gets a slot."""
         return f"{self.prefix}:{{{wf}}}:limits"
 
     def shard_owner(self, shard: int) -> str:

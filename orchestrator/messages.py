@@ -122,7 +122,7 @@ class Failed(_Message):
 
 
 class Deadline(_Message):
-    """Router to owner shard, delayed by the program's `deadline_s`: end it if still running."""
+    """Owner to its own shard, delayed by the program's `deadline_s`: end it if still running."""
 
     kind: Literal["deadline"] = "deadline"
     wf: WorkflowId
