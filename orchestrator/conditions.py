@@ -42,11 +42,14 @@ import json
 import re
 from collections.abc import Mapping
 from functools import lru_cache
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import cel
+from orchestrator.evaluator import EVALUATOR, EvaluatorError, load_cel
 
-from orchestrator.evaluator import EVALUATOR, EvaluatorError
+if TYPE_CHECKING:
+    import cel
+else:
+    cel = load_cel()  # without the package's command line (prompt_toolkit): 70 ms a start
 
 VARIABLES = frozenset({"input", "prev", "iteration", "steps"})
 # A per-key limit's key (`limit.key`) reads only what its task message carries: the input, the

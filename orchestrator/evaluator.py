@@ -52,6 +52,21 @@ def _native_cel() -> ModuleType | None:
     return None  # `import cel` then loads the whole package: slower, the same functions
 
 
+def load_cel() -> ModuleType:
+    """The `cel` module, its extension alone where found: registered as `cel`, so any later
+    `import cel` in the process is this one (a PyO3 extension initialises once a process)."""
+    loaded = sys.modules.get("cel")
+    if loaded is not None:
+        return loaded
+    native = _native_cel()
+    if native is None:
+        import cel
+
+        return cel
+    sys.modules["cel"] = native
+    return native
+
+
 # --- The evaluator process -------------------------------------------------------------------
 
 # Not part of any budget: starting the evaluator, and decoding and converting the values
@@ -217,10 +232,7 @@ def _serve() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, hard))
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything else printed goes to stderr, not into the replies
-    native = _native_cel()
-    if native is not None:
-        sys.modules["cel"] = native
-    import cel
+    cel = load_cel()
 
     programs: dict[str, Any] = {}
     replies.write(b"ready\n")

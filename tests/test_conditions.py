@@ -3,6 +3,8 @@
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -174,3 +176,14 @@ def test_errors_quote_at_most_80_characters_of_an_expression() -> None:
     assert len(message) <= 300 and "\n" not in message
     assert quote("prev.ready") == "'prev.ready'"
     assert quote("x" * 500) == f"'{'x' * 80}'… (500 characters)"
+
+
+def test_conditions_load_cel_without_its_command_line() -> None:
+    """`import cel` loads the package's command line (typer, prompt_toolkit): 70-300 ms at
+    every start of every command, for nothing. The extension alone is what compiles."""
+    check = (
+        "import sys, orchestrator.conditions as c; "
+        "print(c.compile_condition('1 == 1') is not None, 'prompt_toolkit' in sys.modules)"
+    )
+    found = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert found.stdout.split() == ["True", "False"], found.stderr
