@@ -445,8 +445,7 @@ class Bus:
                 return None
             except BaseException:  # a timeout or a lost connection: start over on a fresh one
                 self._probe = None
-                with contextlib.suppress(Exception):
-                    await within(probe.close(), CLOSE_TIMEOUT_S)
+                await _close_quietly(probe)
                 raise
         return result.message_count or 0, result.consumer_count or 0
 
@@ -991,10 +990,27 @@ async def _declare_control(channel: AbstractChannel, exchange: str, queue: str =
         await underlay.queue_bind(queue, exchange)
 
 
-async def _close_quietly(channel: AbstractChannel) -> None:
-    """Close a channel we give up on, bounded: a closing connection may never answer."""
-    with contextlib.suppress(Exception):
-        await within(channel.close(), CLOSE_TIMEOUT_S)
+# Channel closes under way that a caller stopped waiting for: held until done.
+_closing: set[asyncio.Future[Any]] = set()
+
+
+async def _close_quietly(channel: AbstractChannel | aiormq.abc.AbstractChannel) -> None:
+    """Close a channel we give up on, waiting at most CLOSE_TIMEOUT_S: a closing connection may
+    never answer. The close itself is never cancelled, neither by that bound nor by a stop
+    that cancels the caller (a consumer start given up at shutdown): aiormq answers a cancelled
+    Channel.Close by sending a second one, which RabbitMQ takes as a frame on a closed channel
+    and closes the whole connection (504 CHANNEL_ERROR "expected 'channel.open'"), the publisher
+    channel and every other part's consumers with it, for as long as the reconnect takes."""
+    closing = asyncio.ensure_future(channel.close())
+    _closing.add(closing)
+    closing.add_done_callback(_closed_quietly)
+    await asyncio.wait({closing}, timeout=CLOSE_TIMEOUT_S)  # a cancel leaves `closing` be
+
+
+def _closed_quietly(closing: asyncio.Future[Any]) -> None:
+    _closing.discard(closing)
+    if not closing.cancelled():
+        closing.exception()  # retrieved: a close that failed is nothing to report
 
 
 def _properties(headers: dict[str, Any] | None = None, priority: int = GOING_ON) -> Properties:

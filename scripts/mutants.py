@@ -2807,6 +2807,17 @@ end""",
             "test_a_process_opens_no_more_redis_connections_than_its_bound",
         ),
     ),
+    # A channel close is cancelled with its caller (a stop): aiormq sends a second close and
+    # RabbitMQ closes the whole connection, the publisher channel with it.
+    "close-cancelled-with-its-caller": (
+        "orchestrator/bus.py",
+        "    await asyncio.wait({closing}, timeout=CLOSE_TIMEOUT_S)  # a cancel leaves `closing` be\n",
+        "    await within(closing, CLOSE_TIMEOUT_S)\n",
+        (
+            "tests/test_consuming.py::"
+            "test_a_channel_close_cut_short_by_a_stop_leaves_the_connection_up",
+        ),
+    ),
     # The key leaves out the attempt: a retry redelivered is taken for a copy of the first.
     "given-back-key-without-attempt": (
         "worker/runs.py",

@@ -358,3 +358,21 @@ def _acked(part: _Part) -> Callable[[], Awaitable[dict[str, Any] | None]]:
         return {"acked": set(part.acked)}
 
     return check
+
+
+async def test_a_channel_close_cut_short_by_a_stop_leaves_the_connection_up(bus: Bus) -> None:
+    """A stop cancels a consumer start that is closing its probe channel: aiormq answered the
+    cancelled Channel.Close with a second one, RabbitMQ closed the whole connection (504
+    CHANNEL_ERROR), and the publisher channel with it (a router's signal failed)."""
+    from orchestrator.bus import _close_quietly
+
+    for turns in range(20):  # wherever the cancel lands in the close's exchange
+        probe = await bus._consumer_channel()
+        closer = asyncio.ensure_future(_close_quietly(probe))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        closer.cancel()
+        await asyncio.gather(closer, return_exceptions=True)
+        await asyncio.sleep(0.05)  # the broker's answer to a second close, had one gone
+        assert not bus._channel.is_closed and bus.is_connected, f"cancelled after {turns} turns"
+    await bus.publish_to_shard(0, b"{}")  # the publisher works
