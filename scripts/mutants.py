@@ -2811,7 +2811,8 @@ end""",
     # RabbitMQ closes the whole connection, the publisher channel with it.
     "close-cancelled-with-its-caller": (
         "orchestrator/bus.py",
-        "    await asyncio.wait({closing}, timeout=CLOSE_TIMEOUT_S)  # a cancel leaves `closing` be\n",
+        "    await asyncio.wait({closing}, timeout=CLOSE_TIMEOUT_S)"
+        "  # a cancel leaves `closing` be\n",
         "    await within(closing, CLOSE_TIMEOUT_S)\n",
         (
             "tests/test_consuming.py::"
