@@ -904,8 +904,10 @@ async def _submit(settings: Settings, args: argparse.Namespace) -> int:
             print(f"shardflow: {BROKER_SLOW}; {wf} is recorded, and starts once RabbitMQ takes "
                   "its start (or the owner's sweep starts it)", file=sys.stderr)  # fmt: skip
             submitted = Submitted(wf, shard_for(wf, settings.shards), False, "pending")
+        else:  # not after a slow broker: the program was recorded, by this submit or before
+            if not args.wait:  # with --wait, the program's outcome says it
+                _say_not_created(submitted)
         if not args.wait:
-            _say_not_created(submitted)  # with --wait, the program's outcome says it
             _print(submitted.workflow_id)
             return 0
         print(submitted.workflow_id, file=sys.stderr)

@@ -95,6 +95,7 @@ def test_the_cli_says_what_waits_for_a_blocked_broker_and_prints_the_id(
         wf = result.stdout.strip()
         assert len(wf) == 32, result.stdout
         assert f"{wf} is recorded, and starts once RabbitMQ takes its start" in result.stderr
+        assert "exists already" not in result.stderr  # recorded by this submit, not before
         assert took < 40, took  # 15 s for the confirm, and the rest
         status = shardflow("status", wf, env=env)
         assert '"status": "pending"' in status.stdout, status.stdout
