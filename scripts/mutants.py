@@ -2719,8 +2719,8 @@ end""",
     # A retry that finds its step recorded reports nothing (unless redelivered).
     "retry-withholds-a-recorded-step": (
         "worker/pool.py",
-        "        owed = redelivered or tasks[0].attempt > 0  # see the end\n",
-        "        owed = redelivered\n",
+        "    return redelivered or task.attempt > 0\n",
+        "    return redelivered\n",
         (RECORDED,),
     ),
     # A redelivered task whose step is recorded runs its handler again (a second run that

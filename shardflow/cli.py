@@ -942,10 +942,11 @@ def _no_program(settings: Settings, wf: str) -> CliError:
     """No such program, and where it was looked for: a prefix or a Redis database left unset
     (another cluster's) is the likeliest cause. Host, port and database only: never the URL,
     which may hold a password."""
-    return CliError(
-        f"no program {wf!r} (prefix {settings.prefix!r}, Redis {redis_place(settings)})",
-        EXIT_FAILED,
-    )
+    return CliError(f"no program {wf!r} ({_looked_in(settings)})", EXIT_FAILED)
+
+
+def _looked_in(settings: Settings) -> str:
+    return f"prefix {settings.prefix!r}, Redis {redis_place(settings)}"
 
 
 def _say_not_created(submitted: Submitted) -> None:
@@ -1070,8 +1071,7 @@ async def _list(settings: Settings, args: argparse.Namespace) -> int:
         print(f"shardflow: more may match: --before {page.more}", file=sys.stderr)
     unfiltered = not (args.status or args.name or args.since is not None or args.before)
     if not page.programs and unfiltered:  # a prefix or database left unset, most likely
-        where = f"prefix {settings.prefix!r}, Redis {redis_place(settings)}"
-        print(f"shardflow: note: no programs ({where})", file=sys.stderr)
+        print(f"shardflow: note: no programs ({_looked_in(settings)})", file=sys.stderr)
     return 0
 
 

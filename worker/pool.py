@@ -539,7 +539,7 @@ class Worker(Service):
         redelivered = redelivered or limit.redelivered
         if not await self._current([task], redelivered=redelivered):
             return []
-        known = await self._recorded([task], redelivered or task.attempt > 0)
+        known = await self._recorded([task], _owed(task, redelivered))
         if known[0] is not None:  # recorded already: reported unrun, no slot needed for that
             return await self.run_tasks(
                 [task], redelivered=redelivered, checked=True, carry=carry, known=known
@@ -658,7 +658,7 @@ class Worker(Service):
             tasks = await self._current(tasks, redelivered=redelivered)
             if not tasks:
                 return []
-        owed = redelivered or tasks[0].attempt > 0  # see the end
+        owed = _owed(tasks[0], redelivered)
         # A task whose output is recorded already is not run again: its text goes on.
         if known is None:
             known = await self._recorded(tasks, owed)
@@ -705,9 +705,7 @@ class Worker(Service):
         if completion.verdict == "late":  # its compensations may begin now (lua/begin.lua)
             reports.append(Start(wf=task.wf))
             return reports
-        # Only a redelivered task may be the one whose report a crash cut short; or a retry:
-        # a delivery of an earlier attempt recorded the step and died before its report, and
-        # its owner heard only of another's failure.
+        # Only an owed delivery (_owed) reports a step complete already.
         note_withheld(completion.verdict == "again" and not owed)
         if completion.verdict == "fire" or (completion.verdict == "again" and owed):
             if not completion.outputs:  # too large to carry: the owner reads them in Redis
@@ -928,6 +926,13 @@ class Worker(Service):
             await asyncio.wait(set(self._left))
         await self.threads.settled()
         log.info("%s: %s %s: the handler returned; the lane goes on", self.name, task.wf, task.path)
+
+
+def _owed(task: TaskMessage, redelivered: bool) -> bool:
+    """Whether this delivery may owe its step's report: a redelivered one may be the one whose
+    report a crash cut short; so may a retry (a delivery of an earlier attempt recorded the
+    step and died before its report, and its owner heard only of another's failure)."""
+    return redelivered or task.attempt > 0
 
 
 def _retrieved(call: asyncio.Future[Any]) -> None:
